@@ -1,0 +1,31 @@
+"""Every config composes into its dataclass; Hydra finds configs from the package, not the cwd."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxlab import config
+
+
+@pytest.mark.parametrize("name", sorted(config.SCHEMAS))
+def test_every_entry_config_composes(name):
+    cfg = config.compose(name)
+    assert isinstance(cfg, config.SCHEMAS[name])
+
+
+def test_every_yaml_is_an_entry_or_a_known_fragment():
+    names = {p.stem for p in config.config_dir().glob("*.yaml")}
+    assert names - set(config.SCHEMAS) == {"quiet"}
+
+
+def test_overrides_apply_and_validate():
+    cfg = config.compose("generate", ["max_tokens=5", "model=tiny-llama"])
+    assert (cfg.max_tokens, cfg.model) == (5, "tiny-llama")
+    with pytest.raises(config.UserError, match="temperature"):
+        config.compose("generate", ["temperature=-1"])
+
+
+def test_config_dir_is_absolute_and_independent_of_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert config.config_dir().is_absolute()
+    assert (config.config_dir() / "generate.yaml").is_file()
