@@ -7,9 +7,10 @@ experiment deltas. Library code takes the dataclasses, so tests and notebooks ca
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL = "gemma3-270m"
 
@@ -75,7 +76,134 @@ class ModelsConfig:
     """Reconvert even if the model is already in the cache."""
 
 
-SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig}
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class LoraConfig:
+    """Where and how LoRA adapters are attached."""
+
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
+    """Projections by short name (q k v o gate up down) or module path (self_attn.q_proj)."""
+    layers: Any = "all"
+    """"all", an int N (the last N layers), or a list of layer indices."""
+    rank: int = 8
+    """LoRA rank r."""
+    scale: float = 20.0
+    """Multiplier of the low-rank update (mlx-lm's `scale`, not alpha)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise UserError(f"lora.rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise UserError("lora.targets is empty; name at least one projection")
+        if isinstance(self.layers, str) and self.layers != "all":
+            raise UserError(f"lora.layers must be 'all', an int or a list, got {self.layers!r}")
+
+
+@dataclass
+class DataConfig:
+    """Training data: local JSONL in mlx-lm's formats (chat, completions, text)."""
+
+    train: str | None = None
+    """train.jsonl, or a directory holding train.jsonl (and valid.jsonl)."""
+    valid: str | None = None
+    """valid.jsonl; default: valid.jsonl beside the training file, if any."""
+    max_seq_length: int = 2048
+    """Longer examples are truncated (or rejected, see `on_too_long`)."""
+    on_too_long: str = "truncate"
+    """truncate (with a counted warning) | error."""
+    mask_prompt: bool = True
+    """Train on the response only (the prompt part gets no loss)."""
+
+    def __post_init__(self):
+        if self.on_too_long not in ("truncate", "error"):
+            raise UserError(f"data.on_too_long must be truncate or error, got {self.on_too_long!r}")
+        if self.max_seq_length < 2:
+            raise UserError(f"data.max_seq_length must be >= 2, got {self.max_seq_length}")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = "adamw"
+    """Any optimizer in mlx.optimizers by lower-case name: adamw, adam, sgd, adafactor, lion, ..."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (optimizers that take it)."""
+    warmup: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    schedule: str = "cosine"
+    """cosine (decays to min_lr over the remaining steps) | constant."""
+    min_lr: float = 0.0
+    """Floor of the cosine schedule."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; null turns it off."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise UserError(f"optim.lr must be > 0, got {self.lr}")
+        if self.schedule not in ("cosine", "constant"):
+            raise UserError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
+
+
+@dataclass
+class TrainConfig:
+    """`python -m mlxlab train`: LoRA SFT."""
+
+    name: str = "run"
+    """Run name: outputs go to outputs/<name>/<timestamp> unless out_dir is set."""
+    model: str = DEFAULT_MODEL
+    """Zoo name, mlx-lm model directory, or .gguf file."""
+    dtype: str = "auto"
+    """Compute dtype of the frozen base weights: auto (float32 on CPU, bfloat16 on GPU), ..."""
+    out_dir: str | None = None
+    """Run directory (adapter, checkpoints, metrics, config); resume reads it too."""
+    resume: bool = False
+    """Continue the run in out_dir from its last checkpoint."""
+    seed: int = 0
+    """Seeds LoRA init, data order and dropout."""
+    iters: int = 100
+    """Optimizer steps."""
+    batch_size: int = 4
+    """Examples per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    val_every: int = 25
+    """Validate every N steps (and at the end); 0 turns it off."""
+    val_batches: int = 0
+    """Validation batches per evaluation; 0 means the whole validation set."""
+    save_every: int = 50
+    """Checkpoint every N steps; 0 saves only the final adapter."""
+    keep_last: int = 2
+    """Checkpoints kept (older ones are deleted)."""
+    log_every: int = 5
+    """Progress line every N steps."""
+    wandb: str = "offline"
+    """wandb mode: offline | online | disabled."""
+    wandb_project: str = "mlxlab"
+    """wandb project name."""
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        for key in ("iters", "batch_size", "grad_accum", "keep_last", "log_every"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.wandb not in ("offline", "online", "disabled"):
+            raise UserError(f"wandb must be offline, online or disabled, got {self.wandb!r}")
+        if self.resume and not self.out_dir:
+            raise UserError("resume=true needs out_dir=<the run directory to continue>")
+
+
+SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig}
 
 
 def register_schemas() -> None:
@@ -88,12 +216,35 @@ def register_schemas() -> None:
 
 
 def to_dataclass(cfg, cls):
-    """Resolved OmegaConf node -> the typed dataclass (runs its __post_init__ checks)."""
+    """Resolved OmegaConf node -> the typed dataclass (runs every __post_init__ check)."""
     from omegaconf import OmegaConf
 
     data = OmegaConf.to_container(cfg, resolve=True)
     data = {k: v for k, v in data.items() if k != "hydra"}
-    return cls(**data)
+    return from_dict(cls, data)
+
+
+def from_dict(cls, data: dict):
+    """Build a (nested) config dataclass from plain data, rejecting unknown keys."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise UserError(f"unknown {cls.__name__} keys: {', '.join(sorted(unknown))}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = hints.get(key)
+        kwargs[key] = from_dict(sub, value) if dataclasses.is_dataclass(sub) and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
 
 
 def compose(name: str, overrides: list[str] | None = None):
@@ -107,12 +258,31 @@ def compose(name: str, overrides: list[str] | None = None):
     return to_dataclass(cfg, SCHEMAS[name])
 
 
+_NEEDS_QUOTES = set(" \t\n(),[]{}'\"\\")
+
+
+def quote_free_text(arg: str) -> str:
+    """`prompt=def f(n): ...` -> `prompt='def f(n): ...'` so Hydra's grammar takes it verbatim.
+
+    Values that already use Hydra syntax (quotes, lists, dicts, ${...}) are left alone.
+    """
+    key, sep, value = arg.partition("=")
+    if not sep or key.startswith("-") or not value or value[0] in "[{'\"" or "${" in value:
+        return arg
+    if not _NEEDS_QUOTES & set(value):
+        return arg
+    # Hydra unescapes backslashes only before a quote or at the end of the string.
+    body = value.replace("'", "\\'")
+    tail = len(body) - len(body.rstrip("\\"))
+    return key + "='" + body + "\\" * tail + "'"
+
+
 def run_hydra(name: str, argv: list[str], task) -> None:
     """Run `task(dataclass)` under Hydra's CLI (overrides, --cfg job, --help, multirun)."""
     import hydra
 
     register_schemas()
-    sys.argv = [f"mlxlab {name}", *argv]
+    sys.argv = [f"mlxlab {name}", *(quote_free_text(a) for a in argv)]
 
     @hydra.main(config_path=str(config_dir()), config_name=name, version_base=None)
     def _main(cfg):

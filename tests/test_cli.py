@@ -76,7 +76,7 @@ def test_unwritable_cache_dir_is_a_clean_error(tmp_path):
     blocker.write_text("")
     r = run_cli("models", "pull", "tiny-qwen3", env={"MLXLAB_HOME": str(blocker)})
     assert r.returncode == 1
-    assert "cannot create cache dir" in r.stderr and "Traceback" not in r.stderr
+    assert "cache dir: cannot create directory" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_gguf_path_works_wherever_a_model_is_named(env, session_home, tmp_path):
@@ -109,3 +109,12 @@ def test_models_info_reports_the_live_blas(env):
     assert report["live"] == report["mlxlab_loaded"]
     assert report["mlxlab_loaded"] in report["mapped_blas_libraries"]
     assert report["default_dtype"] == "mlx.core.float32"
+
+
+@pytest.mark.parametrize("text", ["def fibonacci(n):", "it's a \\ test, [ok] {x}", "end\\", "a=b c"])
+def test_free_text_values_need_no_hydra_quoting(env, text):
+    r = run_cli("generate", "model=tiny-llama", f"prompt={text}", "--cfg", "job", env=env)
+    assert r.returncode == 0, r.stderr
+    import yaml
+
+    assert yaml.safe_load(r.stdout)["prompt"] == text

@@ -11,9 +11,6 @@ llama.cpp's conventions undone here:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxlab.config import UserError
+from mlxlab.fsutil import atomic_dir
 from mlxlab.models import tokenizers as tok_lib
 
 CONVERTER_VERSION = 1
@@ -217,17 +215,8 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
     if mx_dtype is None:
         raise UserError(f"unknown dtype {dtype!r} for conversion; choose bfloat16, float16, float32")
 
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.parent.glob(f".tmp-{out_dir.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".tmp-{out_dir.name}-"))
-        tmp.chmod(0o755)
-    except OSError as e:
-        raise UserError(f"cannot write to {out_dir.parent}: {e.strerror or e}") from e
-    try:
+    def write(tmp: Path) -> None:
         arrays = {k: mx.array(v).astype(mx_dtype) for k, v in weights.items()}
-        del weights
         mx.save_safetensors(str(tmp / "model.safetensors"), arrays, metadata={"format": "mlx"})
         del arrays
         _write_json(tmp / "config.json", config)
@@ -242,18 +231,11 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         })
         if verify:
             verify_model_dir(tmp)
-        if out_dir.exists():  # force: swap the old one out only once the new one is good
-            old = out_dir.with_name(f".tmp-{out_dir.name}-old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    try:
+        return atomic_dir(out_dir, write)
+    except UserError as e:
+        raise UserError(f"cannot write {out_dir}: {e}") from e
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxlab.config import UserError
+from mlxlab.fsutil import atomic_dir, writable_dir
 from mlxlab.runtime import home
 
 
@@ -45,7 +46,7 @@ def _tiny_builder(family: str) -> Callable[[Path], Path]:
     def build(out: Path) -> Path:
         from mlxlab.models import tiny
 
-        return _atomic_dir(out, lambda tmp: tiny.save(tmp, family))
+        return atomic_dir(out, lambda tmp: tiny.save(tmp, family))
 
     return build
 
@@ -69,33 +70,9 @@ def models_dir() -> Path:
 
 def _writable(path: Path) -> Path:
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create cache dir {path}: {e.strerror or e} (set MLXLAB_HOME)") from e
-    probe = path / ".mlxlab-write-test"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"cache dir {path} is not writable: {e.strerror or e} (set MLXLAB_HOME)") from e
-    return path
-
-
-def _atomic_dir(out: Path, write: Callable[[Path], object]) -> Path:
-    """Run `write(tmp)` into a sibling temp dir, then rename it to `out` (never half-written)."""
-    import os
-    import tempfile
-
-    parent = _writable(out.parent)
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-"))
-    tmp.chmod(0o755)
-    try:
-        write(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        return writable_dir(path)
+    except UserError as e:
+        raise UserError(f"cache dir: {e} (set MLXLAB_HOME)") from e
 
 
 def is_complete(path: Path) -> bool:

@@ -1,0 +1,70 @@
+"""Writes that never leave a half-written file or directory where a good one was."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from mlxlab.config import UserError
+
+
+def writable_dir(path: Path) -> Path:
+    """Create `path` if needed and check it can be written; a UserError says why not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create directory {path}: {e.strerror or e}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"directory {path} is not writable")
+    return path
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def atomic_dir(out: Path, write: Callable[[Path], object]) -> Path:
+    """Build a directory with `write(tmp)` in a temp sibling, then move it into place.
+
+    An existing `out` is swapped out only after the new one is complete; stale temp siblings
+    from an interrupted earlier run are removed first.
+    """
+    out = Path(out).absolute()
+    parent = writable_dir(out.parent)
+    for stale in parent.glob(f".tmp-{out.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-"))
+    tmp.chmod(0o755)
+    try:
+        write(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-old-"))
+            os.replace(out, old / "x")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
