@@ -25,7 +25,8 @@ def writable_dir(path: Path) -> Path:
 def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     """`write(tmp)` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    # The temp name keeps the real name as its end, so writers that add extensions leave it be.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=f"-{path.name}")
     os.close(fd)
     try:
         write(Path(tmp))

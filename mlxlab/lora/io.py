@@ -1,0 +1,163 @@
+"""Adapters on disk in mlx-lm's layout, read and written both ways.
+
+    <dir>/adapters.safetensors   LoRA tensors by full parameter name (`...q_proj.lora_a`)
+    <dir>/adapter_config.json    mlx-lm's fields: fine_tune_type, num_layers, lora_parameters
+    <dir>/mlxlab_adapter.json    ours, optional: the exact layer list and the base model
+
+mlx-lm adapts the last `num_layers` layers. An mlxlab adapter on a layer list writes
+`num_layers` down to its first layer and stores tensors for the listed layers only; mlx-lm then
+gives the unlisted layers a zero update (its B starts at zero), so its logits match ours.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxlab.config import UserError
+from mlxlab.fsutil import atomic_dir, atomic_write, atomic_write_text
+from mlxlab.lora import apply as lora_apply
+
+WEIGHTS = "adapters.safetensors"
+CONFIG = "adapter_config.json"
+META = "mlxlab_adapter.json"
+
+
+def adapter_config(plan: lora_apply.LoraPlan, num_model_layers: int) -> dict:
+    return {
+        "fine_tune_type": "lora",
+        "num_layers": num_model_layers - min(plan.layers),
+        "lora_parameters": {"rank": plan.rank, "scale": plan.scale, "dropout": plan.dropout,
+                            "keys": list(plan.keys)},
+    }
+
+
+def save(model, plan: lora_apply.LoraPlan, out_dir: str | Path, meta: dict | None = None) -> Path:
+    """Write the adapter so that a crash never leaves a truncated one where a good one was.
+
+    A new directory appears whole (temp sibling + rename); in an existing one each file is
+    replaced atomically, weights first (the config of one run does not change between saves).
+    """
+    out_dir = Path(out_dir)
+    weights = lora_apply.adapter_parameters(model)
+    config = json.dumps(adapter_config(plan, len(model.layers)), indent=2) + "\n"
+    meta_text = json.dumps({"layers": list(plan.layers), **(meta or {})}, indent=2) + "\n"
+
+    def write_weights(path: Path) -> None:
+        mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+    if not out_dir.exists():
+        def write_all(tmp: Path) -> None:
+            write_weights(tmp / WEIGHTS)
+            (tmp / CONFIG).write_text(config)
+            (tmp / META).write_text(meta_text)
+
+        return atomic_dir(out_dir, write_all)
+    atomic_write(out_dir / WEIGHTS, write_weights)
+    atomic_write_text(out_dir / CONFIG, config)
+    atomic_write_text(out_dir / META, meta_text)
+    return out_dir
+
+
+def _read_json(path: Path, problems: list[str]) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        problems.append(f"missing {path.name}")
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{path.name} is not readable JSON ({e})")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{path.name} must hold a JSON object")
+        return None
+    return data
+
+
+def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, mx.array]]:
+    """Read and check an adapter against `model` without touching the model.
+
+    Every problem (missing files, bad JSON, unknown or missing tensors, wrong shapes) is
+    collected and raised as one UserError.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"adapter path {path} is not a directory")
+    problems: list[str] = []
+    config = _read_json(path / CONFIG, problems)
+    meta = _read_json(path / META, []) if (path / META).exists() else {}
+    weights: dict[str, mx.array] = {}
+    if not (path / WEIGHTS).is_file():
+        problems.append(f"missing {WEIGHTS}")
+    else:
+        try:
+            weights = mx.load(str(path / WEIGHTS))
+        except Exception as e:  # mlx raises RuntimeError/ValueError on bad files
+            problems.append(f"{WEIGHTS} is not a readable safetensors file ({e})")
+    if config is None:
+        raise UserError(f"adapter {path}: " + "; ".join(problems))
+    kind = config.get("fine_tune_type", "lora")
+    params = config.get("lora_parameters") or {}
+    if kind != "lora":
+        problems.append(f"fine_tune_type {kind!r} is not supported (only lora)")
+    for key in ("rank", "scale"):
+        if key not in params:
+            problems.append(f"lora_parameters.{key} missing from {CONFIG}")
+    n = len(model.layers)
+    num_layers = config.get("num_layers", n)
+    if not isinstance(num_layers, int) or num_layers < 0:
+        problems.append(f"num_layers must be a non-negative int, got {num_layers!r}")
+        num_layers = 0
+    elif num_layers > n:
+        problems.append(f"num_layers={num_layers} but the model has {n} layers (wrong base model?)")
+    if problems:
+        raise UserError(f"adapter {path}: " + "; ".join(problems))
+
+    layers = tuple(meta.get("layers") or range(n - min(num_layers, n), n))
+    keys = params.get("keys")
+    if keys is None:  # mlx-lm's default: every linear in the adapted layers
+        keys = sorted({k for i in layers for k in lora_apply._layer_keys(model.layers[i])})
+    plan = lora_apply.LoraPlan(layers=tuple(layers), keys=tuple(keys), rank=int(params["rank"]),
+                               scale=float(params["scale"]), dropout=float(params.get("dropout", 0.0)))
+    expected = _expected_shapes(model, plan, problems)
+    for name, w in weights.items():
+        if name not in expected:
+            problems.append(f"{name}: not an adapter parameter of this model")
+        elif tuple(w.shape) != expected[name]:
+            problems.append(f"{name}: shape {tuple(w.shape)}, model expects {expected[name]}")
+    if problems:
+        raise UserError(f"adapter {path} does not fit the model:\n  " + "\n  ".join(problems))
+    return plan, weights
+
+
+def _expected_shapes(model, plan: lora_apply.LoraPlan, problems: list[str]) -> dict[str, tuple]:
+    prefix = lora_apply._layers_prefix(model)
+    shapes = {}
+    for i in plan.layers:
+        if not 0 <= i < len(model.layers):
+            problems.append(f"layer {i} does not exist (the model has {len(model.layers)})")
+            continue
+        present = dict(model.layers[i].named_modules())
+        for key in plan.keys:
+            module = present.get(key)
+            if module is None:
+                continue
+            base = getattr(module, "linear", module)
+            out_dims, in_dims = base.weight.shape
+            if isinstance(base, nn.QuantizedLinear):
+                in_dims = in_dims * 32 // base.bits
+            shapes[f"{prefix}.{i}.{key}.lora_a"] = (in_dims, plan.rank)
+            shapes[f"{prefix}.{i}.{key}.lora_b"] = (plan.rank, out_dims)
+    return shapes
+
+
+def load(model, path: str | Path) -> lora_apply.LoraPlan:
+    """Check, then attach the adapter at `path` to `model` (mlxlab's or mlx-lm's)."""
+    plan, weights = read_plan(path, model)
+    lora_apply.apply(model, plan)
+    model.load_weights(list(weights.items()), strict=False)
+    mx.eval(model.parameters())
+    return plan
