@@ -15,6 +15,7 @@ import mlxlab  # noqa: F401  (loads the optimized BLAS before anything imports M
 COMMANDS = {
     "generate": ("mlxlab.generate", "stream text from a model (prompt=..., chat=true, max_tokens=...)"),
     "models": ("mlxlab.models.cli", "the model zoo: list | pull NAME | convert FILE.gguf | info"),
+    "train": ("mlxlab.train.cli", "LoRA fine-tuning (+exp=quickstart, data.train=..., resume=true)"),
 }
 
 USAGE = "usage: python -m mlxlab <command> [key=value ...] [--cfg job] [--help]\n\ncommands:\n" + "".join(

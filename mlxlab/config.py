@@ -206,9 +206,21 @@ class TrainConfig:
 SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig}
 
 
+def packaged_data(name: str) -> str:
+    """Absolute path of a dataset shipped in mlxlab/data/<name> (`${mlxlab_data:name}` in YAML)."""
+    path = Path(str(resources.files("mlxlab.data"))) / name
+    if not path.exists():
+        raise UserError(f"no bundled dataset {name!r} in {path.parent}")
+    return str(path.resolve())
+
+
 def register_schemas() -> None:
     """Put the dataclasses in Hydra's ConfigStore, for `defaults: [<name>_schema, _self_]`."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mlxlab_data"):
+        OmegaConf.register_new_resolver("mlxlab_data", packaged_data)
 
     cs = ConfigStore.instance()
     for name, cls in SCHEMAS.items():

@@ -29,3 +29,21 @@ def test_config_dir_is_absolute_and_independent_of_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert config.config_dir().is_absolute()
     assert (config.config_dir() / "generate.yaml").is_file()
+
+
+@pytest.mark.parametrize("exp", sorted(p.stem for p in (config.config_dir() / "exp").glob("*.yaml")))
+def test_every_experiment_composes(exp):
+    cfg = config.compose("train", [f"+exp={exp}"])
+    assert cfg.name == exp
+    text = (config.config_dir() / "exp" / f"{exp}.yaml").read_text()
+    assert text.startswith("# @package _global_")
+    assert f"python -m mlxlab train +exp={exp}" in text  # the run command is in the header
+
+
+def test_quickstart_points_at_the_bundled_data():
+    from pathlib import Path
+
+    cfg = config.compose("train", ["+exp=quickstart"])
+    assert (Path(cfg.data.train) / "train.jsonl").is_file()
+    with pytest.raises(config.UserError, match="unknown TrainConfig keys: bogus"):
+        config.from_dict(config.TrainConfig, {"bogus": 1})

@@ -94,6 +94,7 @@ def apply(model, lora_plan: LoraPlan, seed: int | None = None) -> list[str]:
     """
     if seed is not None:
         mx.random.seed(seed)
+    training = model.training  # new modules start in training mode; keep the model's mode
     model.freeze()
     prefix = _layers_prefix(model)
     for i in lora_plan.layers:
@@ -111,6 +112,7 @@ def apply(model, lora_plan: LoraPlan, seed: int | None = None) -> list[str]:
                                                      scale=lora_plan.scale)))
         if updates:
             layer.update_modules(tree_unflatten(updates))
+    model.train(training)
     mx.eval(model.trainable_parameters())
     return lora_plan.module_paths(model)
 

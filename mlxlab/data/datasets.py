@@ -1,0 +1,204 @@
+"""Training data: local JSONL (or a saved `datasets` directory) in mlx-lm's three formats.
+
+    {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}   chat
+    {"prompt": "...", "completion": "..."}                                completions
+    {"text": "..."}                                                       text
+
+Each example becomes token ids and an `offset`: tokens before it are prompt and get no loss
+when `mask_prompt` is on. Templates are applied exactly as mlx-lm's ChatDataset and
+CompletionsDataset do, so the two train on the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxlab.config import DataConfig, UserError
+
+FORMATS = ("chat", "completions", "text")
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    offset: int  # first token that is trained on (0: all but the first)
+
+
+@dataclass
+class TokenizedSet:
+    examples: list[Example]
+    source: str
+    num_truncated: int = 0
+
+
+def _format_of(record) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return "chat"
+    if "prompt" in record and "completion" in record:
+        return "completions"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def _check_record(record, fmt: str) -> str | None:
+    """Why `record` is malformed for `fmt`, or None."""
+    if fmt == "chat":
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            return "'messages' must be a non-empty list"
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m:
+                return f"messages[{i}] must be an object with a 'role'"
+            if m.get("content") is None and not m.get("tool_calls"):
+                return f"messages[{i}] has no 'content'"
+        if "tools" in record and record["tools"] is not None and not isinstance(record["tools"], list):
+            return "'tools' must be a list"
+    elif fmt == "completions":
+        if not isinstance(record["prompt"], str) or not isinstance(record["completion"], str):
+            return "'prompt' and 'completion' must be strings"
+    elif not isinstance(record["text"], str) or not record["text"]:
+        return "'text' must be a non-empty string"
+    return None
+
+
+def validate_jsonl(path: Path) -> str:
+    """Check every line; return the file's format. Errors name `file:line` (up to 10 of them)."""
+    errors: list[str] = []
+    formats: set[str] = set()
+    count = 0
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+    with handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            count += 1
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
+                continue
+            fmt = _format_of(record)
+            if fmt is None:
+                errors.append(f"{path}:{lineno}: expected an object with 'messages', "
+                              "'prompt'+'completion', or 'text'")
+                continue
+            formats.add(fmt)
+            problem = _check_record(record, fmt)
+            if problem:
+                errors.append(f"{path}:{lineno}: {problem}")
+    if len(formats) > 1:
+        errors.append(f"{path}: mixes formats {sorted(formats)}; use one per file")
+    if not count and not errors:
+        errors.append(f"{path}: no examples")
+    if errors:
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise UserError("bad training data:\n  " + "\n  ".join(errors[:10]) + more)
+    return formats.pop()
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Records of a .jsonl file (validated line by line) or a `datasets.save_to_disk` dir."""
+    import datasets
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only, never the hub
+    datasets.disable_progress_bars()
+    path = Path(path)
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(f"{path} is not a saved datasets directory ({e})") from e
+        if isinstance(ds, datasets.DatasetDict):
+            raise UserError(f"{path} holds splits {list(ds)}; point at one split's directory")
+        records = list(ds)
+        bad = next((i for i, r in enumerate(records) if _format_of(r) is None), None)
+        if bad is not None:
+            raise UserError(f"{path}: row {bad} has none of 'messages', 'prompt'+'completion', 'text'")
+        return records
+    if not path.is_file():
+        raise UserError(f"no such data file: {path}")
+    validate_jsonl(path)
+    try:
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as e:  # arrow schema conflicts across lines, etc.
+        raise UserError(f"{path}: datasets could not load it ({type(e).__name__}: {e})") from e
+    # Arrow fills keys missing from some rows with None; drop those again.
+    return [{k: v for k, v in r.items() if v is not None} for r in ds]
+
+
+def tokenize(record: dict, tokenizer, mask_prompt: bool) -> Example:
+    """Token ids and loss offset, as mlx-lm's dataset classes compute them."""
+    fmt = _format_of(record)
+    if fmt == "text":
+        ids = list(tokenizer.encode(record["text"]))
+        if ids[-1] != tokenizer.eos_token_id:
+            ids.append(tokenizer.eos_token_id)
+        return Example(ids, 0)
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{fmt} data needs a tokenizer with a chat template")
+    if fmt == "chat":
+        messages = record["messages"]
+    else:
+        messages = [{"role": "user", "content": record["prompt"]},
+                    {"role": "assistant", "content": record["completion"]}]
+    tools = record.get("tools")
+    ids = list(tokenizer.apply_chat_template(messages, tools=tools, return_dict=False))
+    offset = 0
+    if mask_prompt:
+        add_gen = messages[-1].get("role") == "assistant"
+        offset = len(tokenizer.apply_chat_template(messages[:-1], tools=tools,
+                                                   add_generation_prompt=add_gen, return_dict=False))
+    return Example(ids, offset)
+
+
+def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
+    """Read, tokenize and length-check one split."""
+    examples, truncated, dropped, too_long = [], 0, 0, []
+    for i, record in enumerate(read_records(path)):
+        ex = tokenize(record, tokenizer, cfg.mask_prompt)
+        if len(ex.ids) > cfg.max_seq_length:
+            if cfg.on_too_long == "error":
+                too_long.append(f"example {i + 1} has {len(ex.ids)} tokens")
+                continue
+            ex.ids = ex.ids[: cfg.max_seq_length]
+            truncated += 1
+        if ex.offset >= len(ex.ids):
+            dropped += 1  # all prompt (or the response was cut away): nothing to learn from
+            continue
+        examples.append(ex)
+    if too_long:
+        raise UserError(f"{path}: {len(too_long)} examples exceed max_seq_length="
+                        f"{cfg.max_seq_length} (data.on_too_long=error): " + "; ".join(too_long[:5]))
+    if truncated:
+        print(f"warning: {truncated} of {len(examples)} examples in {path} were truncated to "
+              f"max_seq_length={cfg.max_seq_length}", file=sys.stderr)
+    if dropped:
+        print(f"warning: {dropped} examples in {path} have no response tokens within "
+              f"max_seq_length={cfg.max_seq_length} and were skipped", file=sys.stderr)
+    if not examples:
+        raise UserError(f"{path}: no example has a response token left to train on")
+    return TokenizedSet(examples, str(path), truncated)
+
+
+def resolve_paths(cfg: DataConfig) -> tuple[Path, Path | None]:
+    """(train, valid) from `data.train` (a file, or a directory with train.jsonl/valid.jsonl)."""
+    if not cfg.train:
+        raise UserError("data.train is not set (a .jsonl file or a directory with train.jsonl)")
+    train = Path(cfg.train).expanduser()
+    valid = Path(cfg.valid).expanduser() if cfg.valid else None
+    if train.is_dir() and (train / "train.jsonl").is_file():
+        valid = valid or (train / "valid.jsonl" if (train / "valid.jsonl").is_file() else None)
+        train = train / "train.jsonl"
+    elif valid is None and train.suffix == ".jsonl" and (train.parent / "valid.jsonl").is_file():
+        valid = train.parent / "valid.jsonl"
+    return train, valid

@@ -1,0 +1,268 @@
+"""The LoRA training loop: optimizer, schedule, accumulation, clipping, validation, checkpoints.
+
+The gradient computation is injected (`grad_fn(model, batch) -> (loss, ntoks, grads)`), so the
+full backward, per-layer checkpointing or a segmented backward plug in without touching the
+loop. Checkpoints hold everything a resumed run needs to continue exactly where a killed one
+stopped: LoRA weights, optimizer state (with its step, hence the LR position) and the sampler's
+position. The RNG (dropout) is re-seeded from (seed, step) before every step, so it needs no
+saving: a resumed step draws the same numbers as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from mlxlab.config import OptimConfig, TrainConfig, UserError
+from mlxlab.data.batches import Batch, BatchSampler
+from mlxlab.fsutil import atomic_dir, atomic_write_text
+from mlxlab.lora import io as lora_io
+from mlxlab.lora.apply import LoraPlan
+from mlxlab.train.losses import response_ce
+
+GradFn = Callable[[nn.Module, Batch], tuple[mx.array, mx.array, dict]]
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN/Inf; the last good adapter is left as it was."""
+
+
+def full_backward(loss_fn=response_ce) -> GradFn:
+    """The plain backward: one `value_and_grad` over the whole model."""
+
+    def grad_fn(model, batch: Batch):
+        (loss, ntoks), grads = nn.value_and_grad(model, loss_fn)(model, *batch.arrays())
+        return loss, ntoks, grads
+
+    return grad_fn
+
+
+def make_optimizer(cfg: OptimConfig, iters: int) -> optim.Optimizer:
+    classes = {name.lower(): cls for name, cls in vars(optim).items()
+               if isinstance(cls, type) and issubclass(cls, optim.Optimizer)
+               and cls not in (optim.Optimizer, optim.MultiOptimizer)}
+    if cfg.name.lower() not in classes:
+        raise UserError(f"unknown optimizer {cfg.name!r}; choose one of {', '.join(sorted(classes))}")
+    cls = classes[cfg.name.lower()]
+    lr: Callable | float = cfg.lr
+    if cfg.schedule == "cosine":
+        decay = optim.cosine_decay(cfg.lr, max(iters - cfg.warmup, 1), cfg.min_lr)
+        lr = decay if not cfg.warmup else optim.join_schedules(
+            [optim.linear_schedule(0.0, cfg.lr, cfg.warmup), decay], [cfg.warmup])
+    elif cfg.warmup:
+        lr = optim.join_schedules(
+            [optim.linear_schedule(0.0, cfg.lr, cfg.warmup), lambda _: cfg.lr], [cfg.warmup])
+    import inspect
+
+    kwargs = {"learning_rate": lr}
+    if "weight_decay" in inspect.signature(cls.__init__).parameters:
+        kwargs["weight_decay"] = cfg.weight_decay
+    elif cfg.weight_decay:
+        raise UserError(f"optimizer {cfg.name} takes no weight_decay")
+    return cls(**kwargs)
+
+
+def train_step(model, optimizer, grad_fn: GradFn, batches: list[Batch], grad_clip: float | None,
+               step: int) -> tuple[float, float]:
+    """One optimizer step over `batches` (gradient accumulation); returns (loss, grad norm).
+
+    Micro-batch gradients are weighted by their token counts, so the step equals one over
+    the concatenated batch. A non-finite loss or gradient raises before any update.
+    """
+    total = sum(b.ntoks for b in batches)
+    loss_sum, acc = mx.array(0.0), None
+    for b in batches:
+        loss, _, grads = grad_fn(model, b)
+        w = b.ntoks / total
+        grads = tree_map(lambda g, w=w: g * w, grads)
+        acc = grads if acc is None else tree_map(mx.add, acc, grads)
+        loss_sum = loss_sum + loss * w
+        mx.eval(loss_sum, acc)
+    if grad_clip:
+        acc, norm = optim.clip_grad_norm(acc, grad_clip)
+    else:
+        norm = mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for _, g in tree_flatten(acc)))
+    loss_value, norm_value = loss_sum.item(), norm.item()
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        raise TrainingDiverged(f"loss became {loss_value} (grad norm {norm_value}) at step {step}; "
+                               "stopped before updating; the last saved adapter is unchanged")
+    optimizer.update(model, acc)
+    mx.eval(model.parameters(), optimizer.state)
+    return loss_value, norm_value
+
+
+def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce) -> float:
+    """Token-weighted mean loss over the validation batches (dropout off)."""
+    model.eval()
+    total, weighted = 0, 0.0
+    for b in sampler.one_pass(limit):
+        loss, ntoks = loss_fn(model, *b.arrays())
+        weighted += loss.item() * b.ntoks
+        total += b.ntoks
+    model.train()
+    return weighted / max(total, 1)
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+CKPT_DIR = "checkpoints"
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / CKPT_DIR
+    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def save_checkpoint(run_dir: Path, step: int, model, plan: LoraPlan, optimizer, sampler,
+                    meta: dict, keep_last: int) -> Path:
+    out = run_dir / CKPT_DIR / f"step_{step:07d}"
+
+    def write(tmp: Path) -> None:
+        lora_io.save(model, plan, tmp, meta=meta)
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "sampler": sampler.state()}))
+
+    atomic_dir(out, write)
+    for old in checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def restore_checkpoint(ckpt: Path, model, optimizer, sampler) -> int:
+    """Load a checkpoint into a model that already carries the run's LoRA layers."""
+    weights = mx.load(str(ckpt / lora_io.WEIGHTS))
+    model.load_weights(list(weights.items()), strict=False)
+    state = mx.load(str(ckpt / "optimizer.safetensors"))
+    optimizer.state = tree_unflatten(list(state.items()))
+    info = json.loads((ckpt / "trainer_state.json").read_text())
+    sampler.restore(info["sampler"])
+    mx.eval(model.parameters(), optimizer.state)
+    return int(info["step"])
+
+
+# --- logging ----------------------------------------------------------------------------------
+
+@dataclass
+class RunLog:
+    """Console progress, metrics.jsonl in the run dir, and wandb (offline by default)."""
+
+    run_dir: Path
+    iters: int
+    wandb_mode: str = "disabled"
+    wandb_project: str = "mlxlab"
+    config: dict = field(default_factory=dict)
+    _wandb: object = None
+    _bar: object = None
+
+    def __post_init__(self):
+        if self.wandb_mode != "disabled":
+            import os
+
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(mode=self.wandb_mode, project=self.wandb_project,
+                                     dir=str(self.run_dir), config=self.config,
+                                     name=self.run_dir.name, reinit="finish_previous")
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.iters, unit="step", dynamic_ncols=True)
+
+    def metrics(self, record: dict, show: bool) -> None:
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        text = " | ".join(_fmt(k, v) for k, v in record.items() if k != "step")
+        if self._bar is not None:
+            self._bar.n = record["step"]
+            self._bar.set_postfix_str(text, refresh=True)
+            if "val_loss" in record:
+                self._bar.write(f"step {record['step']}: {text}")
+        elif show:
+            print(f"step {record['step']:>5}/{self.iters} | {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _fmt(key: str, value) -> str:
+    if isinstance(value, float):
+        if key == "lr":
+            return f"lr {value:.2e}"
+        return f"{key} {value:.4f}" if "loss" in key else f"{key} {value:.1f}"
+    return f"{key} {value}"
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: BatchSampler | None,
+          cfg: TrainConfig, run_dir: Path, grad_fn: GradFn | None = None,
+          log: RunLog | None = None, meta: dict | None = None) -> dict:
+    """Train `model`'s LoRA parameters for cfg.iters steps; return a summary.
+
+    Resumes from the newest checkpoint in `run_dir` when cfg.resume is set.
+    """
+    grad_fn = grad_fn or full_backward()
+    optimizer = make_optimizer(cfg.optim, cfg.iters)
+    optimizer.init(model.trainable_parameters())
+    start = 0
+    if cfg.resume:
+        found = checkpoints(run_dir)
+        if not found:
+            raise UserError(f"resume=true but {run_dir} has no checkpoints")
+        start = restore_checkpoint(found[-1], model, optimizer, train_sampler)
+        print(f"resumed from {found[-1]} (step {start})", file=sys.stderr)
+    log = log or RunLog(run_dir, cfg.iters)
+    model.train()
+    mx.reset_peak_memory()
+    summary = {"start_step": start, "val_loss": None}
+    t0, tokens, since = time.perf_counter(), 0, time.perf_counter()
+    try:
+        if valid_sampler is not None and start == 0 and cfg.val_every:
+            val = evaluate(model, valid_sampler, cfg.val_batches)
+            log.metrics({"step": 0, "val_loss": val}, show=True)
+            summary["initial_val_loss"] = val
+        for step in range(start + 1, cfg.iters + 1):
+            batches = [train_sampler.next() for _ in range(cfg.grad_accum)]
+            mx.random.seed(cfg.seed * 1_000_003 + step)  # dropout stream of this step
+            loss, norm = train_step(model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step)
+            lr = optimizer.learning_rate.item()  # the rate this step used
+            tokens += sum(int(b.inputs.shape[0] * b.inputs.shape[1]) for b in batches)
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm}
+            if step % cfg.log_every == 0 or step == cfg.iters:
+                now = time.perf_counter()
+                record["tok_per_s"] = tokens / (now - since)
+                record["peak_mem_gb"] = mx.get_peak_memory() / 1e9
+                tokens, since = 0, now
+            if valid_sampler is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.iters):
+                record["val_loss"] = summary["val_loss"] = evaluate(model, valid_sampler, cfg.val_batches)
+            log.metrics(record, show="tok_per_s" in record or "val_loss" in record)
+            summary["loss"] = loss
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
+                save_checkpoint(run_dir, step, model, plan, optimizer, train_sampler, meta or {},
+                                cfg.keep_last)
+    finally:
+        log.close()
+    summary.update(steps=cfg.iters, seconds=time.perf_counter() - t0,
+                   peak_mem_gb=mx.get_peak_memory() / 1e9)
+    return summary
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,120 @@
+"""Data: the three JSONL formats, prompt masking as mlx-lm does it, errors with file:line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import mlxlab  # noqa: F401
+from mlxlab.config import DataConfig, UserError
+from mlxlab.data import batches as B
+from mlxlab.data import datasets as D
+
+CHAT = {"messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "What is 2+2?"},
+                     {"role": "assistant", "content": "Four."}]}
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(tiny_dir("gemma3"))
+
+
+def test_chat_and_completions_match_mlx_lm(tokenizer):
+    from mlx_lm.tuner.datasets import ChatDataset, CompletionsDataset
+
+    ours = D.tokenize(CHAT, tokenizer, mask_prompt=True)
+    theirs = ChatDataset([CHAT], tokenizer, mask_prompt=True).process(CHAT)
+    assert (ours.ids, ours.offset) == (list(theirs[0]), theirs[1])
+    comp = {"prompt": "What is 2+2?", "completion": "Four."}
+    ours = D.tokenize(comp, tokenizer, mask_prompt=True)
+    theirs = CompletionsDataset([comp], tokenizer, "prompt", "completion", True).process(comp)
+    assert (ours.ids, ours.offset) == (list(theirs[0]), theirs[1])
+    assert tokenizer.decode(ours.ids[ours.offset:]) == "Four.<end_of_turn>\n"
+    assert D.tokenize(comp, tokenizer, mask_prompt=False).offset == 0
+
+
+def test_text_gets_eos(tokenizer):
+    ex = D.tokenize({"text": "Hello there"}, tokenizer, mask_prompt=True)
+    assert ex.ids[-1] == tokenizer.eos_token_id and ex.offset == 0
+
+
+def test_bad_lines_are_reported_with_file_and_line(tmp_path):
+    path = _write(tmp_path / "train.jsonl", [
+        CHAT, "{not json", {"foo": 1}, {"messages": []}, {"messages": [{"content": "x"}]},
+        {"prompt": 3, "completion": "x"},
+    ])
+    with pytest.raises(UserError) as err:
+        D.read_records(path)
+    msg = str(err.value)
+    for line, text in [(2, "invalid JSON"), (3, "expected an object"), (4, "non-empty list"),
+                       (5, "messages[0] must be an object with a 'role'"), (6, "must be strings")]:
+        row = next(x for x in msg.splitlines() if f"train.jsonl:{line}:" in x)
+        assert text in row
+    assert "mixes formats" in msg
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(UserError, match="no such data file"):
+        D.read_records(tmp_path / "nope.jsonl")
+    with pytest.raises(UserError, match="no examples"):
+        D.read_records(_write(tmp_path / "empty.jsonl", []))
+
+
+def test_datasets_directory_is_accepted(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list([{"text": "one"}, {"text": "two"}]).save_to_disk(str(tmp_path / "ds"))
+    assert [r["text"] for r in D.read_records(tmp_path / "ds")] == ["one", "two"]
+
+
+def test_truncation_is_counted_or_rejected(tmp_path, tokenizer, capsys):
+    long = {"prompt": "x", "completion": "word " * 200}
+    path = _write(tmp_path / "t.jsonl", [long, long, {"prompt": "q", "completion": "a"}])
+    split = D.load_split(path, tokenizer, DataConfig(max_seq_length=64))
+    assert split.num_truncated == 2 and all(len(e.ids) <= 64 for e in split.examples)
+    assert "2 of 3 examples" in capsys.readouterr().err
+    with pytest.raises(UserError, match="2 examples exceed max_seq_length=64"):
+        D.load_split(path, tokenizer, DataConfig(max_seq_length=64, on_too_long="error"))
+
+
+def test_resolve_paths(tmp_path):
+    _write(tmp_path / "train.jsonl", [CHAT])
+    _write(tmp_path / "valid.jsonl", [CHAT])
+    assert D.resolve_paths(DataConfig(train=str(tmp_path))) == (tmp_path / "train.jsonl", tmp_path / "valid.jsonl")
+    with pytest.raises(UserError, match="data.train is not set"):
+        D.resolve_paths(DataConfig())
+
+
+def test_collate_positions_cover_exactly_the_response():
+    a = D.Example(ids=[2, 10, 11, 12, 13], offset=3)  # trains tokens 12, 13
+    b = D.Example(ids=[2, 20, 21], offset=0)  # trains 20, 21 (never the first token)
+    batch = B.collate([a, b])
+    assert batch.ntoks == 4 and batch.inputs.shape == (2, 32)
+    targets, mask = B.dense_targets(batch)
+    t, m = np.array(targets), np.array(mask)
+    assert list(t[0][m[0] == 1]) == [12, 13] and list(t[1][m[1] == 1]) == [20, 21]
+    assert float(np.array(batch.weights).sum()) == 4 and batch.positions.shape == (32,)
+
+
+def test_sampler_resumes_mid_epoch():
+    exs = [D.Example(ids=list(range(2, 5 + i % 7)), offset=0) for i in range(20)]
+    s = B.BatchSampler(exs, 3, seed=1)
+    seq = [np.array(s.next().inputs) for _ in range(10)]  # crosses an epoch (6 batches each)
+    s2 = B.BatchSampler(exs, 3, seed=1)
+    for _ in range(4):
+        s2.next()
+    s3 = B.BatchSampler(exs, 3, seed=1)
+    s3.restore(s2.state())
+    assert all(np.array_equal(seq[i], np.array(s3.next().inputs)) for i in range(4, 10))
+    with pytest.raises(UserError, match="fewer than batch_size"):
+        B.BatchSampler(exs[:2], 3, seed=0)

@@ -1,0 +1,200 @@
+"""Training: response-only loss = masked full loss, determinism, NaN guard, kill-and-resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlxlab  # noqa: F401
+from mlxlab.config import DataConfig, LoraConfig, OptimConfig, TrainConfig, UserError
+from mlxlab.data import batches as B
+from mlxlab.data import datasets as D
+from mlxlab.models import tiny
+from mlxlab.train import losses
+from tests.conftest import REPO
+
+QUICKSTART = REPO / "mlxlab" / "data" / "quickstart"
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_head_of_hidden_states_is_the_model_output(family):
+    import mlx.core as mx
+
+    model, tok, _ = tiny.build(family)
+    ids = mx.array(tok.encode("Flat is better than nested."))[None]
+    full = model(ids)
+    split = losses.lm_head(model, losses.hidden_states(model, ids))
+    assert mx.array_equal(full, split).item()
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_response_ce_equals_masked_full_ce(family):
+
+    model, tok, _ = tiny.build(family)
+    rng = np.random.default_rng(0)
+    examples = [D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o)
+                for n, o in [(40, 10), (17, 0), (60, 59), (25, 1)]]
+    batch = B.collate(examples)
+    loss, ntoks = losses.response_ce(model, *batch.arrays())
+    targets, mask = B.dense_targets(batch)
+    ref_loss, ref_ntoks = losses.masked_ce(model, batch.inputs, targets, mask)
+    assert ntoks.item() == ref_ntoks.item() == 31 + 17 + 2 + 25  # len - max(offset, 1) each
+    np.testing.assert_allclose(loss.item(), ref_loss.item(), rtol=1e-6)
+
+
+def _cfg(tmp_path: Path, **kw) -> TrainConfig:
+    base = dict(
+        model="tiny-llama", out_dir=str(tmp_path / "run"), iters=6, batch_size=4, val_every=3,
+        save_every=2, keep_last=2, log_every=1, wandb="disabled", seed=3,
+        data=DataConfig(train=str(QUICKSTART), max_seq_length=96),
+        lora=LoraConfig(targets=["q", "v", "down"], rank=4, dropout=0.1),
+        optim=OptimConfig(lr=1e-3, warmup=2),
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]  # a resumed run's later record wins
+    return out
+
+
+def test_same_seed_gives_identical_losses_and_adapters(tiny_dir, tmp_path):
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    a = run(_cfg(tmp_path / "a"))
+    b = run(_cfg(tmp_path / "b"))
+    run_a, run_b = Path(a["adapter"]).parent, Path(b["adapter"]).parent
+    assert _losses(run_a) == _losses(run_b) and len(_losses(run_a)) == 6
+    assert (run_a / "adapter" / "adapters.safetensors").read_bytes() == \
+        (run_b / "adapter" / "adapters.safetensors").read_bytes()
+    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
+    assert {"adapter", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json"} <= {
+        p.name for p in run_a.iterdir()}
+    c = run(_cfg(tmp_path / "c", seed=4))
+    assert _losses(Path(c["adapter"]).parent) != _losses(run_a)
+
+
+def test_training_lowers_the_loss_and_the_adapter_loads_in_mlx_lm(tiny_dir, tmp_path):
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from mlxlab.lora import io as lora_io
+    from mlxlab.train.cli import run
+
+    tiny_dir("qwen3")
+    s = run(_cfg(tmp_path, model="tiny-qwen3", iters=30, val_every=30, save_every=0,
+                 optim=OptimConfig(lr=3e-3)))
+    assert s["val_loss"] < s["initial_val_loss"] - 0.5
+    theirs, tok = load(str(tiny_dir("qwen3")), adapter_path=s["adapter"])
+    ours, _ = load(str(tiny_dir("qwen3")))
+    lora_io.load(ours, s["adapter"])
+    ids = mx.array(tok.encode("What does `json.dumps` do?"))[None]
+    assert mx.array_equal(theirs(ids), ours(ids)).item()
+
+
+def test_nan_loss_stops_without_touching_the_last_adapter(tiny_dir, tmp_path):
+    import mlx.core as mx
+
+    from mlxlab.lora import apply as lora_apply
+    from mlxlab.models.zoo import load
+    from mlxlab.train import trainer
+
+    cfg = _cfg(tmp_path, iters=8, save_every=2)
+    model, tokenizer = load("tiny-llama")
+    plan = lora_apply.plan(model, cfg.lora)
+    lora_apply.apply(model, plan, seed=0)
+    split = D.load_split(QUICKSTART / "train.jsonl", tokenizer, cfg.data)
+    sampler = B.BatchSampler(split.examples, 4, 0)
+    full = trainer.full_backward()
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss, ntoks, grads = full(model, batch)
+        return (loss * mx.nan if calls["n"] == 5 else loss), ntoks, grads
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(trainer.TrainingDiverged, match="at step 5"):
+        trainer.train(model, plan, sampler, None, cfg, run_dir, grad_fn=poisoned)
+    ckpts = trainer.checkpoints(run_dir)
+    assert [p.name for p in ckpts] == ["step_0000002", "step_0000004"]
+    saved = mx.load(str(ckpts[-1] / "adapters.safetensors"))
+    assert all(bool(mx.all(mx.isfinite(v)).item()) for v in saved.values())
+    assert all(bool(mx.all(mx.isfinite(v)).item())
+               for v in lora_apply.adapter_parameters(model).values())  # no NaN update applied
+
+
+def _train_cmd(out_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "mlxlab", "train", "model=tiny-llama", f"out_dir={out_dir}",
+            f"data.train={QUICKSTART}", "data.max_seq_length=96", "iters=240", "batch_size=4",
+            "save_every=20", "keep_last=3", "log_every=1", "val_every=0", "wandb=disabled",
+            "lora.rank=4", "lora.dropout=0.1", "optim.lr=1e-3", "optim.warmup=10",
+            "grad_accum=2", *extra]
+
+
+def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path):
+    """SIGKILL mid-run, resume, and match an uninterrupted run step for step."""
+    tiny_dir("llama")
+    env = {**os.environ, "MLXLAB_HOME": str(session_home)}
+    ref = subprocess.run(_train_cmd(tmp_path / "ref"), env=env, capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(out), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 130:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(_losses(out))
+    assert 120 < killed_at < 240, killed_at  # really killed mid-run
+    assert not (out / "adapter").exists()
+
+    resumed = subprocess.run(_train_cmd(out, "resume=true"), env=env, capture_output=True,
+                             text=True, timeout=600, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr
+    assert _losses(out) == _losses(tmp_path / "ref")
+    assert (out / "adapter" / "adapters.safetensors").read_bytes() == \
+        (tmp_path / "ref" / "adapter" / "adapters.safetensors").read_bytes()
+
+
+def test_resume_refuses_a_different_run(tiny_dir, session_home, tmp_path):
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    run(_cfg(tmp_path, iters=2, save_every=1))
+    with pytest.raises(UserError, match="different config.*lora"):
+        run(_cfg(tmp_path, iters=4, resume=True, lora=LoraConfig(rank=8)))
+    with pytest.raises(UserError, match="not empty"):
+        run(_cfg(tmp_path, iters=2))
+    s = run(_cfg(tmp_path, iters=4, resume=True))  # more iterations of the same run is fine
+    assert s["start_step"] == 1
+
+
+def test_unknown_optimizer_is_a_clean_error():
+    from mlxlab.train.trainer import make_optimizer
+
+    with pytest.raises(UserError, match="unknown optimizer 'adamz'.*adamw"):
+        make_optimizer(OptimConfig(name="adamz"), 10)
+    assert type(make_optimizer(OptimConfig(name="lion", weight_decay=0.1), 10)).__name__ == "Lion"
