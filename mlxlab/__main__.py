@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": ("mlxlab.generate", "stream text from a model (prompt=..., chat=true, max_tokens=...)"),
     "models": ("mlxlab.models.cli", "the model zoo: list | pull NAME | convert FILE.gguf | info"),
     "train": ("mlxlab.train.cli", "LoRA fine-tuning (+exp=quickstart, data.train=..., resume=true)"),
+    "lora": ("mlxlab.lora.cli", "adapters: check adapter=DIR | fuse adapter=DIR out=DIR"),
 }
 
 USAGE = "usage: python -m mlxlab <command> [key=value ...] [--cfg job] [--help]\n\ncommands:\n" + "".join(

@@ -48,6 +48,8 @@ class GenerateConfig:
     """Keep only the k most likely tokens; 0 turns it off."""
     seed: int = 0
     """Seed for sampling."""
+    adapter: str | None = None
+    """LoRA adapter directory (mlxlab's or mlx-lm's layout) to apply."""
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -76,7 +78,20 @@ class ModelsConfig:
     """Reconvert even if the model is already in the cache."""
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+@dataclass
+class LoraToolConfig:
+    """`python -m mlxlab lora fuse|check`: adapters outside training."""
+
+    action: str = "check"
+    """check (validate an adapter against a model) | fuse (merge it and save a model dir)."""
+    model: str = DEFAULT_MODEL
+    """The base model the adapter was trained on."""
+    adapter: str | None = None
+    """Adapter directory."""
+    out: str | None = None
+    """Output model directory for fuse."""
+    dtype: str = "bfloat16"
+    """dtype of the fused model's saved weights."""
 
 
 @dataclass
@@ -203,7 +218,8 @@ class TrainConfig:
             raise UserError("resume=true needs out_dir=<the run directory to continue>")
 
 
-SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig}
+SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig,
+           "lora": LoraToolConfig}
 
 
 def packaged_data(name: str) -> str:

@@ -2,6 +2,7 @@
 
     python -m mlxlab generate prompt="def fibonacci(n):" max_tokens=64
     python -m mlxlab generate chat=true prompt="Name three colours." temperature=0.7 seed=1
+    python -m mlxlab generate chat=true adapter=outputs/quickstart/<run>/adapter prompt="..."
     python -m mlxlab generate model=tiny-llama --cfg job     # print the resolved config
 
 Built on mlx-lm's `stream_generate` and samplers; the stats line reports prompt and decode
@@ -49,6 +50,10 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
     from mlxlab.models.zoo import load
 
     model, tokenizer = load(cfg.model, cfg.dtype)
+    if cfg.adapter:
+        from mlxlab.lora import io as lora_io
+
+        lora_io.load(model, cfg.adapter)
     mx.reset_peak_memory()
     last = None
     for last in stream(model, tokenizer, cfg):

@@ -163,3 +163,31 @@ def test_saving_over_an_adapter_replaces_files_atomically(tiny_dir, tmp_path):
     assert (out / "adapters.safetensors").read_bytes() != first
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapters.safetensors",
                                                       "mlxlab_adapter.json"]
+
+
+def test_cli_check_and_fuse(tiny_dir, session_home, tmp_path):
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    from tests.conftest import run_cli
+
+    model, tokenizer, plan = _adapted(tiny_dir, "llama", LoraConfig(targets=["q", "up"], rank=4))
+    lora_io.save(model, plan, tmp_path / "adapter")
+    expected = _logits(model, tokenizer)
+    env = {"MLXLAB_HOME": str(session_home)}
+
+    r = run_cli("lora", "check", "model=tiny-llama", f"adapter={tmp_path / 'adapter'}", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "ok: 16 tensors, rank 4" in r.stdout
+    r = run_cli("lora", "check", "model=tiny-gemma3", f"adapter={tmp_path / 'adapter'}", env=env)
+    assert r.returncode == 1 and "does not fit the model" in r.stderr
+
+    r = run_cli("lora", "fuse", "model=tiny-llama", f"adapter={tmp_path / 'adapter'}",
+                f"out={tmp_path / 'fused'}", "dtype=float32", env=env)
+    assert r.returncode == 0, r.stderr
+    fused, _ = load(str(tmp_path / "fused"))
+    np.testing.assert_allclose(_logits(fused, tokenizer), expected, atol=1e-4)
+    assert not [n for n, _ in tree_flatten(fused.parameters()) if "lora" in n]
+    r = run_cli("generate", "model=tiny-llama", f"adapter={tmp_path / 'adapter'}", "max_tokens=3",
+                env=env)
+    assert r.returncode == 0, r.stderr

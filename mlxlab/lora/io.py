@@ -35,6 +35,13 @@ def adapter_config(plan: lora_apply.LoraPlan, num_model_layers: int) -> dict:
     }
 
 
+def base_fingerprint(model) -> dict:
+    """What identifies the base architecture an adapter belongs to (not its weights)."""
+    args = getattr(model, "args", None)
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
 def save(model, plan: lora_apply.LoraPlan, out_dir: str | Path, meta: dict | None = None) -> Path:
     """Write the adapter so that a crash never leaves a truncated one where a good one was.
 
@@ -44,7 +51,8 @@ def save(model, plan: lora_apply.LoraPlan, out_dir: str | Path, meta: dict | Non
     out_dir = Path(out_dir)
     weights = lora_apply.adapter_parameters(model)
     config = json.dumps(adapter_config(plan, len(model.layers)), indent=2) + "\n"
-    meta_text = json.dumps({"layers": list(plan.layers), **(meta or {})}, indent=2) + "\n"
+    meta_text = json.dumps({"layers": list(plan.layers), "base": base_fingerprint(model),
+                            **(meta or {})}, indent=2) + "\n"
 
     def write_weights(path: Path) -> None:
         mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
@@ -116,6 +124,11 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
     if problems:
         raise UserError(f"adapter {path}: " + "; ".join(problems))
 
+    trained_on, this = meta.get("base") or {}, base_fingerprint(model)
+    mismatch = [f"{k} {trained_on[k]!r} vs {this[k]!r}" for k in trained_on
+                if k in this and trained_on[k] != this[k]]
+    if mismatch:
+        problems.append("trained on another base model (" + ", ".join(mismatch) + ")")
     layers = tuple(meta.get("layers") or range(n - min(num_layers, n), n))
     keys = params.get("keys")
     if keys is None:  # mlx-lm's default: every linear in the adapted layers

@@ -48,14 +48,14 @@ def run(cfg: ModelsConfig) -> None:
         raise UserError(f"unknown models action {cfg.action!r}; choose one of {', '.join(ACTIONS)}")
 
 
-def positional_to_overrides(argv: list[str]) -> list[str]:
+def positional_to_overrides(argv: list[str], names=("action", "target")) -> list[str]:
     """`pull gemma3-270m force=true` -> `action=pull target=gemma3-270m force=true`."""
     out, words = [], 0
     for arg in argv:
         if arg.startswith("-") or "=" in arg:
             out.append(arg)
         else:
-            key = ("action", "target")[min(words, 1)] if words < 2 else None
+            key = names[words] if words < len(names) else None
             if key is None:
                 raise UserError(f"unexpected argument {arg!r}")
             # Quote so Hydra's override grammar takes paths and names verbatim.

@@ -185,7 +185,7 @@ class RunLog:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        text = " | ".join(_fmt(k, v) for k, v in record.items() if k != "step")
+        text = " | ".join(_fmt(k, v) for k, v in record.items() if k not in ("step", "elapsed_s"))
         if self._bar is not None:
             self._bar.n = record["step"]
             self._bar.set_postfix_str(text, refresh=True)
@@ -244,7 +244,8 @@ def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: Bat
             loss, norm = train_step(model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step)
             lr = optimizer.learning_rate.item()  # the rate this step used
             tokens += sum(int(b.inputs.shape[0] * b.inputs.shape[1]) for b in batches)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm}
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                      "elapsed_s": round(time.perf_counter() - t0, 3)}
             if step % cfg.log_every == 0 or step == cfg.iters:
                 now = time.perf_counter()
                 record["tok_per_s"] = tokens / (now - since)
