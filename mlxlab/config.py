@@ -200,6 +200,8 @@ class TrainConfig:
     """Checkpoints kept (older ones are deleted)."""
     log_every: int = 5
     """Progress line every N steps."""
+    compile: bool = True
+    """Compile the loss-and-gradient step with mx.compile."""
     wandb: str = "offline"
     """wandb mode: offline | online | disabled."""
     wandb_project: str = "mlxlab"

@@ -119,7 +119,7 @@ def test_nan_loss_stops_without_touching_the_last_adapter(tiny_dir, tmp_path):
     lora_apply.apply(model, plan, seed=0)
     split = D.load_split(QUICKSTART / "train.jsonl", tokenizer, cfg.data)
     sampler = B.BatchSampler(split.examples, 4, 0)
-    full = trainer.full_backward()
+    full = trainer.full_backward(model)
     calls = {"n": 0}
 
     def poisoned(model, batch):
@@ -198,3 +198,23 @@ def test_unknown_optimizer_is_a_clean_error():
     with pytest.raises(UserError, match="unknown optimizer 'adamz'.*adamw"):
         make_optimizer(OptimConfig(name="adamz"), 10)
     assert type(make_optimizer(OptimConfig(name="lion", weight_decay=0.1), 10)).__name__ == "Lion"
+
+
+def test_compiled_and_eager_steps_agree(tiny_dir, tmp_path):
+    from mlxlab.train.cli import run
+
+    tiny_dir("gemma3")
+    a = run(_cfg(tmp_path / "c", model="tiny-gemma3", compile=True, save_every=0))
+    b = run(_cfg(tmp_path / "e", model="tiny-gemma3", compile=False, save_every=0))
+    la, lb = _losses(Path(a["adapter"]).parent), _losses(Path(b["adapter"]).parent)
+    assert la.keys() == lb.keys()
+    np.testing.assert_allclose([la[k] for k in la], [lb[k] for k in la], rtol=1e-5)
+
+
+def test_wandb_offline_logs_without_network(tiny_dir, tmp_path):
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    s = run(_cfg(tmp_path, iters=2, save_every=0, wandb="offline"))
+    run_dir = Path(s["adapter"]).parent
+    assert list((run_dir / "wandb").glob("offline-run-*"))

@@ -38,12 +38,27 @@ class TrainingDiverged(UserError):
     """The loss became NaN/Inf; the last good adapter is left as it was."""
 
 
-def full_backward(loss_fn=response_ce) -> GradFn:
-    """The plain backward: one `value_and_grad` over the whole model."""
+def full_backward(model, loss_fn=response_ce, compile: bool = True) -> GradFn:
+    """The plain backward: one `value_and_grad` over the whole model, compiled by default.
 
-    def grad_fn(model, batch: Batch):
-        (loss, ntoks), grads = nn.value_and_grad(model, loss_fn)(model, *batch.arrays())
+    The compiled graph takes the model's state and the RNG state as implicit inputs (as
+    mlx-lm's trainer does); batches come in a handful of padded shapes, each traced once.
+    Measured on a 2-core CPU (gemma3-270m, batch 4): no gain over eager; on a GPU
+    compilation fuses the elementwise kernels.
+    """
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step(*arrays):
+        (loss, ntoks), grads = loss_and_grad(model, *arrays)
         return loss, ntoks, grads
+
+    if compile:
+        state = [model.state, mx.random.state]
+        step = mx.compile(step, inputs=state, outputs=state)
+
+    def grad_fn(model_, batch: Batch):
+        assert model_ is model, "full_backward was built for another model"
+        return step(*batch.arrays())
 
     return grad_fn
 
@@ -218,7 +233,7 @@ def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: Bat
 
     Resumes from the newest checkpoint in `run_dir` when cfg.resume is set.
     """
-    grad_fn = grad_fn or full_backward()
+    grad_fn = grad_fn or full_backward(model, compile=cfg.compile)
     optimizer = make_optimizer(cfg.optim, cfg.iters)
     optimizer.init(model.trainable_parameters())
     start = 0
