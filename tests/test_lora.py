@@ -191,3 +191,28 @@ def test_cli_check_and_fuse(tiny_dir, session_home, tmp_path):
     r = run_cli("generate", "model=tiny-llama", f"adapter={tmp_path / 'adapter'}", "max_tokens=3",
                 env=env)
     assert r.returncode == 0, r.stderr
+
+
+def test_adapter_trained_by_mlx_lm_lora_loads_in_mlxlab(tiny_dir, tmp_path):
+    """A real `mlx_lm lora` run (2 steps on the tiny model), loaded both ways: same logits."""
+    import subprocess
+    import sys
+
+    from mlx_lm.utils import load
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "mlx_lm_adapter"
+    cmd = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(tiny_dir("qwen3")), "--train",
+           "--data", str(REPO / "mlxlab" / "data" / "quickstart"), "--iters", "3", "--batch-size", "2",
+           "--num-layers", "2", "--learning-rate", "1e-2", "--max-seq-length", "96",
+           "--adapter-path", str(out), "--val-batches", "1", "--steps-per-eval", "100"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    theirs, tokenizer = load(str(tiny_dir("qwen3")), adapter_path=str(out))
+    ours, _ = load(str(tiny_dir("qwen3")))
+    plan = lora_io.load(ours, out)
+    assert plan.layers == (2, 3)
+    np.testing.assert_array_equal(_logits(ours, tokenizer), _logits(theirs, tokenizer))
+    base, _ = load(str(tiny_dir("qwen3")))
+    assert np.abs(_logits(base, tokenizer) - _logits(ours, tokenizer)).max() > 1e-4  # it trained
