@@ -169,6 +169,30 @@ class OptimConfig:
 
 
 @dataclass
+class BackwardConfig:
+    """How gradients are computed (all give the same gradients; they differ in memory and time)."""
+
+    mode: str = "full"
+    """full | checkpoint (per-layer recompute, like mlx_lm.lora --grad-checkpoint) | segmented."""
+    segment_size: int = 4
+    """Layers per segment (segmented, plan=size)."""
+    plan: str = "size"
+    """size (segments of segment_size) | auto (global layers alone, sized to memory_target_gb)."""
+    memory_target_gb: float | None = None
+    """Peak memory the auto plan aims for."""
+
+    def __post_init__(self):
+        if self.mode not in ("full", "checkpoint", "segmented"):
+            raise UserError(f"backward.mode must be full, checkpoint or segmented, got {self.mode!r}")
+        if self.plan not in ("size", "auto"):
+            raise UserError(f"backward.plan must be size or auto, got {self.plan!r}")
+        if self.segment_size < 1:
+            raise UserError(f"backward.segment_size must be >= 1, got {self.segment_size}")
+        if self.plan == "auto" and not self.memory_target_gb:
+            raise UserError("backward.plan=auto needs backward.memory_target_gb")
+
+
+@dataclass
 class TrainConfig:
     """`python -m mlxlab train`: LoRA SFT."""
 
@@ -209,6 +233,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    backward: BackwardConfig = field(default_factory=BackwardConfig)
 
     def __post_init__(self):
         for key in ("iters", "batch_size", "grad_accum", "keep_last", "log_every"):

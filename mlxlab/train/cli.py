@@ -78,9 +78,15 @@ def run(cfg: TrainConfig) -> dict:
           f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
           f"data: {len(train_set.examples)} train / {len(valid_set.examples) if valid_set else 0} "
           f"valid examples", file=sys.stderr)
+    from mlxlab.train.backward import make_grad_fn
+
+    grad_fn, how = make_grad_fn(model, cfg.backward, (cfg.batch_size, cfg.data.max_seq_length),
+                                compile=cfg.compile)
+    print(f"gradients: {how}", file=sys.stderr)
     meta = {"base_model": cfg.model, "run_dir": str(run_dir)}
     log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, config_dict)
-    summary = trainer.train(model, plan, train_sampler, valid_sampler, cfg, run_dir, log=log, meta=meta)
+    summary = trainer.train(model, plan, train_sampler, valid_sampler, cfg, run_dir,
+                            grad_fn=grad_fn, log=log, meta=meta)
     adapter_dir = lora_io.save(model, plan, run_dir / "adapter", meta=meta)
     summary["adapter"] = str(adapter_dir)
     trainer.write_summary(run_dir, summary)

@@ -1,0 +1,275 @@
+"""Backward modes: full, per-layer checkpointed, and segmented.
+
+Segmented backward: run the forward in layer segments and keep only each segment's output (a
+boundary, evaluated, so nothing of its graph survives); get the loss head's gradient with
+respect to the last boundary; then walk the segments backwards, one `mx.vjp` per segment with
+the boundary and the segment's LoRA parameters as primals. Only one segment's activations are
+alive at a time. Gemma 4's KV-shared layers attend with a donor layer's K/V: when a cut falls
+between donor and sharer, the donor's K/V cross it as a second boundary stream, and the
+cotangents from every sharer are summed before the donor's segment is differentiated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+
+from mlxlab.config import UserError
+from mlxlab.models.runners import Runner, runner_for
+from mlxlab.train.losses import lm_head
+
+MODES = ("full", "checkpoint", "segmented")
+
+
+def head_loss(runner: Runner, h, positions, labels, weights):
+    """Final norm + response-only CE from the last hidden state (pre-norm)."""
+    h = runner.norm(h)
+    h = h.reshape(-1, h.shape[-1])[positions]
+    ce = nn.losses.cross_entropy(lm_head(runner.model, h), labels) * weights
+    ntoks = weights.sum()
+    return ce.astype(mx.float32).sum() / ntoks, ntoks
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    segments: tuple[tuple[int, ...], ...]  # consecutive layer indices, covering every layer
+
+    def describe(self, runner: Runner) -> str:
+        parts = []
+        for seg in self.segments:
+            marks = "".join("G" if runner.is_global(i) else "s" for i in seg)
+            parts.append(f"[{seg[0]}-{seg[-1]}:{marks}]" if len(seg) > 1 else f"[{seg[0]}:{marks}]")
+        return f"{len(self.segments)} segments " + " ".join(parts) + "  (G global, s sliding)"
+
+
+def plan_by_size(num_layers: int, size: int) -> Plan:
+    if size < 1:
+        raise UserError(f"segment_size must be >= 1, got {size}")
+    return Plan(tuple(tuple(range(i, min(i + size, num_layers))) for i in range(0, num_layers, size)))
+
+
+def plan_auto(runner: Runner, layer_cost: dict[str, float], budget: float) -> Plan:
+    """Greedy packing under `budget` bytes of activations per segment.
+
+    Global (full-attention, O(L^2)) layers go into segments of their own; runs of sliding layers
+    are packed while their summed measured cost stays within the budget.
+    """
+    segments, current, used = [], [], 0.0
+    for i in range(len(runner.layers)):
+        kind = "global" if runner.is_global(i) else "sliding"
+        cost = layer_cost[kind]
+        if kind == "global":
+            if current:
+                segments.append(tuple(current))
+            segments.append((i,))
+            current, used = [], 0.0
+            continue
+        if current and used + cost > budget:
+            segments.append(tuple(current))
+            current, used = [], 0.0
+        current.append(i)
+        used += cost
+    if current:
+        segments.append(tuple(current))
+    return Plan(tuple(segments))
+
+
+def measure_layer_costs(model, inputs: mx.array) -> dict[str, float]:
+    """Peak activation bytes of one layer's vjp, for a sliding and a global layer, at `inputs`."""
+    runner = runner_for(model)
+    h, ctx = runner.embed(inputs)
+    mx.eval(h)
+    costs = {}
+    for kind in ("sliding", "global"):
+        idx = next((i for i in range(len(runner.layers)) if runner.is_global(i) == (kind == "global")
+                    and i not in runner.kv_donors()), None)
+        if idx is None:
+            continue
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        out, grads = mx.vjp(lambda x, idx=idx: runner.layer(idx, x, ctx)[0], [h], [mx.ones_like(h)])
+        mx.eval(out, grads)
+        costs[kind] = float(mx.get_peak_memory() - base)
+        del out, grads
+    costs.setdefault("global", costs.get("sliding", 0.0))
+    costs.setdefault("sliding", costs["global"])
+    return costs
+
+
+def make_plan(model, cfg, batch_shape: tuple[int, int]) -> Plan:
+    """The segment plan for BackwardConfig `cfg`; `auto` measures layer costs at `batch_shape`."""
+    runner = runner_for(model)
+    n = len(runner.layers)
+    if cfg.plan == "size":
+        return plan_by_size(n, cfg.segment_size)
+    inputs = mx.zeros(batch_shape, mx.int32)
+    costs = measure_layer_costs(model, inputs)
+    mx.clear_cache()
+    budget = cfg.memory_target_gb * 1e9 - mx.get_active_memory()
+    if budget < costs["sliding"]:
+        import sys
+
+        print(f"warning: memory_target_gb={cfg.memory_target_gb} leaves {budget / 1e9:.2f} GB for "
+              f"activations, less than one layer needs ({costs['sliding'] / 1e9:.2f} GB); "
+              "using one layer per segment", file=sys.stderr)
+    return plan_auto(runner, costs, budget)
+
+
+def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True):
+    """(GradFn, description) for BackwardConfig `cfg`."""
+    from mlxlab.train.trainer import full_backward
+
+    if cfg.mode == "full":
+        return full_backward(model, compile=compile), "full backward"
+    if cfg.mode == "checkpoint":
+        return checkpointed_backward(model), "per-layer checkpointed backward"
+    plan = make_plan(model, cfg, batch_shape)
+    return segmented_backward(model, plan), "segmented backward: " + plan.describe(runner_for(model))
+
+
+# --- gradient functions -----------------------------------------------------------------------
+
+def _layer_params(model, layer_ids) -> list[tuple[str, mx.array]]:
+    """(full name, array) of the trainable parameters of the given layers, in order."""
+    out = []
+    for i in layer_ids:
+        out += [(f"{i}.{k}", v) for k, v in tree_flatten(model.layers[i].trainable_parameters())]
+    return out
+
+
+def _set_layer_params(model, named: list[tuple[str, mx.array]]) -> None:
+    by_layer: dict[int, list] = {}
+    for name, value in named:
+        i, key = name.split(".", 1)
+        by_layer.setdefault(int(i), []).append((key, value))
+    for i, items in by_layer.items():
+        model.layers[i].update(tree_unflatten(items))
+
+
+def _grad_tree(model, flat: dict[str, mx.array]):
+    """Gradients by `<layer>.<key>` -> the tree of model.trainable_parameters()."""
+    prefix = "layers."
+
+    def pick(path, value):
+        after = path.split(prefix, 1)[1] if prefix in path else None
+        grad = flat.get(after) if after is not None else None
+        return grad if grad is not None else mx.zeros_like(value)
+
+    return tree_map_with_path(pick, model.trainable_parameters())
+
+
+def segmented_backward(model, plan: Plan):
+    """GradFn computing the full backward's gradients one segment at a time."""
+    runner = runner_for(model)
+    donors = runner.kv_donors()  # sharer -> donor
+    seg_of = {i: s for s, seg in enumerate(plan.segments) for i in seg}
+    # K/V streams that cross cuts: donors whose sharers sit in a later segment.
+    crossing = sorted({d for j, d in donors.items() if seg_of[d] < seg_of[j]})
+    outgoing = [[d for d in crossing if seg_of[d] == s] for s in range(len(plan.segments))]
+    incoming = [sorted({donors[j] for j in seg if j in donors and seg_of[donors[j]] < s})
+                for s, seg in enumerate(plan.segments)]
+
+    def run_segment(s, h, ctx, kv_in: dict):
+        kvs = dict(kv_in)
+        for i in plan.segments[s]:
+            h, kv = runner.layer(i, h, ctx, kvs.get(donors[i]) if i in donors else None)
+            if kv is not None:
+                kvs[i] = kv
+        return h, {d: kvs[d] for d in outgoing[s]}
+
+    def grad_fn(model_, batch):
+        assert model_ is model, "segmented_backward was built for another model"
+        inputs, positions, labels, weights = batch.arrays()
+        h, ctx = runner.embed(inputs)
+        h = mx.stop_gradient(h)
+        mx.eval(h)
+        bounds, kv_store = [h], {}
+        for s in range(len(plan.segments)):
+            h, kv_out = run_segment(s, h, ctx, {d: kv_store[d] for d in incoming[s]})
+            mx.eval(h, kv_out)  # evaluated boundaries hold no graph
+            bounds.append(h)
+            kv_store.update(kv_out)
+
+        (loss, ntoks), (dh,) = mx.vjp(lambda x: head_loss(runner, x, positions, labels, weights),
+                                      [bounds[-1]], [mx.array(1.0), mx.array(0.0)])
+        mx.eval(loss, ntoks, dh)
+        dkv: dict[int, list] = {}
+        grads: dict[str, mx.array] = {}
+        for s in reversed(range(len(plan.segments))):
+            named = _layer_params(model, plan.segments[s])
+            names = [n for n, _ in named]
+            kv_in = [x for d in incoming[s] for x in kv_store[d]]
+            n_kv = len(kv_in)
+
+            def fn(*primals, s=s, names=names, n_kv=n_kv):
+                h_in, kv_flat, params = primals[0], primals[1:1 + n_kv], primals[1 + n_kv:]
+                _set_layer_params(model, list(zip(names, params, strict=True)))
+                kv = {d: (kv_flat[2 * k], kv_flat[2 * k + 1]) for k, d in enumerate(incoming[s])}
+                h_out, kv_out = run_segment(s, h_in, ctx, kv)
+                return [h_out] + [x for d in outgoing[s] for x in kv_out[d]]
+
+            cot = [dh]
+            for d in outgoing[s]:
+                k, v = kv_store[d]
+                cot += dkv.get(d) or [mx.zeros_like(k), mx.zeros_like(v)]
+            _, vjps = mx.vjp(fn, [bounds[s], *kv_in, *(v for _, v in named)], cot)
+            _set_layer_params(model, named)  # put the original arrays back
+            dh = vjps[0]
+            for k, d in enumerate(incoming[s]):
+                add = [vjps[1 + 2 * k], vjps[2 + 2 * k]]
+                dkv[d] = [a + b for a, b in zip(dkv[d], add, strict=True)] if d in dkv else add
+            for name, g in zip(names, vjps[1 + n_kv:], strict=True):
+                grads[name] = g
+            mx.eval(dh, [g for n, g in grads.items() if n in names], list(dkv.values()))
+        return loss, ntoks, _grad_tree(model, grads)
+
+    return grad_fn
+
+
+def checkpointed_backward(model):
+    """GradFn with each layer wrapped in mx.checkpoint (recomputed in the backward).
+
+    Like `mlx_lm.lora --grad-checkpoint`, but by wrapping the call, not patching the class.
+    """
+    runner = runner_for(model)
+    donors = runner.kv_donors()
+
+    def loss_fn(params, inputs, positions, labels, weights):
+        model.update(params)
+        h, ctx = runner.embed(inputs)
+        h = mx.stop_gradient(h)
+        kvs = {}
+        for i, layer in enumerate(runner.layers):
+            shared = kvs.get(donors[i]) if i in donors else None
+
+            keeps_kv = i in set(donors.values())
+
+            def body(p, x, *kv, i=i, layer=layer, keeps_kv=keeps_kv):
+                layer.update(p)
+                out, kv_out = runner.layer(i, x, ctx, tuple(kv) if kv else None)
+                return (out, *kv_out) if keeps_kv else out
+
+            out = mx.checkpoint(body)(layer.trainable_parameters(), h, *(shared or ()))
+            if keeps_kv:
+                h, kvs[i] = out[0], (out[1], out[2])
+            else:
+                h = out
+        return head_loss(runner, h, positions, labels, weights)
+
+    value_and_grad = mx.value_and_grad(loss_fn)
+
+    def grad_fn(model_, batch):
+        assert model_ is model, "checkpointed_backward was built for another model"
+        params = model.trainable_parameters()
+        (loss, ntoks), grads = value_and_grad(params, *batch.arrays())
+        model.update(params)
+        return loss, ntoks, grads
+
+    return grad_fn
