@@ -218,3 +218,18 @@ def test_wandb_offline_logs_without_network(tiny_dir, tmp_path):
     s = run(_cfg(tmp_path, iters=2, save_every=0, wandb="offline"))
     run_dir = Path(s["adapter"]).parent
     assert list((run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_segmented_training_follows_the_full_backward_exactly(tiny_dir, tmp_path):
+    from mlxlab.config import BackwardConfig
+    from mlxlab.train.cli import run
+
+    tiny_dir("gemma3")
+    kw = dict(model="tiny-gemma3", compile=False, save_every=0, iters=4, val_every=0)
+    full = run(_cfg(tmp_path / "full", **kw))
+    seg = run(_cfg(tmp_path / "seg", backward=BackwardConfig(mode="segmented", segment_size=4), **kw))
+    ckpt = run(_cfg(tmp_path / "ckpt", backward=BackwardConfig(mode="checkpoint"), **kw))
+    losses = [_losses(Path(s["adapter"]).parent) for s in (full, seg, ckpt)]
+    assert losses[0] == losses[1] == losses[2]
+    blobs = [(Path(s["adapter"]) / "adapters.safetensors").read_bytes() for s in (full, seg, ckpt)]
+    assert blobs[0] == blobs[1] == blobs[2]
