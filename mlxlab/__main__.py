@@ -17,6 +17,7 @@ COMMANDS = {
     "models": ("mlxlab.models.cli", "the model zoo: list | pull NAME | convert FILE.gguf | info"),
     "train": ("mlxlab.train.cli", "LoRA fine-tuning (+exp=quickstart, data.train=..., resume=true)"),
     "lora": ("mlxlab.lora.cli", "adapters: check adapter=DIR | fuse adapter=DIR out=DIR"),
+    "diag": ("mlxlab.diag.cli", "harnesses: parity (vs mlx-lm) | leak | memory"),
 }
 
 USAGE = "usage: python -m mlxlab <command> [key=value ...] [--cfg job] [--help]\n\ncommands:\n" + "".join(

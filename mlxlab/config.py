@@ -245,8 +245,57 @@ class TrainConfig:
             raise UserError("resume=true needs out_dir=<the run directory to continue>")
 
 
+@dataclass
+class DiagConfig:
+    """`python -m mlxlab diag parity|leak|memory`: numerics and memory harnesses."""
+
+    action: str = "parity"
+    """parity | leak | memory."""
+    model: str = DEFAULT_MODEL
+    """Zoo name, mlx-lm model directory, or .gguf file."""
+    dtype: str = "auto"
+    """Compute dtype for both sides: auto, float32, bfloat16, float16."""
+    adapter: str | None = None
+    """parity: adapter to compare (default: a seeded random one, saved in mlx-lm's layout)."""
+    length: int = 64
+    """Tokens per test sequence (parity, leak)."""
+    segment_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
+    """parity: segment sizes checked against the full backward."""
+    max_ulp: int = 0
+    """parity gate: pass when within this many ulps (0: bit-exact only)."""
+    max_rel: float = 1e-6
+    """parity gate: or when ||ours - theirs|| / ||theirs|| is at most this."""
+    perturb_grads: float = 0.0
+    """parity self-test: add this relative noise to our gradients (the gate must then fail)."""
+    mode: str = "segmented"
+    """leak: backward mode (full | checkpoint | segmented)."""
+    segment_size: int = 4
+    """leak: layers per segment."""
+    steps: int = 120
+    """leak: optimizer steps."""
+    warmup: int = 20
+    """leak: steps ignored before fitting the slope."""
+    threshold_mb: float = 1.0
+    """leak: fail when active memory grows faster than this (MB/step)."""
+    lengths: list[int] = field(default_factory=lambda: [256, 512])
+    """memory: sequence lengths to sweep."""
+    modes: list[str] = field(default_factory=lambda: ["full", "checkpoint", "seg1", "seg4",
+                                                      "mlx_lm", "mlx_lm_gc"])
+    """memory: modes (full checkpoint segN auto mlx_lm mlx_lm_gc)."""
+    out: str = "diag"
+    """Report path prefix: <out>_<action>.json (and .png)."""
+
+    def __post_init__(self):
+        if self.action not in ("parity", "leak", "memory"):
+            raise UserError(f"unknown diag action {self.action!r}; choose parity, leak or memory")
+        if self.length < 4:
+            raise UserError(f"length must be >= 4, got {self.length}")
+        if self.steps <= self.warmup + 2:
+            raise UserError(f"steps ({self.steps}) must exceed warmup ({self.warmup}) by 3 or more")
+
+
 SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig,
-           "lora": LoraToolConfig}
+           "lora": LoraToolConfig, "diag": DiagConfig}
 
 
 def packaged_data(name: str) -> str:

@@ -1,0 +1,65 @@
+"""Numerics and memory harnesses from the command line.
+
+    python -m mlxlab diag parity model=gemma3-270m dtype=bfloat16      # vs mlx-lm's own code
+    python -m mlxlab diag leak model=tiny-gemma3 mode=segmented        # active memory over steps
+    python -m mlxlab diag memory lengths=[512,1024] modes=[full,seg4,mlx_lm_gc]
+
+Each prints a table, writes <out>_<action>.json (and a PNG for leak and memory), and exits
+non-zero when a gate fails.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mlxlab.config import DiagConfig, UserError, run_hydra
+
+
+def _write(report: dict, out: str, action: str) -> Path:
+    from mlxlab.fsutil import atomic_write_text
+
+    path = Path(f"{out}_{action}.json").absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def run(cfg: DiagConfig) -> None:
+    if cfg.action == "parity":
+        from mlxlab.diag import parity
+
+        report = parity.run(cfg)
+        print(f"report: {_write(report, cfg.out, 'parity')}")
+        ok = report["passed"]
+    elif cfg.action == "leak":
+        from mlxlab.diag import leak
+
+        report = leak.run(cfg)
+        path = _write(report, cfg.out, "leak")
+        png = leak.plot(report, path.with_suffix(".png"))
+        print(f"report: {path}" + (f", {png}" if png else ""))
+        ok = report["passed"]
+    else:
+        from mlxlab.diag import memory
+
+        report = memory.sweep(cfg.model, cfg.lengths, cfg.modes, dtype=cfg.dtype)
+        print(memory.table(report))
+        path = _write(report, cfg.out, "memory")
+        png = memory.plot(report, path.with_suffix(".png"))
+        print(f"report: {path}" + (f", {png}" if png else ""))
+        ok = not any("error" in r for rows in report["results"].values() for r in rows.values())
+    if not ok:
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> None:
+    from mlxlab.models.cli import positional_to_overrides
+
+    try:
+        overrides = positional_to_overrides(argv, ("action",))
+    except UserError as e:
+        print(f"mlxlab diag: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    run_hydra("diag", overrides, run)

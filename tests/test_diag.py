@@ -1,0 +1,92 @@
+"""The diagnostics harnesses on tiny models, including proof that each gate can fail."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import mlxlab  # noqa: F401
+from mlxlab.config import DiagConfig, LoraConfig
+from mlxlab.diag import compare, leak, memory, parity
+from tests.conftest import run_cli
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4"])
+def test_parity_with_mlx_lm_is_bit_exact_on_tiny_models(tiny_dir, family):
+    tiny_dir(family)
+    report = parity.run(DiagConfig(model=f"tiny-{family}", segment_sizes=[1, 3]), verbose=False)
+    assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+    assert all(c["verdict"] == "BIT-EXACT" for c in report["checks"])
+    names = [c["name"] for c in report["checks"]]
+    assert {"logits (base)", "logits (adapter)", "loss (prompt 0)", "loss (response 1)",
+            "LoRA gradients vs mlx-lm", "segmented size 3 vs full"} <= set(names)
+    # mlx-lm's padded batches count one pad position per sequence (see parity.py)
+    counts = report["token_counts"]["response 1"]
+    assert (counts["ours"], counts["mlx_lm_unpadded"], counts["mlx_lm_padded_batch"]) == (1, 1, 2)
+
+
+def test_perturbed_gradients_fail_the_gate(tiny_dir, session_home, tmp_path):
+    tiny_dir("llama")
+    env = {"MLXLAB_HOME": str(session_home)}
+    r = run_cli("diag", "parity", "model=tiny-llama", "segment_sizes=[2]", "perturb_grads=1e-3",
+                f"out={tmp_path / 'bad'}", env=env)
+    assert r.returncode == 1
+    assert "LoRA gradients vs mlx-lm" in r.stdout and "FAIL" in r.stdout
+    report = json.loads((tmp_path / "bad_parity.json").read_text())
+    assert not report["passed"]
+    r = run_cli("diag", "parity", "model=tiny-llama", "segment_sizes=[2]", f"out={tmp_path / 'ok'}", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "ok_parity.json").read_text())["passed"]
+
+
+def test_ulp_and_gates():
+    import numpy as np
+
+    a = np.array([1.0, -2.0, 0.0], np.float32)
+    b = np.nextafter(a, np.float32(10))
+    assert compare.ulp_distance(a, b) == 1
+    assert compare.ulp_distance(np.float32([-0.0]), np.float32([0.0])) == 0
+    c = compare.compare("x", b, a, max_ulp=1, max_rel=None)
+    assert c.passed and c.verdict == "within 1 ulp"
+    assert not compare.compare("x", b, a, max_ulp=0, max_rel=None).passed
+    assert not compare.compare("x", {"a": a}, {"b": a}).passed
+
+
+def test_leak_harness_passes_and_can_fail(tiny_dir, tmp_path):
+    import mlx.core as mx
+
+    tiny_dir("gemma3")
+    report = leak.run(DiagConfig(action="leak", model="tiny-gemma3", steps=40, warmup=10), verbose=False)
+    assert report["passed"] and abs(report["slope_mb_per_step"]) < 0.01
+
+    from mlxlab.data.batches import collate
+    from mlxlab.data.datasets import Example
+    from mlxlab.lora import apply as lora
+    from mlxlab.models.zoo import load
+    from mlxlab.train.trainer import full_backward
+
+    model, _ = load("tiny-gemma3")
+    lora.apply(model, lora.plan(model, LoraConfig()), seed=0)
+    full = full_backward(model, compile=False)
+    kept = []
+
+    def leaky(model_, batch):  # keeps 2 MB alive per step, like a surrogate graph would
+        kept.append(mx.zeros((512, 1024), mx.float32) + len(kept))
+        mx.eval(kept[-1])
+        return full(model_, batch)
+
+    active, _ = leak.record_memory(model, leaky, collate([Example(list(range(2, 40)), 10)]), 30)
+    assert leak.growth_mb_per_step(active, 5) > 1.0
+
+
+def test_memory_sweep_runs_each_mode_in_its_own_process(tiny_dir, tmp_path):
+    tiny_dir("llama")
+    report = memory.sweep("tiny-llama", [64], ["full", "seg2", "checkpoint", "mlx_lm", "mlx_lm_gc"],
+                          progress=lambda _: None)
+    rows = report["results"]
+    assert all("peak_gb" in rows[m]["64"] for m in rows), rows
+    assert "full" in memory.table(report)
+    assert memory.plot(report, tmp_path / "m.png").stat().st_size > 1000
+    with pytest.raises(Exception, match="unknown memory mode"):
+        memory.sweep("tiny-llama", [64], ["nope"])
