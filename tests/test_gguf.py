@@ -163,3 +163,17 @@ def test_unwritable_destination_is_a_clean_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(UserError, match="cannot write"):
         conv.convert(path, blocker / "sub" / "out")
+
+
+def test_unsupported_tensor_type_is_named():
+    import gguf
+
+    class _T:
+        name, tensor_type, shape = "blk.0.ffn_down.weight", Q.Q8_1, [32, 1]
+        data = np.zeros((1, gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)
+
+    class _Reader:
+        tensors = [_T()]
+
+    with pytest.raises(UserError, match="blk.0.ffn_down.weight: unsupported GGUF type Q8_1"):
+        conv.read_tensors(_Reader(), "llama", {"num_attention_heads": 1, "num_key_value_heads": 1})
