@@ -10,7 +10,7 @@ text whose last quarter is the response; every (mode, L) in its own process afte
 mlx-lm's own step with its grad checkpointing, what `mlx_lm.lora --grad-checkpoint` runs, at the
 same dtype and BLAS. Prints the table and the ratios at the longest length: segmented peak vs
 mlx-lm's grad-checkpoint peak (target <= 0.5x) and segmented time vs the full backward
-(target <= 1.3x). Writes <out>.json and <out>.png.
+(target <= 1.3x). Writes <out>.json, <out>.md (the table) and <out>.png.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     report = memory.sweep(args.model, args.lengths, args.modes, args.steps, target_gb=args.target_gb,
                           progress=lambda line: print(line, flush=True))
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
-    print("\n" + memory.table(report))
+    lines = [memory.table(report)]
     res = report["results"]
     ok = [L for L in args.lengths if all("error" not in res.get(m, {}).get(str(L), {"error": 1})
                                          for m in ("full", "mlx_lm_gc"))]
@@ -46,11 +46,14 @@ def main() -> None:
         for mode in [m for m in args.modes if m.startswith("seg") or m == "auto"]:
             r = res[mode].get(L, {})
             if "peak_gb" in r:
-                print(f"{mode} @ {L}: peak {r['peak_gb'] / res['mlx_lm_gc'][L]['peak_gb']:.2f}x mlx-lm "
-                      f"grad-checkpoint (target <= 0.5), time {r['s_per_step'] / res['full'][L]['s_per_step']:.2f}x "
-                      "full backward (target <= 1.3)")
+                lines.append(f"{mode} @ {L}: peak {r['peak_gb'] / res['mlx_lm_gc'][L]['peak_gb']:.2f}x mlx-lm "
+                             f"grad-checkpoint (target <= 0.5), time "
+                             f"{r['s_per_step'] / res['full'][L]['s_per_step']:.2f}x full backward (target <= 1.3)")
+    text = "\n".join(lines)
+    print("\n" + text)
+    Path(f"{args.out}.md").write_text("```\n" + text + "\n```\n")
     png = memory.plot(report, Path(f"{args.out}.png"))
-    print(f"wrote {args.out}.json" + (f" and {png}" if png else ""))
+    print(f"wrote {args.out}.json, {args.out}.md" + (f" and {png}" if png else ""))
 
 
 if __name__ == "__main__":
