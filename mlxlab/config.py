@@ -381,11 +381,36 @@ def quote_free_text(arg: str) -> str:
     return key + "='" + body + "\\" * tail + "'"
 
 
-def run_hydra(name: str, argv: list[str], task) -> None:
-    """Run `task(dataclass)` under Hydra's CLI (overrides, --cfg job, --help, multirun)."""
+def positional_to_overrides(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """`pull gemma3-270m force=true` -> `action=pull target="gemma3-270m" force=true`."""
+    import json
+
+    out, words = [], 0
+    for arg in argv:
+        if arg.startswith("-") or "=" in arg:
+            out.append(arg)
+            continue
+        if words >= len(names):
+            raise UserError(f"unexpected argument {arg!r}")
+        # Quoted, so Hydra's override grammar takes paths and names verbatim.
+        out.append(f"{names[words]}={json.dumps(arg)}")
+        words += 1
+    return out
+
+
+def run_hydra(name: str, argv: list[str], task, positional: tuple[str, ...] = ()) -> None:
+    """Run `task(dataclass)` under Hydra's CLI (overrides, --cfg job, --help, multirun).
+
+    Leading bare words fill the `positional` fields in order (`models pull NAME`).
+    """
     import hydra
 
     register_schemas()
+    try:
+        argv = positional_to_overrides(argv, positional)
+    except UserError as e:
+        print(f"mlxlab {name}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     sys.argv = [f"mlxlab {name}", *(quote_free_text(a) for a in argv)]
 
     @hydra.main(config_path=str(config_dir()), config_name=name, version_base=None)

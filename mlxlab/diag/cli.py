@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from mlxlab.config import DiagConfig, UserError, run_hydra
+from mlxlab.config import DiagConfig, run_hydra
 
 
 def _write(report: dict, out: str, action: str) -> Path:
@@ -55,11 +55,4 @@ def run(cfg: DiagConfig) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from mlxlab.models.cli import positional_to_overrides
-
-    try:
-        overrides = positional_to_overrides(argv, ("action",))
-    except UserError as e:
-        print(f"mlxlab diag: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    run_hydra("diag", overrides, run)
+    run_hydra("diag", argv, run, positional=("action",))

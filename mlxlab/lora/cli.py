@@ -10,7 +10,6 @@ layout; `fuse` merges the adapter into the base weights and writes an mlx-lm mod
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from mlxlab.config import LoraToolConfig, UserError, run_hydra
@@ -57,11 +56,4 @@ def run(cfg: LoraToolConfig) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from mlxlab.models.cli import positional_to_overrides
-
-    try:
-        overrides = positional_to_overrides(argv, ("action",))
-    except UserError as e:
-        print(f"mlxlab lora: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    run_hydra("lora", overrides, run)
+    run_hydra("lora", argv, run, positional=("action",))

@@ -48,28 +48,5 @@ def run(cfg: ModelsConfig) -> None:
         raise UserError(f"unknown models action {cfg.action!r}; choose one of {', '.join(ACTIONS)}")
 
 
-def positional_to_overrides(argv: list[str], names=("action", "target")) -> list[str]:
-    """`pull gemma3-270m force=true` -> `action=pull target=gemma3-270m force=true`."""
-    out, words = [], 0
-    for arg in argv:
-        if arg.startswith("-") or "=" in arg:
-            out.append(arg)
-        else:
-            key = names[words] if words < len(names) else None
-            if key is None:
-                raise UserError(f"unexpected argument {arg!r}")
-            # Quote so Hydra's override grammar takes paths and names verbatim.
-            out.append(f"{key}={json.dumps(arg)}" if key == "target" else f"{key}={arg}")
-            words += 1
-    return out
-
-
 def main(argv: list[str]) -> None:
-    import sys
-
-    try:
-        overrides = positional_to_overrides(argv)
-    except UserError as e:
-        print(f"mlxlab models: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    run_hydra("models", overrides, run)
+    run_hydra("models", argv, run, positional=("action", "target"))
