@@ -175,6 +175,8 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
     assert _losses(out) == _losses(tmp_path / "ref")
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # the records after the checkpoint were dropped, not doubled
     assert (out / "adapter" / "adapters.safetensors").read_bytes() == \
         (tmp_path / "ref" / "adapter" / "adapters.safetensors").read_bytes()
 

@@ -166,6 +166,15 @@ def restore_checkpoint(ckpt: Path, model, optimizer, sampler) -> int:
     return int(info["step"])
 
 
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records a killed run wrote after its last checkpoint; they are about to be redone."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
 # --- logging ----------------------------------------------------------------------------------
 
 @dataclass
@@ -242,6 +251,7 @@ def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: Bat
         if not found:
             raise UserError(f"resume=true but {run_dir} has no checkpoints")
         start = restore_checkpoint(found[-1], model, optimizer, train_sampler)
+        _truncate_metrics(run_dir / "metrics.jsonl", start)
         print(f"resumed from {found[-1]} (step {start})", file=sys.stderr)
     log = log or RunLog(run_dir, cfg.iters)
     model.train()
