@@ -43,3 +43,4 @@ def test_wheel_ships_configs_and_data(tmp_path):
     for yaml in (REPO / "configs").rglob("*.yaml"):
         assert f"mlxlab/configs/{yaml.relative_to(REPO / 'configs').as_posix()}" in names
     assert "mlxlab/models/tiny_corpus.txt" in names
+    assert {"mlxlab/data/quickstart/train.jsonl", "mlxlab/data/quickstart/valid.jsonl"} <= names
