@@ -1,0 +1,105 @@
+"""The chunk task's data: conversations stitched from real text with known topic boundaries.
+
+Source: the Python language reference topics that ship with CPython (`pydoc_data.topics`, the
+text `help("assert")` shows). Each topic has a title ('The "assert" statement') and paragraphs.
+A conversation takes a few topics, several consecutive paragraphs of each, and turns every
+paragraph into a message from a named sender with a uuid; the gold answer has one chunk per
+topic, labelled from its title. Topics are split between train/valid/test, so no topic seen in
+training appears in evaluation. Everything is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import uuid
+from dataclasses import dataclass
+
+SYSTEM = ("You segment conversations into topical chunks. Answer with JSON only: "
+          '{"chunks":[{"start_message_uuid":"...","end_message_uuid":"...","label":"..."}]}.')
+INSTRUCTIONS = ("Split the conversation below into contiguous chunks, one per topic, covering every "
+                "message in order. Give each chunk a short, specific label (2-12 words).")
+SENDERS = ["alice", "bob", "carol", "dave", "erin", "frank"]
+
+
+@dataclass
+class Topic:
+    key: str
+    label: str
+    paragraphs: list[str]
+
+
+def load_topics(max_paragraph_chars: int = 400) -> list[Topic]:
+    """The reference topics with at least three usable paragraphs, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in sorted(topics):
+        text = topics[key].strip()
+        title, _, body = text.partition("\n")
+        label = " ".join(title.replace('"', "").split())
+        paragraphs = []
+        for p in re.split(r"\n\s*\n", body):
+            p = p.strip()
+            if not p or set(p) <= set("*=-"):
+                continue
+            p = " ".join(p.split()) if not p.startswith("   ") else p
+            paragraphs.append(p[:max_paragraph_chars])
+        if len(paragraphs) >= 3 and 2 <= len(label.split()) <= 12:
+            out.append(Topic(key, label, paragraphs))
+    return out
+
+
+def split_topics(topics: list[Topic], seed: int, fractions=(0.7, 0.15)) -> dict[str, list[Topic]]:
+    order = topics[:]
+    random.Random(seed).shuffle(order)
+    n_train = int(len(order) * fractions[0])
+    n_valid = int(len(order) * fractions[1])
+    return {"train": order[:n_train], "valid": order[n_train:n_train + n_valid],
+            "test": order[n_train + n_valid:]}
+
+
+def make_conversation(topics: list[Topic], rng: random.Random, min_topics: int = 2,
+                      max_topics: int = 4, min_msgs: int = 2, max_msgs: int = 4) -> dict:
+    """One example: messages, the rendered conversation, and the gold chunks."""
+    chosen = rng.sample(topics, rng.randint(min_topics, min(max_topics, len(topics))))
+    messages, chunks = [], []
+    for topic in chosen:
+        n = rng.randint(min_msgs, min(max_msgs, len(topic.paragraphs)))
+        start = rng.randint(0, len(topic.paragraphs) - n)
+        ids = []
+        for text in topic.paragraphs[start:start + n]:
+            mid = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+            messages.append({"sender": rng.choice(SENDERS), "uuid": mid, "text": text})
+            ids.append(mid)
+        chunks.append({"start_message_uuid": ids[0], "end_message_uuid": ids[-1], "label": topic.label})
+    return {"messages": messages, "chunks": chunks}
+
+
+def render(messages: list[dict]) -> str:
+    return "\n---\n".join(f"[{m['sender']}] (uuid: {m['uuid']})\n{m['text']}" for m in messages)
+
+
+def to_chat(example: dict) -> dict:
+    return {"messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{INSTRUCTIONS}\n\n{render(example['messages'])}"},
+        {"role": "assistant", "content": json.dumps({"chunks": example["chunks"]})},
+    ]}
+
+
+def build(seed: int = 0, sizes: dict | None = None, max_chars: int = 6000) -> dict[str, list[dict]]:
+    """{split: [example, ...]}; an example's rendered prompt stays under `max_chars`."""
+    sizes = sizes or {"train": 400, "valid": 40, "test": 40}
+    parts = split_topics(load_topics(), seed)
+    out = {}
+    for split, n in sizes.items():
+        rng = random.Random(f"{seed}-{split}")
+        rows = []
+        while len(rows) < n:
+            ex = make_conversation(parts[split], rng)
+            if len(render(ex["messages"])) <= max_chars:
+                rows.append(ex)
+        out[split] = rows
+    return out

@@ -1,0 +1,164 @@
+"""Scoring the chunk task: JSON extraction, validation with repairs, well-formedness, accuracy.
+
+Per case, from the model's raw text and the conversation's message uuids:
+
+    well-formedness = 100 * (0.30 schema + 0.35 anchors + 0.15 labels + 0.20 nonempty)
+
+- schema: fraction of chunks with string start_message_uuid, end_message_uuid and label;
+- anchors: max(0, 1 - repairs / (2 * #chunks)) after validation; each repair counts once:
+  an unknown uuid snapped to the first (start) or last (end) message, a unique >= 8-character
+  prefix matched to its uuid, an inverted range swapped, a trailing gap covered. Anything else
+  (a leading or inner gap, overlapping chunks, a chunk that is not an object) is unrepairable
+  and scores anchors 0;
+- labels: fraction of labels of 2-12 words that are not generic ("Chunk 1", "Other topics");
+- nonempty: at least one chunk.
+
+Accuracy against the gold chunks: boundary F1 (chunk starts after the first message) and the
+rate of gold chunks reproduced exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+GENERIC = {"chunk", "chunks", "topic", "topics", "misc", "miscellaneous", "other", "others",
+           "general", "discussion", "conversation", "part", "section", "summary", "untitled",
+           "n/a", "na", "none", "unknown", "various", "stuff", "messages", "message", "the", "a",
+           "and", "of"}
+
+
+def extract_json(text: str):
+    """(object, method) trying the raw text, then without code fences, then first { to last }."""
+    candidates = [("raw", text.strip())]
+    fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
+    if fenced:
+        candidates.append(("fence", fenced.group(1).strip()))
+    if "{" in text and "}" in text:
+        candidates.append(("braces", text[text.index("{"): text.rindex("}") + 1]))
+    for method, candidate in candidates:
+        try:
+            return json.loads(candidate), method
+        except (json.JSONDecodeError, ValueError):
+            continue
+    return None, "none"
+
+
+@dataclass
+class Validated:
+    spans: list[tuple[int, int]] | None  # message index ranges after repairs; None: unrepairable
+    repairs: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _resolve(value, uuids: list[str], index: dict[str, int], fallback: int, notes: list[str]):
+    """(message index, repaired?) for a uuid value."""
+    if isinstance(value, str) and value in index:
+        return index[value], False
+    if isinstance(value, str) and len(value) >= 8:
+        matches = [i for i, u in enumerate(uuids) if u.startswith(value)]
+        if len(matches) == 1:
+            notes.append(f"prefix {value!r} matched")
+            return matches[0], True
+    notes.append(f"unknown uuid {value!r} snapped to message {fallback}")
+    return fallback, True
+
+
+def validate(chunks, uuids: list[str]) -> Validated:
+    if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+        return Validated(None, notes=["chunks is not a list of objects"])
+    if not chunks:
+        return Validated([], notes=["no chunks"])
+    index = {u: i for i, u in enumerate(uuids)}
+    last = len(uuids) - 1
+    notes: list[str] = []
+    repairs = 0
+    spans = []
+    for c in chunks:
+        s, rs = _resolve(c.get("start_message_uuid"), uuids, index, 0, notes)
+        e, re_ = _resolve(c.get("end_message_uuid"), uuids, index, last, notes)
+        repairs += rs + re_
+        if s > e:
+            s, e = e, s
+            repairs += 1
+            notes.append(f"inverted range {e}..{s} swapped")
+        spans.append((s, e))
+    spans.sort()
+    if spans[0][0] != 0:
+        return Validated(None, repairs, notes + ["does not start at the first message"])
+    for (s0, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+        if s1 != e0 + 1:
+            kind = "overlap" if s1 <= e0 else "gap"
+            return Validated(None, repairs, notes + [f"{kind} between messages {e0} and {s1}"])
+    if spans[-1][1] < last:
+        spans[-1] = (spans[-1][0], last)
+        repairs += 1
+        notes.append("trailing gap covered")
+    return Validated(spans, repairs, notes)
+
+
+def is_specific(label) -> bool:
+    if not isinstance(label, str):
+        return False
+    words = label.split()
+    if not 2 <= len(words) <= 12:
+        return False
+    core = [w for w in (re.sub(r"[^a-z/]", "", w.lower()) for w in words) if w]
+    return any(w not in GENERIC for w in core)
+
+
+@dataclass
+class CaseScore:
+    wellformed: float
+    schema: float
+    anchors: float
+    labels: float
+    nonempty: float
+    boundary_f1: float
+    exact_match: float
+    extraction: str
+    repairs: int
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def boundaries(spans: list[tuple[int, int]]) -> set[int]:
+    return {s for s, _ in spans if s > 0}
+
+
+def score_case(text: str, uuids: list[str], gold: list[dict]) -> CaseScore:
+    obj, method = extract_json(text)
+    chunks = obj.get("chunks") if isinstance(obj, dict) else None
+    if not isinstance(chunks, list):
+        return CaseScore(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, method, 0, ["no chunks list found"])
+    n = len(chunks)
+    schema = sum(isinstance(c, dict) and all(isinstance(c.get(k), str) for k in
+                 ("start_message_uuid", "end_message_uuid", "label")) for c in chunks) / n if n else 0.0
+    v = validate(chunks, uuids)
+    anchors = 0.0 if v.spans is None or not n else max(0.0, 1 - v.repairs / (2 * n))
+    labels = sum(is_specific(c.get("label")) for c in chunks if isinstance(c, dict)) / n if n else 0.0
+    nonempty = 1.0 if n else 0.0
+    wf = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20 * nonempty)
+
+    index = {u: i for i, u in enumerate(uuids)}
+    gold_spans = sorted((index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in gold)
+    pred_spans = v.spans or []
+    gb, pb = boundaries(gold_spans), boundaries(pred_spans)
+    if not gb and not pb:
+        f1 = 1.0 if pred_spans else 0.0
+    else:
+        tp = len(gb & pb)
+        p = tp / len(pb) if pb else 0.0
+        r = tp / len(gb) if gb else 0.0
+        f1 = 2 * p * r / (p + r) if p + r else 0.0
+    exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
+    return CaseScore(wf, schema, anchors, labels, nonempty, f1, exact, method, v.repairs, v.notes)
+
+
+def summarize(scores: list[CaseScore]) -> dict:
+    keys = ("wellformed", "schema", "anchors", "labels", "nonempty", "boundary_f1", "exact_match")
+    n = max(len(scores), 1)
+    return {"cases": len(scores), **{k: sum(getattr(s, k) for s in scores) / n for k in keys}}

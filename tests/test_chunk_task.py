@@ -1,0 +1,77 @@
+"""The chunk task's data builder and scorer (no model needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxlab.data import chunk as data
+from mlxlab.eval import chunk as ev
+
+U = ["aaaaaaaa-0000-4000-8000-000000000000", "bbbbbbbb-1111-4000-8000-000000000000",
+     "cccccccc-2222-4000-8000-000000000000", "dddddddd-3333-4000-8000-000000000000"]
+GOLD = [{"start_message_uuid": U[0], "end_message_uuid": U[1], "label": "The assert statement"},
+        {"start_message_uuid": U[2], "end_message_uuid": U[3], "label": "Augmented assignment statements"}]
+
+
+def test_builder_is_deterministic_and_keeps_topics_apart():
+    a, b = data.build(seed=1, sizes={"train": 20, "valid": 5, "test": 5}), \
+        data.build(seed=1, sizes={"train": 20, "valid": 5, "test": 5})
+    assert a == b
+    labels = {split: {c["label"] for ex in rows for c in ex["chunks"]} for split, rows in a.items()}
+    assert not labels["train"] & labels["test"] and not labels["train"] & labels["valid"]
+    ex = a["train"][0]
+    assert len(ex["chunks"]) >= 2 and ex["chunks"][0]["start_message_uuid"] == ex["messages"][0]["uuid"]
+    chat = data.to_chat(ex)
+    assert json.loads(chat["messages"][-1]["content"])["chunks"] == ex["chunks"]
+    assert "(uuid: " in chat["messages"][1]["content"] and "\n---\n" in chat["messages"][1]["content"]
+    assert data.build(seed=2, sizes={"train": 5})["train"] != a["train"][:5]
+
+
+def test_gold_answer_scores_perfectly():
+    s = ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD)
+    assert (s.wellformed, s.boundary_f1, s.exact_match, s.repairs) == (100.0, 1.0, 1.0, 0)
+
+
+@pytest.mark.parametrize("wrap", ["```json\n{}\n```", "Sure! Here it is: {} Hope that helps."])
+def test_extraction_fallbacks(wrap):
+    text = wrap.replace("{}", json.dumps({"chunks": GOLD}))
+    s = ev.score_case(text, U, GOLD)
+    assert s.wellformed == 100.0 and s.extraction in ("fence", "braces")
+
+
+def test_repairs_cost_anchor_points():
+    chunks = [{"start_message_uuid": "aaaaaaaa-0000", "end_message_uuid": U[1], "label": "Assert statements"},
+              {"start_message_uuid": U[2], "end_message_uuid": U[2], "label": "Augmented assignment"}]
+    s = ev.score_case(json.dumps({"chunks": chunks}), U, GOLD)
+    assert s.repairs == 2  # prefix match + trailing gap
+    assert s.anchors == pytest.approx(1 - 2 / 4)
+    assert s.wellformed == pytest.approx(100 * (0.30 + 0.35 * 0.5 + 0.15 + 0.20))
+    assert s.boundary_f1 == 1.0 and s.exact_match == 1.0  # the covered gap restores the span
+
+
+def test_inverted_and_unknown_uuids_are_repaired():
+    chunks = [{"start_message_uuid": U[1], "end_message_uuid": U[0], "label": "Assert statements"},
+              {"start_message_uuid": U[2], "end_message_uuid": "nope", "label": "Chunk 2"}]
+    s = ev.score_case(json.dumps({"chunks": chunks}), U, GOLD)
+    assert s.repairs == 2 and s.labels == 0.5 and s.exact_match == 1.0
+
+
+def test_unrepairable_results_score_zero_anchors():
+    overlap = [{"start_message_uuid": U[0], "end_message_uuid": U[2], "label": "Assert statements"},
+               {"start_message_uuid": U[1], "end_message_uuid": U[3], "label": "Augmented assignment"}]
+    s = ev.score_case(json.dumps({"chunks": overlap}), U, GOLD)
+    assert s.anchors == 0.0 and s.boundary_f1 == 0.0
+    assert ev.score_case("no json here", U, GOLD).wellformed == 0.0
+    assert ev.score_case(json.dumps({"chunks": []}), U, GOLD).wellformed == pytest.approx(30.0 * 0)
+    bad_schema = ev.score_case(json.dumps({"chunks": [{"start_message_uuid": 3}]}), U, GOLD)
+    assert bad_schema.schema == 0.0 and bad_schema.nonempty == 1.0
+
+
+def test_generic_labels():
+    assert not ev.is_specific("Chunk 1") and not ev.is_specific("Other topics")
+    assert not ev.is_specific("Assert") and ev.is_specific("The assert statement")
+    summary = ev.summarize([ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD),
+                            ev.score_case("nothing", U, GOLD)])
+    assert summary["cases"] == 2 and summary["wellformed"] == 50.0
