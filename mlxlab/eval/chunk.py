@@ -87,7 +87,7 @@ def validate(chunks, uuids: list[str]) -> Validated:
     spans.sort()
     if spans[0][0] != 0:
         return Validated(None, repairs, notes + ["does not start at the first message"])
-    for (s0, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+    for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
         if s1 != e0 + 1:
             kind = "overlap" if s1 <= e0 else "gap"
             return Validated(None, repairs, notes + [f"{kind} between messages {e0} and {s1}"])
