@@ -75,3 +75,21 @@ def test_generic_labels():
     summary = ev.summarize([ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD),
                             ev.score_case("nothing", U, GOLD)])
     assert summary["cases"] == 2 and summary["wellformed"] == 50.0
+
+
+def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxlab.config import DataConfig
+    from mlxlab.data.datasets import load_split
+
+    out = data.write_jsonl(tmp_path / "chunk", seed=0, sizes={"train": 6, "valid": 2, "test": 2})
+    assert sorted(p.name for p in out.iterdir()) == ["test.jsonl", "train.jsonl", "valid.jsonl"]
+    model, tokenizer = load(str(tiny_dir("gemma3")))
+    split = load_split(out / "train.jsonl", tokenizer, DataConfig(max_seq_length=4096))
+    assert len(split.examples) == 6 and all(e.offset > 0 for e in split.examples)
+    records = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
+    _, uuids, gold = data.case_from_chat(records[0])
+    assert uuids[0] == gold[0]["start_message_uuid"] and uuids[-1] == gold[-1]["end_message_uuid"]
+    results = ev.evaluate(model, tokenizer, records, max_tokens=8)
+    assert len(results) == 2 and all(0.0 <= r["wellformed"] <= 100.0 for r in results)

@@ -103,3 +103,26 @@ def build(seed: int = 0, sizes: dict | None = None, max_chars: int = 6000) -> di
                 rows.append(ex)
         out[split] = rows
     return out
+
+
+def write_jsonl(out_dir, seed: int = 0, sizes: dict | None = None, max_chars: int = 6000):
+    """Write train/valid/test.jsonl (chat format, what `train` reads) under `out_dir`."""
+    from pathlib import Path
+
+    from mlxlab.fsutil import atomic_dir
+
+    def write(tmp: Path) -> None:
+        for split, rows in build(seed, sizes, max_chars).items():
+            with (tmp / f"{split}.jsonl").open("w") as f:
+                for row in rows:
+                    f.write(json.dumps(to_chat(row)) + "\n")
+
+    return atomic_dir(Path(out_dir), write)
+
+
+def case_from_chat(record: dict) -> tuple[list[dict], list[str], list[dict]]:
+    """(prompt messages, message uuids in order, gold chunks) of one chat-format example."""
+    messages = record["messages"]
+    uuids = re.findall(r"\(uuid: ([0-9a-f-]+)\)", messages[1]["content"])
+    gold = json.loads(messages[-1]["content"])["chunks"]
+    return messages[:-1], uuids, gold

@@ -162,3 +162,20 @@ def summarize(scores: list[CaseScore]) -> dict:
     keys = ("wellformed", "schema", "anchors", "labels", "nonempty", "boundary_f1", "exact_match")
     n = max(len(scores), 1)
     return {"cases": len(scores), **{k: sum(getattr(s, k) for s in scores) / n for k in keys}}
+
+
+def evaluate(model, tokenizer, records: list[dict], max_tokens: int = 512, progress=None) -> list[dict]:
+    """Greedy-decode each chat record's prompt and score it; one dict per case."""
+    from mlx_lm import generate
+
+    from mlxlab.data.chunk import case_from_chat
+
+    out = []
+    for i, record in enumerate(records):
+        prompt_msgs, uuids, gold = case_from_chat(record)
+        prompt = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, tokenize=False)
+        text = generate(model, tokenizer, prompt, max_tokens=max_tokens)
+        out.append({"case": i, "output": text, **score_case(text, uuids, gold).to_dict()})
+        if progress:
+            progress(i + 1, len(records))
+    return out
