@@ -1,10 +1,10 @@
 """Backward modes: full, per-layer checkpointed, and segmented.
 
 Segmented backward: run the forward in layer segments and keep only each segment's output (a
-boundary, evaluated, so nothing of its graph survives); get the loss head's gradient with
-respect to the last boundary; then walk the segments backwards, one `mx.vjp` per segment with
-the boundary and the segment's LoRA parameters as primals. Only one segment's activations are
-alive at a time. Gemma 4's KV-shared layers attend with a donor layer's K/V: when a cut falls
+boundary, evaluated, so nothing of its graph survives); then walk the segments backwards, one
+`mx.vjp` per segment with the boundary and the segment's LoRA parameters as primals. The last
+segment is differentiated together with the loss head and is not run in the first pass, so it
+costs one forward, not two. Only one segment's activations are alive at a time. Gemma 4's KV-shared layers attend with a donor layer's K/V: when a cut falls
 between donor and sharer, the donor's K/V cross it as a second boundary stream, and the
 cotangents from every sharer are summed before the donor's segment is differentiated.
 """
@@ -184,6 +184,8 @@ def segmented_backward(model, plan: Plan):
                 kvs[i] = kv
         return h, {d: kvs[d] for d in outgoing[s]}
 
+    last = len(plan.segments) - 1
+
     def grad_fn(model_, batch):
         assert model_ is model, "segmented_backward was built for another model"
         inputs, positions, labels, weights = batch.arrays()
@@ -191,18 +193,16 @@ def segmented_backward(model, plan: Plan):
         h = mx.stop_gradient(h)
         mx.eval(h)
         bounds, kv_store = [h], {}
-        for s in range(len(plan.segments)):
+        for s in range(last):  # the last segment runs once, inside its vjp with the head
             h, kv_out = run_segment(s, h, ctx, {d: kv_store[d] for d in incoming[s]})
             mx.eval(h, kv_out)  # evaluated boundaries hold no graph
             bounds.append(h)
             kv_store.update(kv_out)
 
-        (loss, ntoks), (dh,) = mx.vjp(lambda x: head_loss(runner, x, positions, labels, weights),
-                                      [bounds[-1]], [mx.array(1.0), mx.array(0.0)])
-        mx.eval(loss, ntoks, dh)
         dkv: dict[int, list] = {}
         grads: dict[str, mx.array] = {}
-        for s in reversed(range(len(plan.segments))):
+        dh = loss = ntoks = None
+        for s in reversed(range(last + 1)):
             named = _layer_params(model, plan.segments[s])
             names = [n for n, _ in named]
             kv_in = [x for d in incoming[s] for x in kv_store[d]]
@@ -213,21 +213,28 @@ def segmented_backward(model, plan: Plan):
                 _set_layer_params(model, list(zip(names, params, strict=True)))
                 kv = {d: (kv_flat[2 * k], kv_flat[2 * k + 1]) for k, d in enumerate(incoming[s])}
                 h_out, kv_out = run_segment(s, h_in, ctx, kv)
+                if s == last:
+                    return list(head_loss(runner, h_out, positions, labels, weights))
                 return [h_out] + [x for d in outgoing[s] for x in kv_out[d]]
 
-            cot = [dh]
-            for d in outgoing[s]:
-                k, v = kv_store[d]
-                cot += dkv.get(d) or [mx.zeros_like(k), mx.zeros_like(v)]
-            _, vjps = mx.vjp(fn, [bounds[s], *kv_in, *(v for _, v in named)], cot)
+            if s == last:
+                cot = [mx.array(1.0), mx.array(0.0)]
+            else:
+                cot = [dh]
+                for d in outgoing[s]:
+                    k, v = kv_store[d]
+                    cot += dkv.get(d) or [mx.zeros_like(k), mx.zeros_like(v)]
+            outs, vjps = mx.vjp(fn, [bounds[s], *kv_in, *(v for _, v in named)], cot)
             _set_layer_params(model, named)  # put the original arrays back
+            if s == last:
+                loss, ntoks = outs
             dh = vjps[0]
             for k, d in enumerate(incoming[s]):
                 add = [vjps[1 + 2 * k], vjps[2 + 2 * k]]
                 dkv[d] = [a + b for a, b in zip(dkv[d], add, strict=True)] if d in dkv else add
             for name, g in zip(names, vjps[1 + n_kv:], strict=True):
                 grads[name] = g
-            mx.eval(dh, [g for n, g in grads.items() if n in names], list(dkv.values()))
+            mx.eval(loss, ntoks, dh, [g for n, g in grads.items() if n in names], list(dkv.values()))
         return loss, ntoks, _grad_tree(model, grads)
 
     return grad_fn
