@@ -381,13 +381,21 @@ def quote_free_text(arg: str) -> str:
     return key + "='" + body + "\\" * tail + "'"
 
 
+HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
+                     "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+
+
 def positional_to_overrides(argv: list[str], names: tuple[str, ...]) -> list[str]:
     """`pull gemma3-270m force=true` -> `action=pull target="gemma3-270m" force=true`."""
     import json
 
-    out, words = [], 0
+    if not names:
+        return list(argv)
+    out, words, takes_value = [], 0, False
     for arg in argv:
-        if arg.startswith("-") or "=" in arg:
+        if takes_value or arg.startswith("-") or "=" in arg:
+            # Hydra flags whose next word is their value (`--cfg job`, `-p pkg`, ...).
+            takes_value = arg in HYDRA_VALUE_FLAGS
             out.append(arg)
             continue
         if words >= len(names):

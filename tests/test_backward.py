@@ -113,3 +113,42 @@ def test_active_memory_is_flat_over_many_steps(mode):
     slope = np.polyfit(np.arange(len(tail)), tail, 1)[0]
     assert abs(slope) < 1024, f"{mode}: active memory grows {slope:.0f} bytes/step"
     assert tail.max() - tail.min() < 64 * 1024
+
+
+def test_segmented_dropout_masks_match_between_forward_and_recompute():
+    """With dropout, each segment's recomputation must see its first run's masks: the gradients
+    equal autodiff through one forward that seeds each segment the same way."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    model, _, _ = tiny.build("gemma3")
+    lplan = lora.plan(model, LoraConfig(targets=["q", "v", "down"], rank=4, dropout=0.5))
+    lora.apply(model, lplan, seed=0)
+    for _, m in lora.lora_modules(model):  # non-zero B, or dropout on the LoRA input shows nowhere
+        m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
+    model.train()
+    rng = np.random.default_rng(1)
+    batch = B.collate([D.Example(ids=[2] + list(rng.integers(6, 500, 30)), offset=5)])
+    plan = bw.plan_by_size(6, 2)
+    runner = runners.runner_for(model)
+
+    mx.random.seed(7)
+    loss, _, grads = bw.segmented_backward(model, plan)(model, batch)
+
+    def reference(inputs, positions, labels, weights):
+        base = int(mx.random.randint(0, 2**30, ()).item())
+        h, ctx = runner.embed(inputs)
+        for s, seg in enumerate(plan.segments):
+            mx.random.seed(base + s)
+            for i in seg:
+                h, _ = runner.layer(i, h, ctx)
+        return bw.head_loss(runner, h, positions, labels, weights)
+
+    mx.random.seed(7)
+    (ref_loss, _), ref_grads = nn.value_and_grad(model, reference)(*batch.arrays())
+    assert loss.item() == ref_loss.item()
+    g, r = dict(tree_flatten(grads)), dict(tree_flatten(ref_grads))
+    assert all(np.array_equal(np.array(g[k]), np.array(r[k])) for k in r)
+    mx.random.seed(8)
+    other, _, _ = bw.segmented_backward(model, plan)(model, batch)
+    assert other.item() != loss.item()  # dropout is really on

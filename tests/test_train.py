@@ -227,7 +227,10 @@ def test_segmented_training_follows_the_full_backward_exactly(tiny_dir, tmp_path
     from mlxlab.train.cli import run
 
     tiny_dir("gemma3")
-    kw = dict(model="tiny-gemma3", compile=False, save_every=0, iters=4, val_every=0)
+    # No dropout: the modes draw their masks differently (segmented and checkpointed seed each
+    # segment/layer so recomputation sees the same masks), so only dropout-free runs can match.
+    kw = dict(model="tiny-gemma3", compile=False, save_every=0, iters=4, val_every=0,
+              lora=LoraConfig(targets=["q", "v", "down"], rank=4, dropout=0.0))
     full = run(_cfg(tmp_path / "full", **kw))
     seg = run(_cfg(tmp_path / "seg", backward=BackwardConfig(mode="segmented", segment_size=4), **kw))
     ckpt = run(_cfg(tmp_path / "ckpt", backward=BackwardConfig(mode="checkpoint"), **kw))

@@ -189,11 +189,15 @@ def segmented_backward(model, plan: Plan):
     def grad_fn(model_, batch):
         assert model_ is model, "segmented_backward was built for another model"
         inputs, positions, labels, weights = batch.arrays()
+        # Dropout: each segment draws from its own seed, so its recomputation inside the vjp
+        # sees the same masks as its first run.
+        base = int(mx.random.randint(0, 2**30, ()).item())
         h, ctx = runner.embed(inputs)
         h = mx.stop_gradient(h)
         mx.eval(h)
         bounds, kv_store = [h], {}
         for s in range(last):  # the last segment runs once, inside its vjp with the head
+            mx.random.seed(base + s)
             h, kv_out = run_segment(s, h, ctx, {d: kv_store[d] for d in incoming[s]})
             mx.eval(h, kv_out)  # evaluated boundaries hold no graph
             bounds.append(h)
@@ -224,6 +228,7 @@ def segmented_backward(model, plan: Plan):
                 for d in outgoing[s]:
                     k, v = kv_store[d]
                     cot += dkv.get(d) or [mx.zeros_like(k), mx.zeros_like(v)]
+            mx.random.seed(base + s)
             outs, vjps = mx.vjp(fn, [bounds[s], *kv_in, *(v for _, v in named)], cot)
             _set_layer_params(model, named)  # put the original arrays back
             if s == last:
@@ -250,6 +255,7 @@ def checkpointed_backward(model):
 
     def loss_fn(params, inputs, positions, labels, weights):
         model.update(params)
+        base = int(mx.random.randint(0, 2**30, ()).item())
         h, ctx = runner.embed(inputs)
         h = mx.stop_gradient(h)
         kvs = {}
@@ -259,6 +265,7 @@ def checkpointed_backward(model):
             keeps_kv = i in set(donors.values())
 
             def body(p, x, *kv, i=i, layer=layer, keeps_kv=keeps_kv):
+                mx.random.seed(base + i)  # the recomputation redraws the same dropout masks
                 layer.update(p)
                 out, kv_out = runner.layer(i, x, ctx, tuple(kv) if kv else None)
                 return (out, *kv_out) if keeps_kv else out
