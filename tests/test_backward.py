@@ -115,9 +115,10 @@ def test_active_memory_is_flat_over_many_steps(mode):
     assert tail.max() - tail.min() < 64 * 1024
 
 
-def test_segmented_dropout_masks_match_between_forward_and_recompute():
-    """With dropout, each segment's recomputation must see its first run's masks: the gradients
-    equal autodiff through one forward that seeds each segment the same way."""
+@pytest.mark.parametrize("mode", ["segmented", "checkpoint"])
+def test_dropout_masks_match_between_forward_and_recompute(mode):
+    """With dropout, each segment's (layer's) recomputation must see its first run's masks: the
+    gradients equal autodiff through one forward that seeds each segment the same way."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -129,11 +130,13 @@ def test_segmented_dropout_masks_match_between_forward_and_recompute():
     model.train()
     rng = np.random.default_rng(1)
     batch = B.collate([D.Example(ids=[2] + list(rng.integers(6, 500, 30)), offset=5)])
-    plan = bw.plan_by_size(6, 2)
+    # checkpoint mode seeds per layer: the same as segments of one layer
+    plan = bw.plan_by_size(6, 2 if mode == "segmented" else 1)
     runner = runners.runner_for(model)
+    grad_fn = bw.segmented_backward(model, plan) if mode == "segmented" else bw.checkpointed_backward(model)
 
     mx.random.seed(7)
-    loss, _, grads = bw.segmented_backward(model, plan)(model, batch)
+    loss, _, grads = grad_fn(model, batch)
 
     def reference(inputs, positions, labels, weights):
         base = int(mx.random.randint(0, 2**30, ()).item())
@@ -150,5 +153,5 @@ def test_segmented_dropout_masks_match_between_forward_and_recompute():
     g, r = dict(tree_flatten(grads)), dict(tree_flatten(ref_grads))
     assert all(np.array_equal(np.array(g[k]), np.array(r[k])) for k in r)
     mx.random.seed(8)
-    other, _, _ = bw.segmented_backward(model, plan)(model, batch)
+    other, _, _ = grad_fn(model, batch)
     assert other.item() != loss.item()  # dropout is really on
