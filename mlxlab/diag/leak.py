@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlxlab.config import BackwardConfig, DiagConfig, LoraConfig, OptimConfig
+from mlxlab.config import BackwardConfig, DiagConfig, OptimConfig
 
 
 def run(cfg: DiagConfig, verbose: bool = True) -> dict:
-
-    from mlxlab.data.batches import collate
-    from mlxlab.data.datasets import Example
-    from mlxlab.diag.parity import _text_ids
-    from mlxlab.lora import apply as lora
-    from mlxlab.models.zoo import load
+    from mlxlab.diag.workload import training_setup
     from mlxlab.train import backward as bw
 
-    model, tok = load(cfg.model, cfg.dtype)
-    plan = lora.plan(model, LoraConfig(targets=list(lora.SHORT_NAMES), rank=8))
-    lora.apply(model, plan, seed=0)
-    model.train()
-    ids = _text_ids(tok, cfg.length)
-    batch = collate([Example(ids, cfg.length // 2)])
+    model, _, batch = training_setup(cfg.model, cfg.dtype, cfg.length, cfg.length // 2)
     bcfg = BackwardConfig(mode=cfg.mode, segment_size=cfg.segment_size)
     grad_fn, how = bw.make_grad_fn(model, bcfg, (1, cfg.length), compile=False)
     active, peak = record_memory(model, grad_fn, batch, cfg.steps)

@@ -35,29 +35,20 @@ def worker(model_name: str, mode: str, length: int, steps: int, dtype: str, targ
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxlab.config import BackwardConfig, LoraConfig, OptimConfig
-    from mlxlab.data.batches import collate
-    from mlxlab.data.datasets import Example
-    from mlxlab.diag.parity import _text_ids
-    from mlxlab.lora import apply as lora
-    from mlxlab.models.zoo import load
+    from mlxlab.config import BackwardConfig, OptimConfig
+    from mlxlab.diag.workload import training_setup
     from mlxlab.train import backward as bw
     from mlxlab.train import trainer
 
-    model, tok = load(model_name, dtype)
-    plan = lora.plan(model, LoraConfig(targets=list(lora.SHORT_NAMES), rank=8))
-    lora.apply(model, plan, seed=0)
-    model.train()
-    ids = _text_ids(tok, length)
-    ex = Example(ids=ids, offset=length - length // 4)
-    batch = collate([ex])
+    offset = length - length // 4
+    model, ids, batch = training_setup(model_name, dtype, length, offset)
     optimizer = trainer.make_optimizer(OptimConfig(lr=1e-5), 100)
     if mode.startswith("mlx_lm"):
         from mlx_lm.tuner.trainer import default_loss, grad_checkpoint
 
         if mode == "mlx_lm_gc":
             grad_checkpoint(model.layers[0])  # mlx-lm patches the layer class, as its CLI does
-        tokens, lengths = mx.array([ids]), mx.array([[ex.offset, length]])
+        tokens, lengths = mx.array([ids]), mx.array([[offset, length]])
         vg = nn.value_and_grad(model, default_loss)
 
         def grad_fn(model_, b):

@@ -22,25 +22,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxlab.config import DiagConfig, LoraConfig
+from mlxlab.config import DiagConfig
 from mlxlab.diag.compare import Comparison, compare
-
-
-def _text_ids(tokenizer, length: int) -> list[int]:
-    from mlxlab.models.tokenizers import _tiny_corpus
-
-    ids = tokenizer.encode("\n\n".join(_tiny_corpus()))
-    if len(ids) < length:
-        ids = (ids * (length // len(ids) + 1))
-    return ids[:length]
+from mlxlab.diag.workload import attach_lora, text_ids
 
 
 def _random_adapter(model, out: Path, seed: int = 0) -> Path:
     from mlxlab.lora import apply as lora
     from mlxlab.lora import io as lora_io
 
-    plan = lora.plan(model, LoraConfig(targets=list(lora.SHORT_NAMES), rank=8))
-    lora.apply(model, plan, seed=seed)
+    plan = attach_lora(model, seed)
     mx.random.seed(seed + 1)
     for _, m in lora.lora_modules(model):
         m.lora_b = (0.02 * mx.random.normal(m.lora_b.shape)).astype(m.lora_b.dtype)
@@ -70,7 +61,7 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
     ours, tokenizer = load(str(path), cfg.dtype)
     theirs, _ = mlx_lm_load(str(path))
     theirs.set_dtype(dtype)
-    ids = _text_ids(tokenizer, cfg.length)
+    ids = text_ids(tokenizer, cfg.length)
     inputs = mx.array(ids)[None]
     checks: list[Comparison] = []
 
