@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 # Gemma's turn format (the GGUF of a base model ships no template). A system message is folded
 # into the first user turn, as Gemma's own template does.
 GEMMA_CHAT_TEMPLATE = (
@@ -39,21 +37,6 @@ _TOKENIZER_KEYS = {
 }
 
 
-def _read_field(reader, key):
-    """A GGUF metadata value; arrays read in bulk (field.contents() is slow on 262k entries)."""
-    import gguf
-
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-        items = [f.parts[i] for i in f.data]
-        if f.types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(p).decode("utf-8", errors="replace") for p in items]
-        return np.concatenate(items).tolist() if items else []
-    return f.contents()
-
-
 def _add_bos_processor(backend, bos: str, bos_id: int) -> None:
     from tokenizers import processors
 
@@ -72,6 +55,7 @@ def from_gguf(reader, arch: str):
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
     from mlxlab.config import UserError
+    from mlxlab.models.gguf import read_field as _read_field
 
     data = {name: _read_field(reader, f"tokenizer.{key}") for key, name in _TOKENIZER_KEYS.items()}
     data = {k: v for k, v in data.items() if v is not None}
