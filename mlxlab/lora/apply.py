@@ -32,7 +32,7 @@ class LoraPlan:
 
     def module_paths(self, model) -> list[str]:
         """Full paths (`model.layers.3.self_attn.q_proj`) of every adapted module present."""
-        prefix = _layers_prefix(model)
+        prefix = layers_prefix(model)
         paths = []
         for i in self.layers:
             present = dict(model.layers[i].named_modules())
@@ -40,7 +40,7 @@ class LoraPlan:
         return paths
 
 
-def _layers_prefix(model) -> str:
+def layers_prefix(model) -> str:
     """The parameter path of `model.layers` (`model.layers` for most mlx-lm models)."""
     first = model.layers[0]
     for name, module in model.named_modules():
@@ -49,7 +49,7 @@ def _layers_prefix(model) -> str:
     raise UserError("cannot locate the transformer layers in this model")
 
 
-def _layer_keys(layer) -> dict[str, str]:
+def layer_keys(layer) -> dict[str, str]:
     """Module path -> leaf name for every linear (or already adapted) module in a layer."""
     return {path: path.rsplit(".", 1)[-1] for path, m in layer.named_modules()
             if isinstance(m, (*_LINEAR, LoRALinear))}
@@ -71,7 +71,7 @@ def plan(model, cfg: LoraConfig) -> LoraPlan:
             raise UserError(f"lora.layers {list(cfg.layers)}: indices must be in 0..{n - 1}")
     available: dict[str, str] = {}
     for i in layers:
-        available.update(_layer_keys(model.layers[i]))
+        available.update(layer_keys(model.layers[i]))
     keys, missing = [], []
     for target in cfg.targets:
         leaf = SHORT_NAMES.get(target)
@@ -96,7 +96,7 @@ def apply(model, lora_plan: LoraPlan, seed: int | None = None) -> list[str]:
         mx.random.seed(seed)
     training = model.training  # new modules start in training mode; keep the model's mode
     model.freeze()
-    prefix = _layers_prefix(model)
+    prefix = layers_prefix(model)
     for i in lora_plan.layers:
         layer = model.layers[i]
         present = dict(layer.named_modules())

@@ -132,7 +132,7 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
     layers = tuple(meta.get("layers") or range(n - min(num_layers, n), n))
     keys = params.get("keys")
     if keys is None:  # mlx-lm's default: every linear in the adapted layers
-        keys = sorted({k for i in layers for k in lora_apply._layer_keys(model.layers[i])})
+        keys = sorted({k for i in layers for k in lora_apply.layer_keys(model.layers[i])})
     plan = lora_apply.LoraPlan(layers=tuple(layers), keys=tuple(keys), rank=int(params["rank"]),
                                scale=float(params["scale"]), dropout=float(params.get("dropout", 0.0)))
     expected = _expected_shapes(model, plan, problems)
@@ -147,7 +147,7 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
 
 
 def _expected_shapes(model, plan: lora_apply.LoraPlan, problems: list[str]) -> dict[str, tuple]:
-    prefix = lora_apply._layers_prefix(model)
+    prefix = lora_apply.layers_prefix(model)
     shapes = {}
     for i in plan.layers:
         if not 0 <= i < len(model.layers):
