@@ -18,6 +18,8 @@ COMMANDS = {
     "train": ("mlxlab.train.cli", "LoRA fine-tuning (+exp=quickstart, data.train=..., resume=true)"),
     "lora": ("mlxlab.lora.cli", "adapters: check adapter=DIR | fuse adapter=DIR out=DIR"),
     "diag": ("mlxlab.diag.cli", "harnesses: parity (vs mlx-lm) | leak | memory"),
+    "data": ("mlxlab.data.cli", "build a task dataset offline: chunk out=DIR"),
+    "eval": ("mlxlab.eval.cli", "score a model/adapter on a task: chunk adapter=DIR"),
 }
 
 USAGE = "usage: python -m mlxlab <command> [key=value ...] [--cfg job] [--help]\n\ncommands:\n" + "".join(

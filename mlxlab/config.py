@@ -193,6 +193,123 @@ class BackwardConfig:
 
 
 @dataclass
+class ChunkDataConfig:
+    """How the chunk-task dataset is stitched from the Python reference topics (mlxlab/data/chunk.py)."""
+
+    seed: int = 0
+    """Seeds the topic split and every conversation."""
+    train: int = 400
+    """Training conversations."""
+    valid: int = 16
+    """Validation conversations."""
+    test: int = 24
+    """Test conversations (topics disjoint from train and valid)."""
+    min_topics: int = 2
+    """Fewest topics (gold chunks) per conversation."""
+    max_topics: int = 3
+    """Most topics per conversation."""
+    min_messages: int = 2
+    """Fewest messages per topic."""
+    max_messages: int = 3
+    """Most messages per topic."""
+    max_paragraph_chars: int = 300
+    """A message is one paragraph of a topic, cut to this many characters."""
+    max_chars: int = 2400
+    """Longest rendered conversation (characters); longer draws are skipped."""
+
+    def __post_init__(self):
+        for key in ("train", "valid", "test"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not 1 <= self.min_topics <= self.max_topics:
+            raise UserError(f"need 1 <= min_topics <= max_topics, got {self.min_topics}, {self.max_topics}")
+        if not 1 <= self.min_messages <= self.max_messages:
+            raise UserError("need 1 <= min_messages <= max_messages, got "
+                            f"{self.min_messages}, {self.max_messages}")
+        if self.max_paragraph_chars < 40 or self.max_chars < 200:
+            raise UserError("max_paragraph_chars must be >= 40 and max_chars >= 200")
+
+
+@dataclass
+class DataBuildConfig:
+    """`python -m mlxlab data chunk`: build a task dataset as chat JSONL (train/valid/test)."""
+
+    task: str = "chunk"
+    """The dataset to build (chunk: topical segmentation of conversations)."""
+    out: str = "data/chunk"
+    """Output directory (written atomically); refuses a non-empty one unless force=true."""
+    force: bool = False
+    """Replace an existing output directory."""
+    chunk: ChunkDataConfig = field(default_factory=ChunkDataConfig)
+
+    def __post_init__(self):
+        if self.task != "chunk":
+            raise UserError(f"unknown dataset {self.task!r}; the builder knows: chunk")
+
+
+@dataclass
+class EvalSettings:
+    """How a task is evaluated (greedy decoding over one split)."""
+
+    split: str = "test"
+    """Which split of the dataset to evaluate (train | valid | test)."""
+    cases: int = 0
+    """Evaluate the first N cases only; 0 means all."""
+    max_tokens: int = 256
+    """Most tokens generated per case."""
+    batch_size: int = 8
+    """Cases decoded together (mlx-lm's batch generation); 1 decodes one at a time."""
+
+    def __post_init__(self):
+        if self.split not in ("train", "valid", "test"):
+            raise UserError(f"split must be train, valid or test, got {self.split!r}")
+        if self.cases < 0 or self.max_tokens < 1 or self.batch_size < 1:
+            raise UserError("cases must be >= 0, max_tokens and batch_size >= 1")
+
+
+@dataclass
+class EvalConfig(EvalSettings):
+    """`python -m mlxlab eval chunk`: score a model (and adapter) on a task's split."""
+
+    task: str = "chunk"
+    """The task scorer (chunk: well-formedness, boundary F1, exact chunks)."""
+    model: str = DEFAULT_MODEL
+    """Zoo name, mlx-lm model directory, or .gguf file."""
+    dtype: str = "auto"
+    """Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
+    adapter: str | None = None
+    """LoRA adapter directory (or a training run directory); none evaluates the base model."""
+    data: str | None = None
+    """Dataset directory with <split>.jsonl; default: the chunk dataset built with its defaults."""
+    out: str | None = None
+    """Per-case results (JSONL) path; default: eval_<task>_<split>.jsonl in the current directory."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.task != "chunk":
+            raise UserError(f"unknown task {self.task!r}; the evaluator knows: chunk")
+
+
+@dataclass
+class TaskConfig:
+    """A task a training run is about: its dataset is built when data.train is unset, and the base
+    and tuned models are evaluated on it after training."""
+
+    name: str | None = None
+    """null (plain training) | chunk."""
+    data: ChunkDataConfig = field(default_factory=ChunkDataConfig)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    eval_base: bool = True
+    """Also evaluate the base model (before LoRA is attached)."""
+    report: str | None = None
+    """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
+
+    def __post_init__(self):
+        if self.name not in (None, "chunk"):
+            raise UserError(f"unknown task.name {self.name!r}; choose null or chunk")
+
+
+@dataclass
 class TrainConfig:
     """`python -m mlxlab train`: LoRA SFT."""
 
@@ -234,6 +351,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     backward: BackwardConfig = field(default_factory=BackwardConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self):
         for key in ("iters", "batch_size", "grad_accum", "keep_last", "log_every"):
@@ -295,7 +413,7 @@ class DiagConfig:
 
 
 SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig,
-           "lora": LoraToolConfig, "diag": DiagConfig}
+           "lora": LoraToolConfig, "diag": DiagConfig, "data": DataBuildConfig, "eval": EvalConfig}
 
 
 def packaged_data(name: str) -> str:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from mlxlab.config import ChunkDataConfig
 from mlxlab.data import chunk as data
 from mlxlab.eval import chunk as ev
 
@@ -16,8 +17,8 @@ GOLD = [{"start_message_uuid": U[0], "end_message_uuid": U[1], "label": "The ass
 
 
 def test_builder_is_deterministic_and_keeps_topics_apart():
-    a, b = data.build(seed=1, sizes={"train": 20, "valid": 5, "test": 5}), \
-        data.build(seed=1, sizes={"train": 20, "valid": 5, "test": 5})
+    cfg = ChunkDataConfig(seed=1, train=20, valid=5, test=5)
+    a, b = data.build(cfg), data.build(cfg)
     assert a == b
     labels = {split: {c["label"] for ex in rows for c in ex["chunks"]} for split, rows in a.items()}
     assert not labels["train"] & labels["test"] and not labels["train"] & labels["valid"]
@@ -26,7 +27,10 @@ def test_builder_is_deterministic_and_keeps_topics_apart():
     chat = data.to_chat(ex)
     assert json.loads(chat["messages"][-1]["content"])["chunks"] == ex["chunks"]
     assert "(uuid: " in chat["messages"][1]["content"] and "\n---\n" in chat["messages"][1]["content"]
-    assert data.build(seed=2, sizes={"train": 5})["train"] != a["train"][:5]
+    assert data.build(ChunkDataConfig(seed=2, train=5))["train"] != a["train"][:5]
+    for ex in a["train"]:
+        assert 2 <= len(ex["chunks"]) <= 3 and len(data.render(ex["messages"])) <= cfg.max_chars
+        assert all(len(m["text"]) <= cfg.max_paragraph_chars for m in ex["messages"])
 
 
 def test_gold_answer_scores_perfectly():
@@ -72,8 +76,8 @@ def test_unrepairable_results_score_zero_anchors():
 def test_generic_labels():
     assert not ev.is_specific("Chunk 1") and not ev.is_specific("Other topics")
     assert not ev.is_specific("Assert") and ev.is_specific("The assert statement")
-    summary = ev.summarize([ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD),
-                            ev.score_case("nothing", U, GOLD)])
+    summary = ev.summarize([ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD).to_dict(),
+                            ev.score_case("nothing", U, GOLD).to_dict()])
     assert summary["cases"] == 2 and summary["wellformed"] == 50.0
 
 
@@ -83,13 +87,16 @@ def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     from mlxlab.config import DataConfig
     from mlxlab.data.datasets import load_split
 
-    out = data.write_jsonl(tmp_path / "chunk", seed=0, sizes={"train": 6, "valid": 2, "test": 2})
-    assert sorted(p.name for p in out.iterdir()) == ["test.jsonl", "train.jsonl", "valid.jsonl"]
+    out = data.write_jsonl(tmp_path / "chunk", ChunkDataConfig(train=6, valid=2, test=3))
+    assert sorted(p.name for p in out.iterdir()) == ["build.json", "test.jsonl", "train.jsonl", "valid.jsonl"]
     model, tokenizer = load(str(tiny_dir("gemma3")))
     split = load_split(out / "train.jsonl", tokenizer, DataConfig(max_seq_length=4096))
     assert len(split.examples) == 6 and all(e.offset > 0 for e in split.examples)
     records = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
     _, uuids, gold = data.case_from_chat(records[0])
     assert uuids[0] == gold[0]["start_message_uuid"] and uuids[-1] == gold[-1]["end_message_uuid"]
-    results = ev.evaluate(model, tokenizer, records, max_tokens=8)
-    assert len(results) == 2 and all(0.0 <= r["wellformed"] <= 100.0 for r in results)
+    results = ev.evaluate(model, tokenizer, records, max_tokens=8, batch_size=2)
+    assert len(results) == 3 and all(0.0 <= r["wellformed"] <= 100.0 for r in results)
+    assert [r["case"] for r in results] == [0, 1, 2]
+    one_by_one = ev.evaluate(model, tokenizer, records, max_tokens=8, batch_size=1)
+    assert [r["prompt_tokens"] for r in one_by_one] == [r["prompt_tokens"] for r in results]

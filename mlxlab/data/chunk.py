@@ -15,6 +15,9 @@ import random
 import re
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
+
+from mlxlab.config import ChunkDataConfig, UserError
 
 SYSTEM = ("You segment conversations into topical chunks. Answer with JSON only: "
           '{"chunks":[{"start_message_uuid":"...","end_message_uuid":"...","label":"..."}]}.')
@@ -30,7 +33,7 @@ class Topic:
     paragraphs: list[str]
 
 
-def load_topics(max_paragraph_chars: int = 400) -> list[Topic]:
+def load_topics() -> list[Topic]:
     """The reference topics with at least three usable paragraphs, in a fixed order."""
     from pydoc_data.topics import topics
 
@@ -45,7 +48,7 @@ def load_topics(max_paragraph_chars: int = 400) -> list[Topic]:
             if not p or set(p) <= set("*=-"):
                 continue
             p = " ".join(p.split()) if not p.startswith("   ") else p
-            paragraphs.append(p[:max_paragraph_chars])
+            paragraphs.append(p)
         if len(paragraphs) >= 3 and 2 <= len(label.split()) <= 12:
             out.append(Topic(key, label, paragraphs))
     return out
@@ -60,18 +63,19 @@ def split_topics(topics: list[Topic], seed: int, fractions=(0.7, 0.15)) -> dict[
             "test": order[n_train + n_valid:]}
 
 
-def make_conversation(topics: list[Topic], rng: random.Random, min_topics: int = 2,
-                      max_topics: int = 4, min_msgs: int = 2, max_msgs: int = 4) -> dict:
+def make_conversation(topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig) -> dict:
     """One example: messages, the rendered conversation, and the gold chunks."""
-    chosen = rng.sample(topics, rng.randint(min_topics, min(max_topics, len(topics))))
+    chosen = rng.sample(topics, rng.randint(cfg.min_topics, min(cfg.max_topics, len(topics))))
     messages, chunks = [], []
     for topic in chosen:
-        n = rng.randint(min_msgs, min(max_msgs, len(topic.paragraphs)))
+        n = rng.randint(min(cfg.min_messages, len(topic.paragraphs)),
+                        min(cfg.max_messages, len(topic.paragraphs)))
         start = rng.randint(0, len(topic.paragraphs) - n)
         ids = []
         for text in topic.paragraphs[start:start + n]:
             mid = str(uuid.UUID(int=rng.getrandbits(128), version=4))
-            messages.append({"sender": rng.choice(SENDERS), "uuid": mid, "text": text})
+            messages.append({"sender": rng.choice(SENDERS), "uuid": mid,
+                             "text": text[:cfg.max_paragraph_chars]})
             ids.append(mid)
         chunks.append({"start_message_uuid": ids[0], "end_message_uuid": ids[-1], "label": topic.label})
     return {"messages": messages, "chunks": chunks}
@@ -89,33 +93,40 @@ def to_chat(example: dict) -> dict:
     ]}
 
 
-def build(seed: int = 0, sizes: dict | None = None, max_chars: int = 6000) -> dict[str, list[dict]]:
-    """{split: [example, ...]}; an example's rendered prompt stays under `max_chars`."""
-    sizes = sizes or {"train": 400, "valid": 40, "test": 40}
-    parts = split_topics(load_topics(), seed)
+def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
+    """{split: [example, ...]}; every rendered conversation stays under `cfg.max_chars`."""
+    cfg = cfg or ChunkDataConfig()
+    parts = split_topics(load_topics(), cfg.seed)
     out = {}
-    for split, n in sizes.items():
-        rng = random.Random(f"{seed}-{split}")
-        rows = []
-        while len(rows) < n:
-            ex = make_conversation(parts[split], rng)
-            if len(render(ex["messages"])) <= max_chars:
+    for split in ("train", "valid", "test"):
+        rng = random.Random(f"{cfg.seed}-{split}")
+        rows, tries = [], 0
+        while len(rows) < getattr(cfg, split):
+            ex = make_conversation(parts[split], rng, cfg)
+            tries += 1
+            if len(render(ex["messages"])) <= cfg.max_chars:
                 rows.append(ex)
+            elif tries > 100 * getattr(cfg, split) + 1000:
+                raise UserError(f"max_chars={cfg.max_chars} is too small: almost no {split} "
+                                "conversation fits; raise it or lower max_topics/max_messages")
         out[split] = rows
     return out
 
 
-def write_jsonl(out_dir, seed: int = 0, sizes: dict | None = None, max_chars: int = 6000):
-    """Write train/valid/test.jsonl (chat format, what `train` reads) under `out_dir`."""
-    from pathlib import Path
+def write_jsonl(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
+    """Write train/valid/test.jsonl (chat format, what `train` reads) and build.json under `out_dir`."""
+    from dataclasses import asdict
 
     from mlxlab.fsutil import atomic_dir
 
+    cfg = cfg or ChunkDataConfig()
+
     def write(tmp: Path) -> None:
-        for split, rows in build(seed, sizes, max_chars).items():
+        for split, rows in build(cfg).items():
             with (tmp / f"{split}.jsonl").open("w") as f:
                 for row in rows:
                     f.write(json.dumps(to_chat(row)) + "\n")
+        (tmp / "build.json").write_text(json.dumps({"task": "chunk", **asdict(cfg)}, indent=1) + "\n")
 
     return atomic_dir(Path(out_dir), write)
 

@@ -158,24 +158,77 @@ def score_case(text: str, uuids: list[str], gold: list[dict]) -> CaseScore:
     return CaseScore(wf, schema, anchors, labels, nonempty, f1, exact, method, v.repairs, v.notes)
 
 
-def summarize(scores: list[CaseScore]) -> dict:
-    keys = ("wellformed", "schema", "anchors", "labels", "nonempty", "boundary_f1", "exact_match")
-    n = max(len(scores), 1)
-    return {"cases": len(scores), **{k: sum(getattr(s, k) for s in scores) / n for k in keys}}
+METRICS = ("wellformed", "schema", "anchors", "labels", "nonempty", "boundary_f1", "exact_match")
 
 
-def evaluate(model, tokenizer, records: list[dict], max_tokens: int = 512, progress=None) -> list[dict]:
-    """Greedy-decode each chat record's prompt and score it; one dict per case."""
-    from mlx_lm import generate
+def summarize(rows: list[dict]) -> dict:
+    """Means of the per-case metrics (rows as `evaluate` returns them)."""
+    n = max(len(rows), 1)
+    return {"cases": len(rows), **{k: sum(r[k] for r in rows) / n for k in METRICS}}
 
+
+def table(summaries: dict[str, dict]) -> str:
+    """A markdown table, one row per evaluated model."""
+    head = "| model | cases | well-formedness | boundary F1 | exact chunks | schema | anchors | labels |"
+    lines = [head, "|" + "---|" * 8]
+    for name, s in summaries.items():
+        lines.append(f"| {name} | {s['cases']} | {s['wellformed']:.1f} | {s['boundary_f1']:.3f} | "
+                     f"{s['exact_match']:.3f} | {s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |")
+    return "\n".join(lines)
+
+
+def read_split(data_dir, settings) -> list[dict]:
+    """The records of `settings.split` (the first `settings.cases` when set)."""
+    from pathlib import Path
+
+    from mlxlab.config import UserError
+
+    path = Path(data_dir) / f"{settings.split}.jsonl"
+    if not path.is_file():
+        raise UserError(f"no {settings.split}.jsonl in {data_dir} (build one: python -m mlxlab data chunk)")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records[:settings.cases] if settings.cases else records
+
+
+def generate_all(model, tokenizer, prompts: list[list[int]], max_tokens: int, batch_size: int,
+                 progress=None) -> list[str]:
+    """Greedy completions of token-id prompts, in order.
+
+    batch_size > 1 decodes groups of similar length together with mlx-lm's `batch_generate`
+    (left-padded, so a case's text can differ from its unbatched decode in rare near-ties);
+    batch_size = 1 uses mlx-lm's `generate` one prompt at a time.
+    """
+    from mlx_lm import batch_generate, generate
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    texts: list[str] = [""] * len(prompts)
+    done = 0
+    for at in range(0, len(order), batch_size):
+        group = order[at:at + batch_size]
+        if batch_size == 1:
+            outs = [generate(model, tokenizer, prompts[group[0]], max_tokens=max_tokens)]
+        else:
+            outs = batch_generate(model, tokenizer, [prompts[i] for i in group], max_tokens=max_tokens).texts
+        for i, text in zip(group, outs, strict=True):
+            texts[i] = text
+        done += len(group)
+        if progress:
+            progress(done, len(prompts))
+    return texts
+
+
+def evaluate(model, tokenizer, records: list[dict], max_tokens: int = 256, batch_size: int = 8,
+             progress=None) -> list[dict]:
+    """Greedy-decode each chat record's prompt (model in eval mode) and score it; one dict per case."""
     from mlxlab.data.chunk import case_from_chat
 
-    out = []
-    for i, record in enumerate(records):
-        prompt_msgs, uuids, gold = case_from_chat(record)
-        prompt = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, tokenize=False)
-        text = generate(model, tokenizer, prompt, max_tokens=max_tokens)
-        out.append({"case": i, "output": text, **score_case(text, uuids, gold).to_dict()})
-        if progress:
-            progress(i + 1, len(records))
-    return out
+    cases = [case_from_chat(r) for r in records]
+    prompts = [tokenizer.apply_chat_template(msgs, add_generation_prompt=True) for msgs, _, _ in cases]
+    was_training = model.training
+    model.eval()
+    try:
+        texts = generate_all(model, tokenizer, prompts, max_tokens, batch_size, progress)
+    finally:
+        model.train(was_training)
+    return [{"case": i, "output": text, "prompt_tokens": len(p), **score_case(text, uuids, gold).to_dict()}
+            for i, (text, p, (_, uuids, gold)) in enumerate(zip(texts, prompts, cases, strict=True))]

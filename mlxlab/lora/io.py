@@ -85,13 +85,30 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
     return data
 
 
+def resolve_dir(path: str | Path) -> Path:
+    """An adapter directory, or a training run directory -> its final adapter (`<run>/adapter`).
+
+    A run directory resolves only to the adapter written at the end of training, never to an
+    intermediate checkpoint; a run that has not finished has none and is refused.
+    """
+    path = Path(path).expanduser()
+    if (path / CONFIG).is_file() or not path.is_dir():
+        return path
+    if (path / "adapter" / CONFIG).is_file():
+        return path / "adapter"
+    if (path / "checkpoints").is_dir():
+        raise UserError(f"{path} is a training run without a final adapter (still running or "
+                        "killed?); pass one of its checkpoints/ explicitly or resume the run")
+    return path
+
+
 def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, mx.array]]:
     """Read and check an adapter against `model` without touching the model.
 
     Every problem (missing files, bad JSON, unknown or missing tensors, wrong shapes) is
     collected and raised as one UserError.
     """
-    path = Path(path)
+    path = resolve_dir(path)
     if not path.is_dir():
         raise UserError(f"adapter path {path} is not a directory")
     problems: list[str] = []

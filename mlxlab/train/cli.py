@@ -52,17 +52,24 @@ def run(cfg: TrainConfig) -> dict:
     from mlxlab.lora import apply as lora_apply
     from mlxlab.lora import io as lora_io
     from mlxlab.models.zoo import load
-    from mlxlab.train import trainer
+    from mlxlab.train import tasks, trainer
 
     run_dir = run_dir_for(cfg)
     if cfg.resume:
         _check_resume_config(run_dir, cfg)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it")
-    train_path, valid_path = resolve_paths(cfg.data)
+    t_start = time.perf_counter()
+    if cfg.task.name:
+        writable_dir(run_dir)
+    data_cfg = tasks.prepare_data(cfg, run_dir)
+    train_path, valid_path = resolve_paths(data_cfg)
     model, tokenizer = load(cfg.model, cfg.dtype)
-    train_set = load_split(train_path, tokenizer, cfg.data)
-    valid_set = load_split(valid_path, tokenizer, cfg.data) if valid_path else None
+    train_set = load_split(train_path, tokenizer, data_cfg)
+    valid_set = load_split(valid_path, tokenizer, data_cfg) if valid_path else None
+    evals = {}
+    if cfg.task.name and cfg.task.eval_base:
+        evals["base"] = tasks.evaluate(model, tokenizer, cfg, data_cfg, run_dir, "base")
 
     plan = lora_apply.plan(model, cfg.lora)
     lora_apply.apply(model, plan, seed=cfg.seed)
@@ -89,7 +96,22 @@ def run(cfg: TrainConfig) -> dict:
                             grad_fn=grad_fn, log=log, meta=meta)
     adapter_dir = lora_io.save(model, plan, run_dir / "adapter", meta=meta)
     summary["adapter"] = str(adapter_dir)
+    if cfg.task.name:
+        evals["tuned"] = tasks.evaluate(model, tokenizer, cfg, data_cfg, run_dir, "tuned")
+        summary["eval"] = evals
+    summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     trainer.write_summary(run_dir, summary)
+    if cfg.task.name:
+        from mlxlab.eval.chunk import table
+
+        text = tasks.report(cfg, run_dir, summary, evals, how, summary["wall_s"])
+        atomic_write_text(run_dir / "README.md", text)
+        if cfg.task.report:
+            report_path = Path(cfg.task.report).expanduser().absolute()
+            writable_dir(report_path.parent)
+            atomic_write_text(report_path, text)
+            print(f"report: {cfg.task.report}", file=sys.stderr)
+        print(table(evals), file=sys.stderr)
     val = summary.get("val_loss")
     first = summary.get("initial_val_loss")
     if val is not None:
