@@ -18,6 +18,7 @@ COMMANDS = {
     "train": ("mlxlab.train.cli", "LoRA fine-tuning (+exp=quickstart, data.train=..., resume=true)"),
     "lora": ("mlxlab.lora.cli", "adapters: check adapter=DIR | fuse adapter=DIR out=DIR"),
     "diag": ("mlxlab.diag.cli", "harnesses: parity (vs mlx-lm) | leak | memory"),
+    "serve": ("mlxlab.serve.cli", "OpenAI-compatible HTTP server (model=..., port=8090, memory_budget_gb=...)"),
     "data": ("mlxlab.data.cli", "build a task dataset offline: chunk out=DIR"),
     "eval": ("mlxlab.eval.cli", "score a model/adapter on a task: chunk adapter=DIR"),
 }

@@ -412,8 +412,55 @@ class DiagConfig:
             raise UserError(f"steps ({self.steps}) must exceed warmup ({self.warmup}) by 3 or more")
 
 
+@dataclass
+class ServeConfig:
+    """`python -m mlxlab serve`: OpenAI-compatible HTTP API over one model."""
+
+    model: str = DEFAULT_MODEL
+    """Zoo name, mlx-lm model directory, or .gguf file."""
+    dtype: str = "auto"
+    """Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
+    host: str = "127.0.0.1"
+    """Interface to bind (loopback by default; 0.0.0.0 exposes the server to the network)."""
+    port: int = 8090
+    """TCP port; the server refuses to start if it is taken."""
+    max_queue: int = 16
+    """Requests waiting for the model beyond which new ones get 503 + Retry-After."""
+    prompt_cache_gb: float = 2.0
+    """Byte cap of the prompt (prefix KV) cache, in GB (10^9); 0 disables it."""
+    memory_budget_gb: float | None = None
+    """Memory the server may use (GB, 10^9); sets the max safe context. Default: 75% of RAM."""
+    max_tokens: int = 1024
+    """Completion length when a request gives none."""
+    temperature: float | None = None
+    """Default temperature (request > this > the model's generation_config.json > 1.0)."""
+    top_p: float | None = None
+    """Default nucleus mass (same precedence; fallback 1.0, off)."""
+    top_k: int | None = None
+    """Default top-k (same precedence; fallback 0, off)."""
+    min_p: float | None = None
+    """Default min-p (same precedence; fallback 0, off)."""
+    prefill_step: int = 512
+    """Prompt tokens per prefill chunk."""
+    drain_timeout_s: float = 30.0
+    """On Ctrl-C/SIGTERM: how long in-flight requests may finish before the server exits."""
+    log_requests: bool = False
+    """Log one line per HTTP request."""
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise UserError(f"port must be in 1..65535, got {self.port}")
+        if self.max_queue < 1 or self.max_tokens < 1 or self.prefill_step < 1:
+            raise UserError("max_queue, max_tokens and prefill_step must be >= 1")
+        if self.prompt_cache_gb < 0:
+            raise UserError(f"prompt_cache_gb must be >= 0, got {self.prompt_cache_gb}")
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise UserError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
+
+
 SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig,
-           "lora": LoraToolConfig, "diag": DiagConfig, "data": DataBuildConfig, "eval": EvalConfig}
+           "lora": LoraToolConfig, "diag": DiagConfig, "data": DataBuildConfig, "eval": EvalConfig,
+           "serve": ServeConfig}
 
 
 def packaged_data(name: str) -> str:

@@ -8,18 +8,39 @@ from __future__ import annotations
 from pathlib import Path
 
 # Gemma's turn format (the GGUF of a base model ships no template). A system message is folded
-# into the first user turn, as Gemma's own template does.
+# into the first user turn, as Gemma's own template does. Gemma 3 has no tool tokens; tools are
+# offered in the first turn and called as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+# (the Hermes/Qwen JSON form, which mlx-lm's `json_tools` parser reads); tool results come back
+# as user turns wrapped in <tool_response>. Without tools the template renders exactly as before.
 GEMMA_CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
     "{%- set first_prefix = messages[0]['content'] + '\n\n' -%}"
     "{%- set loop_messages = messages[1:] -%}"
     "{%- else -%}{%- set first_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- if tools -%}"
+    "{%- set ns = namespace(text='You can call these tools. To call one, reply with '"
+    " + '<tool_call>{\"name\": <tool name>, \"arguments\": <JSON object>}</tool_call>.\n') -%}"
+    "{%- for tool in tools -%}{%- set ns.text = ns.text + (tool.function if tool.function is defined"
+    " else tool) | tojson + '\n' -%}{%- endfor -%}"
+    "{%- set first_prefix = first_prefix + ns.text + '\n' -%}"
+    "{%- endif -%}"
     "{%- for message in loop_messages -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else ('user' if message['role'] == 'tool'"
+    " else message['role']) -%}"
     "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- elif message['content'] is none -%}{%- set text = '' -%}"
     "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text')"
     " | map(attribute='text') | join('') -%}{%- endif -%}"
+    "{%- if message['role'] == 'tool' -%}{%- set text = '<tool_response>' + text + '</tool_response>' -%}{%- endif -%}"
+    "{%- if message.tool_calls is defined and message.tool_calls -%}"
+    "{%- set calls = namespace(text=text) -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set tool_call = call.function if call.function is defined else call -%}"
+    "{%- set calls.text = calls.text + '<tool_call>{\"name\": \"' + tool_call.name + '\", \"arguments\": '"
+    " + (tool_call.arguments if tool_call.arguments is string else tool_call.arguments | tojson)"
+    " + '}</tool_call>' -%}"
+    "{%- endfor -%}{%- set text = calls.text -%}{%- endif -%}"
     "{{- '<start_of_turn>' + role + '\n' + (first_prefix if loop.first else '') + text | trim"
     " + '<end_of_turn>\n' -}}"
     "{%- endfor -%}"

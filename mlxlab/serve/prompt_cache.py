@@ -1,0 +1,65 @@
+"""The prompt cache: reuse the KV of the longest cached token prefix.
+
+Built on mlx-lm's `LRUPromptCache` (a token trie, byte-capped LRU) with what serving adds:
+
+- entries are namespaced by (model, adapter spec), so a request never reuses KV computed under
+  another adapter;
+- lookups always leave at least one prompt token to run (the logits of the last token are needed);
+- hits, misses, reused tokens and bytes are counted for /stats.
+
+Sliding-window layers (Gemma 3: 512 tokens) keep a rotating cache that cannot be cut back once it
+has wrapped, so an entry longer than the shared prefix is useless to them; mlx-lm's trie then
+falls back to the longest stored *shorter* entry. The engine therefore also stores a checkpoint
+at the end of the system prompt, and every finished request stores prompt + completion, which is
+exactly the prefix of the next turn of a chat.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+from mlx_lm.models.cache import LRUPromptCache
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max(self.max_bytes, 1))
+        self._lock = threading.Lock()  # /stats reads from the HTTP thread
+        self.hits = self.misses = self.reused_tokens = self.inserts = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def fetch(self, namespace, tokens: list[int]):
+        """(a copy of the cache covering tokens[:n], n) with n <= len(tokens) - 1; (None, 0) on a miss."""
+        if not self.enabled or len(tokens) < 2:
+            return None, 0
+        with self._lock:
+            cache, rest = self._lru.fetch_nearest_cache(namespace, list(tokens[:-1]))
+            n = len(tokens) - 1 - len(rest) if cache is not None else 0
+            if cache is None or n == 0:
+                self.misses += 1
+                return None, 0
+            self.hits += 1
+            self.reused_tokens += n
+            return cache, n
+
+    def insert(self, namespace, tokens: list[int], cache, kind: str = "assistant", copy_cache: bool = True):
+        """Store the cache for exactly `tokens` (kind: system | user | assistant, for eviction order)."""
+        if not self.enabled or not tokens:
+            return
+        entry = copy.deepcopy(cache) if copy_cache else cache
+        if sum(c.nbytes for c in entry) > self.max_bytes:
+            return
+        with self._lock:
+            self._lru.insert_cache(namespace, list(tokens), entry, cache_type=kind)
+            self.inserts += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"enabled": self.enabled, "entries": len(self._lru), "bytes": self._lru.nbytes,
+                    "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
+                    "reused_tokens": self.reused_tokens}

@@ -1,0 +1,139 @@
+"""OpenAI wire format: request models (validated strictly, unknown fields ignored) and errors.
+
+Where the predecessors' specs and OpenAI's API differ, this follows what OpenAI clients expect:
+`stop` takes up to 4 strings, `max_completion_tokens` wins over `max_tokens`, `n` must be 1,
+the streamed usage arrives in its own chunk with empty `choices` after the finish chunk (as
+`stream_options.include_usage` does on OpenAI), and errors carry `message/type/param/code`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+Unit = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class Sampled(_Base):
+    """Fields shared by every generation request."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: Unit | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = Field(1, ge=1, le=1)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if isinstance(v, list) and not all(v):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) and self.stop else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class FunctionCall(_Base):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Base):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_Base):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Base):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatRequest(Sampled):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v):
+        if isinstance(v, str) and v not in ("auto", "none", "required"):
+            raise ValueError("tool_choice must be auto, none, required or {type: function, function: {name}}")
+        return v
+
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(Sampled):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("one prompt per request (n=1)")
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is empty")
+        return v
+
+    def completion_limit(self) -> int | None:
+        return self.max_tokens

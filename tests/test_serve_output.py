@@ -1,0 +1,101 @@
+"""The output parser: stop sequences, tool-call markup of three families, reasoning, holdback."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from mlxlab.serve.output import OutputParser, ToolSyntax
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+def syntax(family: str) -> ToolSyntax:
+    mod = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
+    return ToolSyntax(mod.tool_call_start, mod.tool_call_end, mod.parse_tool_call, family)
+
+
+def run(parser: OutputParser, pieces) -> tuple[list, OutputParser]:
+    out = []
+    for p in pieces:
+        out += parser.feed(p)
+    out += parser.finish()
+    return out, parser
+
+
+def text(events, kind="content") -> str:
+    return "".join(t for k, t in events if k == kind)
+
+
+def chars(s: str) -> list[str]:
+    return list(s)
+
+
+def test_stop_spanning_pieces_is_never_sent():
+    events, p = run(OutputParser(stops=["END"]), ["Hello E", "N", "D and more"])
+    assert text(events) == "Hello " and p.stopped == "END"
+    # Held back while ambiguous, released when it turns out not to be a stop.
+    p = OutputParser(stops=["END"])
+    assert p.feed("Hello E") == [("content", "Hello ")]
+    assert p.feed("x") == [("content", "Ex")]
+
+
+def test_every_prefix_split_of_the_stream_gives_the_same_content():
+    full = "The answer is 42.\n\nQuestion: more"
+    for cut in range(len(full)):
+        events, p = run(OutputParser(stops=["\n\nQuestion:", "###"]), [full[:cut], full[cut:]])
+        assert text(events) == "The answer is 42." and p.stopped == "\n\nQuestion:"
+        assert all("\n\nQ" not in t for _, t in events)
+
+
+@pytest.mark.parametrize("family,markup", [
+    ("json_tools", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'),
+    ("minicpm5", '<function name="get_weather"><param name="city"><![CDATA[Paris]]></param>'
+                 '<param name="days">2</param></function>'),
+])
+def test_tool_markup_of_each_family_becomes_a_call(family, markup):
+    before = "Let me check. "
+    events, p = run(OutputParser(tool=syntax(family), tools=TOOLS), chars(before + markup + " Done."))
+    assert text(events) == before + " Done."
+    assert all("<" not in t for _, t in events)  # the markup itself never streams
+    assert len(p.calls) == 1 and p.calls[0]["name"] == "get_weather"
+    assert json.loads(p.calls[0]["arguments"]) == {"city": "Paris", "days": 2}
+    assert p.calls[0]["id"].startswith("call_")
+
+
+def test_minicpm_arguments_follow_the_schema():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    markup = '<function name="f"><param name="code"><![CDATA[if a < b: x = "1"]]></param><param name="n">7</param></function>'
+    _, p = run(OutputParser(tool=syntax("minicpm5"), tools=tools), [markup])
+    assert json.loads(p.calls[0]["arguments"]) == {"code": 'if a < b: x = "1"', "n": 7}
+
+
+def test_malformed_or_unknown_calls_fall_back_to_content():
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), [bad])
+    assert p.calls == [] and text(events) == bad
+    unknown = '<tool_call>{"name": "launch", "arguments": {}}</tool_call>'
+    events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), [unknown])
+    assert p.calls == [] and text(events) == unknown
+    unterminated = '<tool_call>{"name": "get_weather"'
+    events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), [unterminated])
+    assert p.calls == [] and text(events) == unterminated
+
+
+def test_markup_without_tools_is_plain_text():
+    markup = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    events, p = run(OutputParser(tool=syntax("json_tools"), tools=None), [markup])
+    assert text(events) == markup and p.calls == []
+
+
+def test_reasoning_is_split_out():
+    events, _ = run(OutputParser(think=("<think>", "</think>")), chars("<think>hmm, 2+2</think>It is 4."))
+    assert text(events, "reasoning") == "hmm, 2+2" and text(events) == "It is 4."
+    # The prompt already opened the block (enable_thinking templates): starts in reasoning.
+    events, _ = run(OutputParser(think=("<think>", "</think>"), reasoning=True), ["a", "b</thi", "nk>c"])
+    assert text(events, "reasoning") == "ab" and text(events) == "c"
