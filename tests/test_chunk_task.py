@@ -100,3 +100,53 @@ def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     assert [r["case"] for r in results] == [0, 1, 2]
     one_by_one = ev.evaluate(model, tokenizer, records, max_tokens=8, batch_size=1)
     assert [r["prompt_tokens"] for r in one_by_one] == [r["prompt_tokens"] for r in results]
+
+
+def test_data_and_eval_commands(tiny_dir, tmp_path):
+    from tests.conftest import run_cli
+
+    tiny_dir("gemma3")
+    out = tmp_path / "chunk"
+    r = run_cli("data", "chunk", f"out={out}", "chunk.train=5", "chunk.valid=2", "chunk.test=3")
+    assert r.returncode == 0, r.stderr
+    assert "train: 5 conversations" in r.stdout and (out / "test.jsonl").is_file()
+    assert json.loads((out / "build.json").read_text())["train"] == 5
+    again = run_cli("data", "chunk", f"out={out}")
+    assert again.returncode == 1 and "force=true" in again.stderr and "Traceback" not in again.stderr
+    bad = run_cli("data", "chunk", f"out={tmp_path / 'x'}", "chunk.min_topics=5", "chunk.max_topics=2")
+    assert bad.returncode == 1 and "min_topics" in bad.stderr
+    res = tmp_path / "res.jsonl"
+    ev_run = run_cli("eval", "chunk", "model=tiny-gemma3", f"data={out}", "max_tokens=6", "batch_size=2",
+                     f"out={res}")
+    assert ev_run.returncode == 0, ev_run.stderr
+    assert "| tiny-gemma3 | 3 |" in ev_run.stdout
+    rows = [json.loads(x) for x in res.read_text().splitlines()]
+    assert len(rows) == 3 and {"wellformed", "boundary_f1", "exact_match", "output"} <= set(rows[0])
+    missing = run_cli("eval", "chunk", "model=tiny-gemma3", f"data={tmp_path}")
+    assert missing.returncode == 1 and "no test.jsonl" in missing.stderr
+
+
+def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
+    from mlxlab.config import compose
+    from mlxlab.lora import io as lora_io
+    from mlxlab.train import cli
+
+    tiny_dir("gemma3")
+    report = tmp_path / "exp" / "README.md"
+    cfg = compose("train", ["model=tiny-gemma3", "task.name=chunk", "task.data.train=6", "task.data.valid=2",
+                            "task.data.test=3", "task.eval.max_tokens=6", "iters=2", "batch_size=2",
+                            "val_every=0", "wandb=disabled", f"out_dir={tmp_path / 'run'}",
+                            f"task.report={report}"])
+    summary = cli.run(cfg)
+    run_dir = tmp_path / "run"
+    assert set(summary["eval"]) == {"base", "tuned"} and summary["eval"]["tuned"]["cases"] == 3
+    for name in ("eval_base.jsonl", "eval_tuned.jsonl", "README.md", "data/train.jsonl"):
+        assert (run_dir / name).is_file(), name
+    text = report.read_text()
+    assert "| base | 3 |" in text and "| tuned | 3 |" in text and "peak memory" in text and "wall time" in text
+    # A run directory stands for its final adapter, never a checkpoint.
+    assert lora_io.resolve_dir(run_dir) == run_dir / "adapter"
+    (run_dir / "adapter" / "adapter_config.json").unlink()
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    with pytest.raises(Exception, match="without a final adapter"):
+        lora_io.resolve_dir(run_dir)

@@ -1,0 +1,199 @@
+"""End to end: `python -m mlxlab serve` as a subprocess on gemma3-270m, driven by the official
+`openai` SDK and raw HTTP (streams, stops, tools, the prompt cache, admission, disconnects,
+bad bodies, the drain on SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REPO
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mlxlab", "serve", f"port={port}", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("server did not become ready")
+
+
+@pytest.fixture(scope="module")
+def served(real_model_dir):
+    port = free_port()
+    proc = start_server(port, "memory_budget_gb=6", "max_tokens=64")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield url, proc, openai.OpenAI(base_url=f"{url}/v1", api_key="sk-anything", max_retries=0)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def ask(client, content, **kw):
+    return client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": content}],
+                                          temperature=0, **kw)
+
+
+def test_chat_stream_and_completions(served):
+    _, _, client = served
+    r = ask(client, "Name the day after Monday.", max_tokens=16)
+    text = r.choices[0].message.content
+    assert r.model == "gemma3-270m" and text and r.usage.completion_tokens <= 16
+    assert "<end_of_turn>" not in text and "<start_of_turn>" not in text
+    chunks = list(ask(client, "Name the day after Monday.", max_tokens=16, stream=True,
+                      stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    c = client.completions.create(model="x", prompt="Monday, Tuesday, Wednesday,", max_tokens=4, temperature=0)
+    assert "Thursday" in c.choices[0].text
+
+
+def test_stop_spanning_tokens(served):
+    _, _, client = served
+    prompt = "Monday, Tuesday, Wednesday,"
+    full = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    assert "Thursday, Friday" in full
+    stop = "day, Fri"  # ends mid-token: "day" closes " Thursday", "Fri" starts " Friday"
+    r = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0, stop=stop, stream=True)
+    pieces = [c.choices[0].text for c in streamed if c.choices]
+    assert "".join(pieces) == full[:full.index(stop)] and not any("Fri" in p for p in pieces)
+
+
+def test_tool_call_round_trip(served):
+    _, _, client = served
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
+        {"role": "user", "content": "What is the weather in Berlin?"},
+    ]
+    r = client.chat.completions.create(model="x", messages=history, tools=TOOLS, temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Berlin"}
+    assert "<tool_call>" not in (choice.message.content or "")
+    # Streamed: the markup never streams, the call arrives as a tool_calls delta.
+    chunks = list(client.chat.completions.create(model="x", messages=history, tools=TOOLS, temperature=0,
+                                                 max_tokens=40, stream=True))
+    assert not any("<tool_call" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The round trip: the call and its result go back, the model answers.
+    history += [{"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "9 C, rain"}]
+    final = client.chat.completions.create(model="x", messages=history, tools=TOOLS, temperature=0, max_tokens=24)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_second_turn_hits_the_prompt_cache(served):
+    _, _, client = served
+    doc = " ".join(f"Fact {i}: the value of item {i} is {i * 7}." for i in range(40))
+    messages = [{"role": "system", "content": "Answer from the facts.\n" + doc},
+                {"role": "user", "content": "What is the value of item 3?"}]
+    first = client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=12)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And item 5?"}]
+    second = client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=12)
+    assert first.usage.prompt_tokens > 500
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
+def test_admission_and_bad_bodies(served):
+    url, _, client = served
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "hi", max_tokens=10_000_000)
+    assert e.value.body["type"] == "memory_admission" and e.value.body["code"] == "context_over_budget"
+    for body in (b"{", b'{"messages": 3}', b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0}',
+                 b'{"prompt": null}'):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            r = httpx.post(url + path, content=body, headers={"content-type": "application/json",
+                                                              "x-request-id": "t-1"})
+            assert r.status_code == 400 and r.json()["error"]["message"] and r.headers["x-request-id"] == "t-1"
+
+
+def test_disconnect_mid_stream_frees_the_engine(served):
+    url, _, client = served
+    body = {"messages": [{"role": "user", "content": "Count from 1 to 500."}], "max_tokens": 2000,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"content"' in line and '"role"' not in line:
+                break  # leave after the first token
+    deadline = time.time() + 30
+    while time.time() < deadline and httpx.get(url + "/stats").json()["queue"]["running"]:
+        time.sleep(0.2)
+    stats = httpx.get(url + "/stats").json()["queue"]
+    assert stats["running"] == 0 and stats["cancelled"] >= 1 and stats["completion_tokens"] < 2000
+    assert ask(client, "Say hi.", max_tokens=4).choices[0].message.content is not None
+
+
+def test_port_taken_and_sigterm_drain(served, real_model_dir):
+    url, proc, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    clash = subprocess.run([sys.executable, "-m", "mlxlab", "serve", f"port={port}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert clash.returncode == 1 and "cannot listen" in clash.stderr and "Traceback" not in clash.stderr
+    # A request in flight when SIGTERM arrives still completes; new requests get 503; exit 0.
+    result = {}
+
+    def long_request():
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Count from 1 to 100."}], "max_tokens": 48,
+            "temperature": 0})
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not httpx.get(url + "/stats").json()["queue"]["running"]:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    refused = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    t.join(120)
+    assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert proc.wait(60) == 0
