@@ -23,11 +23,13 @@ from mlxlab.serve.protocol import APIError, ChatRequest, CompletionRequest
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _error_response(err: APIError, request_id: str | None = None) -> JSONResponse:
+def _error_response(err: APIError, request_id: str | None = None, path: str = "") -> JSONResponse:
+    """The error in the shape of the protocol the path belongs to (Anthropic under /v1/messages)."""
     headers = dict(err.headers)
     if request_id:
         headers["X-Request-ID"] = request_id
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    status, body = err.anthropic() if path.startswith("/v1/messages") else (err.status, err.body())
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -69,30 +71,31 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
         request.state.request_id = rid
         if app.state.draining and request.url.path != "/health":
             return _error_response(APIError(503, "the server is shutting down", type="service_unavailable",
-                                            code="draining", headers={"Retry-After": "10"}), rid)
+                                            code="draining", headers={"Retry-After": "10"}), rid, request.url.path)
         response = await call_next(request)
         response.headers["X-Request-ID"] = rid
         return response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return _error_response(exc, getattr(request.state, "request_id", None))
+        return _error_response(exc, getattr(request.state, "request_id", None), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return _error_response(APIError(400, message, param=param), getattr(request.state, "request_id", None))
+        return _error_response(APIError(400, message, param=param), getattr(request.state, "request_id", None),
+                               request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         return _error_response(APIError(exc.status_code, str(exc.detail), type=kind),
-                               getattr(request.state, "request_id", None))
+                               getattr(request.state, "request_id", None), request.url.path)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
         return _error_response(APIError(500, f"internal error: {exc}", type="server_error"),
-                               getattr(request.state, "request_id", None))
+                               getattr(request.state, "request_id", None), request.url.path)
 
     # --- status -------------------------------------------------------------------------------
 
@@ -132,21 +135,17 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
             "prompt_cache": loaded.cache.stats() if loaded else None,
             "admission": loaded.admission.stats() if loaded else None,
             "queue": g.stats(),
+            "response_store": app.state.response_store.stats(),
         }
 
     # --- generation ---------------------------------------------------------------------------
 
     def chat_job(body: ChatRequest) -> Job:
-        loaded = pipeline.ready_loaded(gateway)
         messages = pipeline.normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        if body.tool_choice == "none":
-            tools = None
-        prompt, checkpoint, reasoning = pipeline.render_chat(loaded, messages, tools, body.chat_template_kwargs)
-        limit = pipeline.completion_limit(loaded, cfg, len(prompt), body.completion_limit())
-        return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=pipeline.sampling(body, cfg, loaded),
-                   stops=body.stop_list(), tools=tools, reasoning=reasoning, logprobs=body.logprobs,
-                   top_logprobs=body.top_logprobs or 0, checkpoint=checkpoint)
+        return pipeline.chat_job(gateway, cfg, messages, body, tools=None if body.tool_choice == "none" else tools,
+                                 stops=body.stop_list(), limit=body.completion_limit(), logprobs=body.logprobs,
+                                 top_logprobs=body.top_logprobs or 0, template_kwargs=body.chat_template_kwargs)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -156,13 +155,13 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
         head = {"id": job.id, "created": created, "model": cfg.model}
         if body.stream:
             events = pipeline.run(gateway, job)
-            first = await _first_event(events)  # queue-full and not-ready errors still answer as JSON
+            first = await pipeline.first_event(events)  # queue-full and not-ready errors still answer as JSON
 
             async def stream():
                 yield sse({**head, "object": "chat.completion.chunk",
                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]})
-                async for ev in _chain(first, events):
+                async for ev in pipeline.chain(first, events):
                     if isinstance(ev, Delta):
                         delta = {"reasoning_content" if ev.kind == "reasoning" else "content": ev.text}
                         if not ev.text and not ev.logprobs:
@@ -231,10 +230,10 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
 
         if body.stream:
             events = pipeline.run(gateway, job)
-            first = await _first_event(events)
+            first = await pipeline.first_event(events)
 
             async def stream():
-                async for ev in _chain(first, events):
+                async for ev in pipeline.chain(first, events):
                     if isinstance(ev, Delta) and (ev.text or ev.logprobs):
                         yield sse({**head, "choices": [{"index": 0, "text": ev.text,
                                                         "logprobs": legacy(ev.logprobs), "finish_reason": None}]})
@@ -263,23 +262,9 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
         return {**head, "choices": [{"index": 0, "text": "".join(text), "logprobs": legacy(entries),
                                      "finish_reason": done.finish_reason}], "usage": usage_of(done)}
 
+    from mlxlab.serve import anthropic, responses
+
+    anthropic.register(app, cfg, gateway)
+    responses.register(app, cfg, gateway)
     return app
 
-
-_END = object()
-
-
-async def _first_event(events):
-    """The first event of a job (submitting it happens here, so its errors become JSON responses)."""
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-async def _chain(first, events):
-    if first is _END:
-        return
-    yield first
-    async for ev in events:
-        yield ev

@@ -147,6 +147,18 @@ def completion_limit(loaded, cfg: ServeConfig, prompt_len: int, requested: int |
     return requested
 
 
+def chat_job(gateway: Gateway, cfg: ServeConfig, messages: list[dict], req, *, tools: list[dict] | None = None,
+             stops: list[str] | None = None, limit: int | None = None, logprobs: bool = False,
+             top_logprobs: int = 0, template_kwargs: dict | None = None) -> Job:
+    """A job for chat `messages` (already normalized); `req` supplies the sampling fields."""
+    loaded = ready_loaded(gateway)
+    prompt, checkpoint, reasoning = render_chat(loaded, messages, tools, template_kwargs)
+    limit = completion_limit(loaded, cfg, len(prompt), limit)
+    return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=sampling(req, cfg, loaded), stops=stops or [],
+               tools=tools, reasoning=reasoning, logprobs=logprobs, top_logprobs=top_logprobs,
+               checkpoint=checkpoint)
+
+
 def ready_loaded(gateway: Gateway):
     if gateway.state != "ready":
         raise APIError(503, gateway.error or f"the model is {gateway.state}; try again shortly",
@@ -195,3 +207,23 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
                 return
     finally:
         job.cancelled.set()  # a no-op when the job has finished
+
+
+_END = object()
+
+
+async def first_event(events):
+    """The first event of a job; submitting happens here, so queue-full and not-ready errors are
+    raised before a streamed response has started (and answer as plain JSON errors)."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def chain(first, events):
+    if first is _END:
+        return
+    yield first
+    async for ev in events:
+        yield ev

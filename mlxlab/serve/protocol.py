@@ -25,6 +25,14 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic(self) -> tuple[int, dict]:
+        """(status, body) in the Anthropic shape: {"type": "error", "error": {"type", "message"}}."""
+        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}.get(self.status, "api_error")
+        status = 529 if self.status == 503 else self.status
+        return status, {"type": "error", "error": {"type": kind, "message": self.message}}
+
 
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
 
