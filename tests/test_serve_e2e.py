@@ -170,6 +170,64 @@ def test_disconnect_mid_stream_frees_the_engine(served):
     assert ask(client, "Say hi.", max_tokens=4).choices[0].message.content is not None
 
 
+def test_anthropic_sdk(served):
+    import anthropic
+
+    url, _, client = served
+    claude = anthropic.Anthropic(base_url=url, api_key="sk-ant-anything", max_retries=0)
+    msg = claude.messages.create(model="claude-sonnet-4-5", max_tokens=16, temperature=0,
+                                 messages=[{"role": "user", "content": "Name the day after Monday."}])
+    chat = ask(client, "Name the day after Monday.", max_tokens=16)
+    assert msg.content[0].text == chat.choices[0].message.content and msg.stop_reason in ("end_turn", "max_tokens")
+    assert msg.usage.input_tokens == chat.usage.prompt_tokens
+    with claude.messages.stream(model="claude-x", max_tokens=16, temperature=0,
+                                messages=[{"role": "user", "content": "Name the day after Monday."}]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == msg.content[0].text and final.usage.output_tokens == msg.usage.output_tokens
+    count = claude.messages.count_tokens(model="x", messages=[{"role": "user", "content": "Name the day after Monday."}])
+    assert count.input_tokens == msg.usage.input_tokens
+    tools = [{"name": "get_weather", "description": "Current weather for a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                  "input": {"city": "Paris"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C, sunny"}]},
+               {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
+               {"role": "user", "content": "What is the weather in Berlin?"}]
+    call = claude.messages.create(model="x", max_tokens=40, temperature=0, tools=tools, messages=history)
+    uses = [b for b in call.content if b.type == "tool_use"]
+    assert call.stop_reason == "tool_use" and uses[0].name == "get_weather" and uses[0].input == {"city": "Berlin"}
+    history += [{"role": "assistant", "content": [u.model_dump() for u in uses]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "9 C"}]}]
+    after = claude.messages.create(model="x", max_tokens=16, temperature=0, tools=tools, messages=history)
+    assert after.usage.input_tokens > call.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="x", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_responses_sdk(served):
+    _, _, client = served
+    first = client.responses.create(model="x", instructions="Answer briefly.", input="Name the day after Monday.",
+                                    max_output_tokens=16, temperature=0)
+    assert first.output_text and first.id.startswith("resp_")
+    chat = client.chat.completions.create(model="x", temperature=0, max_tokens=16, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name the day after Monday."}])
+    assert first.output_text == chat.choices[0].message.content
+    events = list(client.responses.create(model="x", input="And the day after that?", previous_response_id=first.id,
+                                          max_output_tokens=16, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    assert final.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
+    assert client.responses.retrieve(first.id).id == first.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="x", input="x", previous_response_id="resp_doesnotexist")
+
+
 def test_port_taken_and_sigterm_drain(served, real_model_dir):
     url, proc, _ = served
     port = int(url.rsplit(":", 1)[1])
