@@ -442,6 +442,13 @@ class ServeConfig:
     """Default min-p (same precedence; fallback 0, off)."""
     prefill_step: int = 512
     """Prompt tokens per prefill chunk."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapters mounted at start, id -> adapter directory or training run directory (its final
+    adapter): `adapters.chunk=outputs/chunk_seg4/<run>`."""
+    adapter_root: str = "."
+    """Runtime mounts (POST /v1/adapters) must resolve inside this directory (symlinks followed)."""
+    allow_adapter_mount: bool = True
+    """Allow POST/DELETE /v1/adapters."""
     drain_timeout_s: float = 30.0
     """On Ctrl-C/SIGTERM: how long in-flight requests may finish before the server exits."""
     log_requests: bool = False

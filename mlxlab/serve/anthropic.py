@@ -49,6 +49,7 @@ class MessagesRequest(_Base):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    adapter: str | None = None
     thinking: dict[str, Any] | None = None
 
 

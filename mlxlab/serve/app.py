@@ -136,6 +136,7 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
             "admission": loaded.admission.stats() if loaded else None,
             "queue": g.stats(),
             "response_store": app.state.response_store.stats(),
+            "adapters": loaded.adapters.stats() if loaded else None,
         }
 
     # --- generation ---------------------------------------------------------------------------
@@ -217,7 +218,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
             raise APIError(400, "prompt is empty", param="prompt")
         limit = pipeline.completion_limit(loaded, cfg, len(prompt), body.completion_limit())
         job = Job(prompt=prompt, max_tokens=limit, sink=None, sampling=pipeline.sampling(body, cfg, loaded),
-                  stops=body.stop_list(), logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+                  stops=body.stop_list(), logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+                  adapter=pipeline.adapter_spec(loaded, body.adapter))
         job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
         head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": cfg.model}
 
@@ -262,8 +264,9 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
         return {**head, "choices": [{"index": 0, "text": "".join(text), "logprobs": legacy(entries),
                                      "finish_reason": done.finish_reason}], "usage": usage_of(done)}
 
-    from mlxlab.serve import anthropic, responses
+    from mlxlab.serve import adapters, anthropic, responses
 
+    adapters.register(app, cfg, gateway)
     anthropic.register(app, cfg, gateway)
     responses.register(app, cfg, gateway)
     return app

@@ -75,16 +75,23 @@ def run(cfg: ServeConfig) -> None:
                             access_log=cfg.log_requests, timeout_graceful_shutdown=5)
     server = Server(config)
 
+    failed = []
+
     def announce():
         gateway.ready.wait()
         if gateway.state == "ready":
             print(ready_line(cfg, gateway), file=sys.stderr, flush=True)
+        else:  # the model or a start-time adapter did not load: nothing to serve
+            failed.append(gateway.error)
+            server.should_exit = True
 
     threading.Thread(target=announce, daemon=True).start()
     print(f"mlxlab serve: loading {cfg.model} (http://{cfg.host}:{cfg.port}/health answers 503 until ready)",
           file=sys.stderr, flush=True)
     server.run()
     gateway.stop(timeout=2)
+    if failed:
+        raise UserError(failed[0])
     print("mlxlab serve: stopped", file=sys.stderr)
 
 

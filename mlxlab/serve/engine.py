@@ -113,6 +113,13 @@ class Loaded:
         mx.set_memory_limit(self.admission.budget_bytes)
         self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
         self.generation_config = read_generation_config(self.model_dir)
+        from mlxlab.serve.adapters import Adapters
+
+        self.adapters = Adapters(self.model, cfg.adapter_root)
+        for adapter_id, path in (cfg.adapters or {}).items():
+            m = self.adapters.mount(adapter_id, path)
+            print(f"mlxlab serve: mounted adapter {adapter_id!r} from {m.path} (rank {m.rank}, "
+                  f"{len(m.modules)} modules)", file=sys.stderr)
 
 
 def hidden_token_ids(tokenizer, tool, think) -> set[int]:
@@ -162,6 +169,18 @@ class SerialLane:
             mx.eval([c.state for c in cache])
 
     def run(self, job: Job) -> Done:
+        from mlxlab.serve.adapters import parse_spec
+
+        m = self.m
+        ids = parse_spec(job.adapter)
+        m.adapters.check(ids)  # it may have been unmounted while the job waited
+        m.adapters.selection.ids = ids
+        try:
+            return self._run(job, ids)
+        finally:
+            m.adapters.selection.ids = ()
+
+    def _run(self, job: Job, ids: tuple[str, ...]) -> Done:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -170,8 +189,10 @@ class SerialLane:
         from mlxlab.serve.output import OutputParser
 
         m, s = self.m, job.sampling
+        for i in ids:
+            m.adapters.mounted[i].requests += 1
         t0 = time.perf_counter()
-        namespace = (m.model_id, job.adapter)
+        namespace = (m.model_id, "+".join(ids) or "none")
         cache, cached = m.cache.fetch(namespace, job.prompt)
         if cache is None:
             cache = make_prompt_cache(m.model)
@@ -308,6 +329,29 @@ class Gateway:
             self.counters["requests"] += 1
         self._queue.put(job)
 
+    async def call(self, fn: Callable[[], object]):
+        """Run `fn` on the engine thread between jobs (never during a forward pass); await its result."""
+        import asyncio
+
+        if self.state != "ready":
+            raise NotReady(self.error or f"the engine is {self.state}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(result, error):
+            if not future.done():
+                future.set_exception(error) if error else future.set_result(result)
+
+        def task():
+            try:
+                result, error = fn(), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+                result, error = None, e
+            loop.call_soon_threadsafe(done, result, error)
+
+        self._queue.put(task)
+        return await future
+
     def stop(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
@@ -318,8 +362,7 @@ class Gateway:
             lanes = {"serial": SerialLane(self.loaded, self.cfg)}
             self.state = "ready"
         except BaseException as e:  # noqa: BLE001 - reported through /health
-            self.state, self.error = "failed", f"model failed to load: {e}"
-            print(f"mlxlab serve: {self.error}", file=sys.stderr)
+            self.state, self.error = "failed", f"failed to load: {e}"
             self.ready.set()
             return
         self.ready.set()
@@ -328,6 +371,9 @@ class Gateway:
             if job is None:
                 self.state = "stopped"
                 return
+            if not isinstance(job, Job):  # an admin task (adapter mount/unmount)
+                job()
+                continue
             self.running = job
             try:
                 if job.cancelled.is_set():

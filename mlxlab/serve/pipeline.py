@@ -156,7 +156,19 @@ def chat_job(gateway: Gateway, cfg: ServeConfig, messages: list[dict], req, *, t
     limit = completion_limit(loaded, cfg, len(prompt), limit)
     return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=sampling(req, cfg, loaded), stops=stops or [],
                tools=tools, reasoning=reasoning, logprobs=logprobs, top_logprobs=top_logprobs,
-               checkpoint=checkpoint)
+               checkpoint=checkpoint, adapter=adapter_spec(loaded, getattr(req, "adapter", None)))
+
+
+def adapter_spec(loaded, spec: str | None) -> str:
+    """The request's `adapter` field checked against the mounted adapters: "none", "a" or "a+b"."""
+    from mlxlab.serve.adapters import parse_spec
+
+    try:
+        ids = parse_spec(spec)
+        loaded.adapters.check(ids)
+    except (ValueError, KeyError) as e:
+        raise APIError(400, str(e).strip("'\""), param="adapter", code="unknown_adapter") from None
+    return "+".join(ids) or "none"
 
 
 def ready_loaded(gateway: Gateway):

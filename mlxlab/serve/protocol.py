@@ -60,6 +60,7 @@ class Sampled(_Base):
     stream_options: dict[str, Any] | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
+    adapter: str | None = None
 
     @field_validator("stop")
     @classmethod

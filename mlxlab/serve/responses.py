@@ -109,6 +109,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     metadata: dict[str, Any] | None = None
+    adapter: str | None = None
     reasoning: dict[str, Any] | None = None
 
 
