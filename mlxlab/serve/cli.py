@@ -96,4 +96,6 @@ def run(cfg: ServeConfig) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # `adapters.NAME=PATH` adds a key to a dict that starts empty; Hydra wants `+` for that.
+    argv = ["+" + a if a.startswith("adapters.") and "=" in a else a for a in argv]
     run_hydra("serve", argv, run)
