@@ -86,6 +86,10 @@ class QueueFull(Exception):
     pass
 
 
+class JobError(Exception):
+    """A job that cannot run as asked (e.g. its adapter was unmounted while it waited)."""
+
+
 class NotReady(Exception):
     pass
 
@@ -173,7 +177,10 @@ class SerialLane:
 
         m = self.m
         ids = parse_spec(job.adapter)
-        m.adapters.check(ids)  # it may have been unmounted while the job waited
+        try:
+            m.adapters.check(ids)  # it may have been unmounted while the job waited
+        except KeyError as e:
+            raise JobError(str(e).strip("'\"")) from None
         m.adapters.selection.ids = ids
         try:
             return self._run(job, ids)
@@ -384,6 +391,9 @@ class Gateway:
                     self.counters["cancelled" if done.finish_reason == "cancelled" else "completed"] += 1
                     self.counters["prompt_tokens"] += done.prompt_tokens
                     self.counters["completion_tokens"] += done.completion_tokens
+            except JobError as e:
+                self.counters["failed"] += 1
+                job.sink(Failed(str(e)))
             except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
                 traceback.print_exc()
                 self.counters["failed"] += 1
