@@ -192,7 +192,10 @@ def register(app, cfg, gateway) -> None:
     from mlxlab.serve.pipeline import ready_loaded
     from mlxlab.serve.protocol import APIError
 
-    def registry() -> Adapters:
+    def registry(mutating: bool = False) -> Adapters:
+        if mutating and not cfg.allow_adapter_mount:
+            raise APIError(403, "runtime adapter mounting is switched off (serve.allow_adapter_mount=false)",
+                           type="permission_error", code="mount_disabled")
         return ready_loaded(gateway).adapters
 
     @app.get("/v1/adapters")
@@ -206,10 +209,7 @@ def register(app, cfg, gateway) -> None:
 
     @app.post("/v1/adapters")
     async def mount(body: MountRequest):
-        reg = registry()
-        if not cfg.allow_adapter_mount:
-            raise APIError(403, "runtime adapter mounting is switched off (serve.allow_adapter_mount=false)",
-                           type="permission_error", code="mount_disabled")
+        reg = registry(mutating=True)
         try:
             path = reg.confine(body.path)
         except PermissionError as e:
@@ -222,10 +222,7 @@ def register(app, cfg, gateway) -> None:
 
     @app.delete("/v1/adapters/{adapter_id}")
     async def unmount(adapter_id: str):
-        reg = registry()
-        if not cfg.allow_adapter_mount:
-            raise APIError(403, "runtime adapter mounting is switched off (serve.allow_adapter_mount=false)",
-                           type="permission_error", code="mount_disabled")
+        reg = registry(mutating=True)
         try:
             await gateway.call(lambda: reg.unmount(adapter_id))
         except KeyError:

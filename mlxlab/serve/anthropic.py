@@ -209,21 +209,13 @@ def register(app: FastAPI, cfg: ServeConfig, gateway: Gateway) -> None:
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        thinking, text, done = [], [], None
-        async for ev in pipeline.run(gateway, job, request.is_disconnected):
-            if isinstance(ev, Delta):
-                (thinking if ev.kind == "reasoning" else text).append(ev.text)
-            elif isinstance(ev, Done):
-                done = ev
-            elif isinstance(ev, Failed):
-                raise APIError(500, ev.message, type="server_error")
-        if done is None:
-            raise APIError(499, "client closed the request")
+        got = await pipeline.collect(gateway, job, request.is_disconnected)
+        done = got.done
         content = []
-        if thinking:
-            content.append({"type": "thinking", "thinking": "".join(thinking), "signature": ""})
-        if text and "".join(text) or not done.tool_calls:
-            content.append({"type": "text", "text": "".join(text)})
+        if got.reasoning:
+            content.append({"type": "thinking", "thinking": got.reasoning, "signature": ""})
+        if got.content or not done.tool_calls:
+            content.append({"type": "text", "text": got.content})
         content += [{"type": "tool_use", "id": _tool_id(c), "name": c["name"], "input": json.loads(c["arguments"])}
                     for c in done.tool_calls]
         return {"id": job.id, "type": "message", "role": "assistant", "model": cfg.model, "content": content,

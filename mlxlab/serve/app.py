@@ -189,25 +189,16 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-        content, reasoning, logprobs, done = [], [], [], None
-        async for ev in pipeline.run(gateway, job, request.is_disconnected):
-            if isinstance(ev, Delta):
-                (reasoning if ev.kind == "reasoning" else content).append(ev.text)
-                logprobs.extend(ev.logprobs or [])
-            elif isinstance(ev, Done):
-                done = ev
-            elif isinstance(ev, Failed):
-                raise APIError(500, ev.message, type="server_error")
-        if done is None:  # the client left
-            raise APIError(499, "client closed the request")
-        message = {"role": "assistant", "content": "".join(content)}
-        if reasoning:
-            message["reasoning_content"] = "".join(reasoning)
+        got = await pipeline.collect(gateway, job, request.is_disconnected)
+        done = got.done
+        message = {"role": "assistant", "content": got.content}
+        if got.reasoning:
+            message["reasoning_content"] = got.reasoning
         if done.tool_calls:
             message["tool_calls"] = tool_calls_of(done)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
-                             "logprobs": {"content": logprobs} if body.logprobs else None}],
+                             "logprobs": {"content": got.logprobs} if body.logprobs else None}],
                 "usage": usage_of(done)}
 
     @app.post("/v1/completions")
@@ -250,19 +241,9 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-        text, entries, done = [], [], None
-        async for ev in pipeline.run(gateway, job, request.is_disconnected):
-            if isinstance(ev, Delta):
-                text.append(ev.text)
-                entries.extend(ev.logprobs or [])
-            elif isinstance(ev, Done):
-                done = ev
-            elif isinstance(ev, Failed):
-                raise APIError(500, ev.message, type="server_error")
-        if done is None:
-            raise APIError(499, "client closed the request")
-        return {**head, "choices": [{"index": 0, "text": "".join(text), "logprobs": legacy(entries),
-                                     "finish_reason": done.finish_reason}], "usage": usage_of(done)}
+        got = await pipeline.collect(gateway, job, request.is_disconnected)
+        return {**head, "choices": [{"index": 0, "text": got.content, "logprobs": legacy(got.logprobs),
+                                     "finish_reason": got.done.finish_reason}], "usage": usage_of(got.done)}
 
     from mlxlab.serve import adapters, anthropic, responses
 

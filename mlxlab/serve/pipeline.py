@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from mlxlab.config import ServeConfig
-from mlxlab.serve.engine import Done, Failed, Gateway, Job, NotReady, QueueFull, Sampling
+from mlxlab.serve.engine import Delta, Done, Failed, Gateway, Job, NotReady, QueueFull, Sampling
 from mlxlab.serve.protocol import APIError
 
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -219,6 +220,30 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
                 return
     finally:
         job.cancelled.set()  # a no-op when the job has finished
+
+
+@dataclass
+class Collected:
+    content: str
+    reasoning: str
+    logprobs: list
+    done: Done
+
+
+async def collect(gateway: Gateway, job: Job, is_disconnected) -> Collected:
+    """Run a job to the end for a response that is not streamed."""
+    content, reasoning, logprobs, done = [], [], [], None
+    async for ev in run(gateway, job, is_disconnected):
+        if isinstance(ev, Delta):
+            (reasoning if ev.kind == "reasoning" else content).append(ev.text)
+            logprobs.extend(ev.logprobs or [])
+        elif isinstance(ev, Done):
+            done = ev
+        elif isinstance(ev, Failed):
+            raise APIError(500, ev.message, type="server_error")
+    if done is None:
+        raise APIError(499, "client closed the request")
+    return Collected("".join(content), "".join(reasoning), logprobs, done)
 
 
 _END = object()

@@ -344,19 +344,10 @@ def register(app: FastAPI, cfg: ServeConfig, gateway: Gateway) -> None:
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        reasoning, text, done = [], [], None
-        async for e in pipeline.run(gateway, job, request.is_disconnected):
-            if isinstance(e, Delta):
-                (reasoning if e.kind == "reasoning" else text).append(e.text)
-            elif isinstance(e, Done):
-                done = e
-            elif isinstance(e, Failed):
-                raise APIError(500, e.message, type="server_error")
-        if done is None:
-            raise APIError(499, "client closed the request")
-        resp = finish(base(rid, body, instructions, created, "completed"), done, "".join(reasoning), "".join(text), ids)
+        got = await pipeline.collect(gateway, job, request.is_disconnected)
+        resp = finish(base(rid, body, instructions, created, "completed"), got.done, got.reasoning, got.content, ids)
         if body.store:
-            remember(resp, messages, instructions, done, "".join(text))
+            remember(resp, messages, instructions, got.done, got.content)
         return resp
 
     @app.get("/v1/responses/{rid}")
