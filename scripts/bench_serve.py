@@ -31,7 +31,11 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = " ".join(f"Record {i}: the parcel with id P-{i:04d} left depot {i % 7} on day {i % 30 + 1}." for i in range(60))
+
+
+def document(records: int) -> str:
+    return " ".join(f"Record {i}: the parcel with id P-{i:04d} left depot {i % 7} on day {i % 30 + 1}."
+                    for i in range(records))
 
 
 def free_port() -> int:
@@ -59,13 +63,15 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
 
 def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
     """First-content time, last-content time, completion tokens and text of one streamed chat."""
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     pieces, usage, chunks = [], None, 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            r.read()
+            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -85,7 +91,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
             "tokens": tokens, "text": "".join(pieces), "usage": usage}
 
 
-def measure(url: str, rounds: int, decode_tokens: int) -> dict:
+def measure(url: str, rounds: int, decode_tokens: int, doc: str) -> dict:
     stream_chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up
     decode, cold, warm = [], [], []
     for i in range(rounds):
@@ -93,7 +99,7 @@ def measure(url: str, rounds: int, decode_tokens: int) -> dict:
                             decode_tokens)
         if story["tokens"] > 8 and story["decode_s"] > 0:
             decode.append((story["tokens"] - 1) / story["decode_s"])
-        system = {"role": "system", "content": f"Session {i}-{time.time()}. Answer from these records.\n{DOC}"}
+        system = {"role": "system", "content": f"Session {i}-{time.time()}. Answer from these records.\n{doc}"}
         turn1 = [system, {"role": "user", "content": "Which depot did parcel P-0003 leave?"}]
         first = stream_chat(url, turn1, 16)
         cold.append(first["ttft"])
@@ -117,6 +123,7 @@ def main() -> None:
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--doc-records", type=int, default=60, help="records in the shared document (~1,000 tokens)")
     ap.add_argument("--skip-matched", action="store_true", help="only mlx-lm with its defaults")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -131,7 +138,7 @@ def main() -> None:
     print(f"mlxlab serve ({args.model}) ...", file=sys.stderr)
     proc = start([sys.executable, "-m", "mlxlab", "serve", f"model={args.model}", f"port={port}"], port)
     try:
-        runs["mlxlab"] = measure(f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens)
+        runs["mlxlab"] = measure(f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens, document(args.doc_records))
     finally:
         proc.terminate()
         proc.wait(60)
@@ -147,7 +154,7 @@ def main() -> None:
         print(f"{name} ...", file=sys.stderr)
         proc = start([*cmd, "--model", str(path), "--port", str(port)], port)
         try:
-            runs[name] = measure(f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens)
+            runs[name] = measure(f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens, document(args.doc_records))
         finally:
             proc.terminate()
             proc.wait(60)

@@ -166,11 +166,15 @@ class SerialLane:
 
     def _prefill(self, cache, tokens: list[int]) -> None:
         import mlx.core as mx
+        from mlx_lm.generate import generation_stream
 
+        # On the stream generate_step uses: on a CPU the default stream ran this prefill ~4x slower
+        # (tiny-gemma3, 400 tokens: 2.5 s vs 0.6 s).
         step = self.cfg.prefill_step
-        for at in range(0, len(tokens), step):
-            self.m.model(mx.array(tokens[at:at + step])[None], cache=cache)
-            mx.eval([c.state for c in cache])
+        with mx.stream(generation_stream):
+            for at in range(0, len(tokens), step):
+                self.m.model(mx.array(tokens[at:at + step])[None], cache=cache)
+                mx.eval([c.state for c in cache])
 
     def run(self, job: Job) -> Done:
         from mlxlab.serve.adapters import parse_spec
