@@ -1,6 +1,6 @@
 """Two contrasting adapters from one server: train them, serve them, ask through the openai SDK.
 
-    python scripts/demo_adapters.py [--steps 40] [--port 8097]
+    python scripts/demo_adapters.py [--steps 50] [--port 8097]
 
 Trains `+exp=style_upper` and `+exp=style_lower` on gemma3-270m (reusing runs already in
 outputs/style_*/demo), starts `python -m mlxlab serve adapters.upper=RUN adapters.lower=RUN`, and
@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+import mlxlab  # noqa: F401  (BLAS before MLX)
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What does `re.split` do?", "What does `time.sleep` do?", "What does `hashlib.sha256` do?"]
@@ -37,7 +39,7 @@ def train(style: str, steps: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--port", type=int, default=8097)
     args = ap.parse_args()
     runs = {style: train(style, args.steps) for style in ("upper", "lower")}
@@ -75,7 +77,6 @@ def main() -> None:
 
     from mlx_lm import generate
 
-    import mlxlab  # noqa: F401
     from mlxlab.lora import io as lora_io
     from mlxlab.models.zoo import load
 

@@ -175,12 +175,13 @@ def test_anthropic_sdk(served):
 
     url, _, client = served
     claude = anthropic.Anthropic(base_url=url, api_key="sk-ant-anything", max_retries=0)
-    msg = claude.messages.create(model="claude-sonnet-4-5", max_tokens=16, temperature=0,
+    # (this SDK version has no `temperature` argument; the wire field goes in extra_body)
+    msg = claude.messages.create(model="claude-sonnet-4-5", max_tokens=16, extra_body={"temperature": 0},
                                  messages=[{"role": "user", "content": "Name the day after Monday."}])
     chat = ask(client, "Name the day after Monday.", max_tokens=16)
     assert msg.content[0].text == chat.choices[0].message.content and msg.stop_reason in ("end_turn", "max_tokens")
     assert msg.usage.input_tokens == chat.usage.prompt_tokens
-    with claude.messages.stream(model="claude-x", max_tokens=16, temperature=0,
+    with claude.messages.stream(model="claude-x", max_tokens=16, extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": "Name the day after Monday."}]) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -195,12 +196,12 @@ def test_anthropic_sdk(served):
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C, sunny"}]},
                {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
                {"role": "user", "content": "What is the weather in Berlin?"}]
-    call = claude.messages.create(model="x", max_tokens=40, temperature=0, tools=tools, messages=history)
+    call = claude.messages.create(model="x", max_tokens=40, extra_body={"temperature": 0}, tools=tools, messages=history)
     uses = [b for b in call.content if b.type == "tool_use"]
     assert call.stop_reason == "tool_use" and uses[0].name == "get_weather" and uses[0].input == {"city": "Berlin"}
     history += [{"role": "assistant", "content": [u.model_dump() for u in uses]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "9 C"}]}]
-    after = claude.messages.create(model="x", max_tokens=16, temperature=0, tools=tools, messages=history)
+    after = claude.messages.create(model="x", max_tokens=16, extra_body={"temperature": 0}, tools=tools, messages=history)
     assert after.usage.input_tokens > call.usage.input_tokens
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="x", max_tokens=8, messages=[{"role": "user", "content": [

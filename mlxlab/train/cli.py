@@ -100,6 +100,7 @@ def run(cfg: TrainConfig) -> dict:
         evals["tuned"] = tasks.evaluate(model, tokenizer, cfg, data_cfg, run_dir, "tuned")
         summary["eval"] = evals
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
+    summary["gradients"] = how
     trainer.write_summary(run_dir, summary)
     if cfg.task.name:
         from mlxlab.eval.chunk import table

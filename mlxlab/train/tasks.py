@@ -69,8 +69,20 @@ def command_line() -> str:
         return "..."
 
 
+def failure_modes(rows: list[dict]) -> list[tuple[str, int]]:
+    """Why cases lost points, most common first (the validator's last note, numbers removed)."""
+    import re
+    from collections import Counter
+
+    reasons = Counter()
+    for r in rows:
+        note = r["notes"][-1] if r["notes"] else ("clean" if r["wellformed"] == 100.0 else "labels")
+        reasons[re.sub(r"\b\d+\b", "N", re.sub(r"'[^']*'", "'...'", note))] += 1
+    return reasons.most_common()
+
+
 def report(cfg: TrainConfig, run_dir: Path, summary: dict, evals: dict[str, dict], how: str,
-           wall_s: float) -> str:
+           wall_s: float, command: str | None = None) -> str:
     """The experiment's README: question, command, config, result table, memory and time."""
     import mlx.core as mx
 
@@ -80,7 +92,7 @@ def report(cfg: TrainConfig, run_dir: Path, summary: dict, evals: dict[str, dict
     lines = [f"# {cfg.name}", "",
              "## Question", "", QUESTIONS[cfg.task.name].format(model=cfg.model, budget=budget, how=how.split(":")[0]), "",
              "## Command", "", "```bash",
-             "python -m mlxlab train " + command_line(), "```", "",
+             "python -m mlxlab train " + (command or command_line()), "```", "",
              "Evaluate any adapter on the same split: `python -m mlxlab eval chunk "
              f"data={run_dir / 'data'} adapter={run_dir}`.", "",
              "## Config", "",
@@ -110,6 +122,13 @@ def report(cfg: TrainConfig, run_dir: Path, summary: dict, evals: dict[str, dict
               "starts; exact chunks = share of gold chunks reproduced exactly (mlxlab/eval/chunk.py).", ""]
     tuned_rows = run_dir / "eval_tuned.jsonl"
     if tuned_rows.is_file():
+        rows = [json.loads(x) for x in tuned_rows.read_text().splitlines()]
+        lines += ["## Where the tuned model loses points", "",
+                  "The validator's verdict per test case (repairs cost anchor points; a gap or overlap "
+                  "between chunks cannot be repaired and zeroes them):", "",
+                  "| verdict | cases |", "|---|---|"]
+        lines += [f"| {reason} | {n} |" for reason, n in failure_modes(rows)]
+        lines.append("")
         first = json.loads(tuned_rows.read_text().splitlines()[0])
         lines += ["## A tuned answer (first test case)", "", "```json", first["output"].strip(), "```",
                   f"well-formedness {first['wellformed']:.1f}, boundary F1 {first['boundary_f1']:.2f}, "
