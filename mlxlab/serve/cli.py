@@ -11,6 +11,7 @@ then the process exits 0 (a second signal exits at once).
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -91,8 +92,15 @@ def run(cfg: ServeConfig) -> None:
     server.run()
     gateway.stop(timeout=2)
     if failed:
-        raise UserError(failed[0])
-    print("mlxlab serve: stopped", file=sys.stderr)
+        print(f"mlxlab serve: error: {failed[0]}", file=sys.stderr)
+    else:
+        print("mlxlab serve: stopped", file=sys.stderr)
+    # Leave without running C++ static destructors: MLX aborts at exit ("terminate called without
+    # an active exception") once a non-main thread has used its thread-local generation stream.
+    # Everything worth keeping is flushed; the exit code is the drain's, not the teardown's.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
 
 
 def main(argv: list[str]) -> None:
