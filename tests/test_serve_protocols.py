@@ -151,3 +151,16 @@ def test_response_store_ttl_and_byte_cap():
     assert not store.put("big", {"x": "z" * 400})
     store.ttl_s = -1
     assert store.get("a") is None and store.stats()["entries"] == 0
+
+
+def test_oversized_store_entry_is_refused_before_generation(client):
+    store = client.app.state.response_store
+    old = store.max_bytes
+    store.max_bytes = 200
+    try:
+        r = client.post("/v1/responses", json={"input": "x" * 400, "max_output_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "store_entry_too_large"
+        ok = client.post("/v1/responses", json={"input": "x" * 400, "max_output_tokens": 2, "store": False})
+        assert ok.status_code == 200
+    finally:
+        store.max_bytes = old
