@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--doc-records", type=int, default=60, help="records in the shared document (~1,000 tokens)")
     ap.add_argument("--skip-matched", action="store_true", help="only mlx-lm with its defaults")
+    ap.add_argument("--skip-defaults", action="store_true", help="only mlx-lm at matched dtype and BLAS")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -143,7 +144,8 @@ def main() -> None:
         proc.terminate()
         proc.wait(60)
 
-    variants = {"mlx_lm (defaults)": ([sys.executable, "-m", "mlx_lm", "server"], model_dir)}
+    variants = {} if args.skip_defaults else {"mlx_lm (defaults)": ([sys.executable, "-m", "mlx_lm", "server"],
+                                                                    model_dir)}
     if not args.skip_matched:
         f32 = f32_copy(model_dir, home() / "bench" / f"{args.model}-f32")
         # Same BLAS as mlxlab: import mlxlab (which loads it) before mlx_lm's server starts.
