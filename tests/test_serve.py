@@ -184,6 +184,8 @@ def test_unknown_routes_and_methods(server):
     assert r.status_code == 405 and "error" in r.json()
     bad = client.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 2})
     assert bad.status_code == 400
+    echo = client.post("/v1/completions", json={"prompt": "x", "echo": True})
+    assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
 
 
 def test_memory_admission(server):

@@ -204,6 +204,9 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         loaded = pipeline.ready_loaded(gateway)
+        if body.echo or body.suffix:
+            raise APIError(400, f"{'echo' if body.echo else 'suffix'} is not supported by this server",
+                           param="echo" if body.echo else "suffix")
         prompt = pipeline.render_text(loaded, body.prompt)
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
