@@ -19,14 +19,14 @@ from pathlib import Path
 from mlxlab.config import EvalConfig, EvalSettings, run_hydra
 
 
-def evaluate_model(model, tokenizer, data_dir, settings: EvalSettings, out: Path, label: str) -> dict:
-    """Run the chunk evaluation, write per-case JSONL to `out`; return the summary (+ seconds)."""
+def evaluate_model(model, tokenizer, records: list[dict], settings: EvalSettings, out: Path, label: str) -> dict:
+    """Run the chunk evaluation on `records` (ev.read_split), write per-case JSONL to `out`;
+    return the summary (+ seconds)."""
     import json
 
     from mlxlab.eval import chunk as ev
     from mlxlab.fsutil import atomic_write_text
 
-    records = ev.read_split(data_dir, settings)
     t0 = time.perf_counter()
 
     def progress(done, total):
@@ -46,14 +46,14 @@ def run(cfg: EvalConfig) -> dict:
     data_dir = Path(cfg.data).expanduser() if cfg.data else None
     if data_dir is None:
         data_dir = chunk.write_jsonl(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
-    ev.read_split(data_dir, cfg)  # fail on a missing split before loading the model
+    records = ev.read_split(data_dir, cfg)  # read (and fail on a missing split) before loading the model
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
         name += f" + {lora_io.resolve_dir(cfg.adapter)}"
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
-    summary = evaluate_model(model, tokenizer, data_dir, cfg, out, cfg.task)
+    summary = evaluate_model(model, tokenizer, records, cfg, out, cfg.task)
     print(ev.table({name: summary}))
     print(f"per-case results: {out} ({summary['seconds']:.0f} s)", file=sys.stderr)
     return summary

@@ -132,7 +132,7 @@ class Adapters:
         path = lora_io.resolve_dir(path)
         plan, weights = lora_io.read_plan(path, self.model)  # raises with every problem; touches nothing
         prefix = lora_apply.layers_prefix(self.model)
-        modules = []
+        modules, new_arrays = [], []
         for i in plan.layers:
             layer = self.model.layers[i]
             present = dict(layer.named_modules())
@@ -149,10 +149,11 @@ class Adapters:
                 dtype = module.linear.weight.dtype if module.linear.weight.dtype in (
                     mx.float32, mx.float16, mx.bfloat16) else mx.float32
                 module._slots[adapter_id] = (a.astype(dtype), b.astype(dtype), plan.scale)
+                new_arrays += module._slots[adapter_id][:2]
                 modules.append(f"{prefix}.{i}.{key}")
             if wraps:
                 layer.update_modules(tree_unflatten(wraps))
-        mx.eval([s[:2] for m in self._wrappers() for s in m._slots.values()])
+        mx.eval(new_arrays)
         size = os.path.getsize(Path(path) / lora_io.WEIGHTS)
         m = Mounted(adapter_id, str(Path(path).resolve()), plan.rank, plan.scale, size, modules,
                     sorted(plan.layers))
@@ -162,8 +163,7 @@ class Adapters:
     def unmount(self, adapter_id: str) -> None:
         if adapter_id not in self.mounted:
             raise KeyError(adapter_id)
-        prefix_layers = self.model.layers
-        for layer in prefix_layers:
+        for layer in self.model.layers:
             restore = []
             for path, module in layer.named_modules():
                 if isinstance(module, MultiLoRA):
@@ -173,9 +173,6 @@ class Adapters:
             if restore:
                 layer.update_modules(tree_unflatten(restore))
         del self.mounted[adapter_id]
-
-    def _wrappers(self) -> list[MultiLoRA]:
-        return [m for _, m in self.model.named_modules() if isinstance(m, MultiLoRA)]
 
     def check(self, ids: tuple[str, ...]) -> None:
         unknown = [i for i in ids if i not in self.mounted]

@@ -62,26 +62,11 @@ class CountRequest(_Base):
     thinking: dict[str, Any] | None = None
 
 
-def _text_blocks(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for i, block in enumerate(content):
-        kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append(block["text"])
-        elif kind == "image":
-            raise APIError(400, f"{where}[{i}]: image input needs a vision model; this server runs a text-only model")
-        else:
-            raise APIError(400, f"{where}[{i}]: expected a text block, got {kind!r}")
-    return "".join(parts)
-
-
 def to_chat(body) -> tuple[list[dict], list[dict] | None]:
     """(chat messages for the template, function tools) from a Messages body."""
     messages: list[dict] = []
     if body.system:
-        messages.append({"role": "system", "content": _text_blocks(body.system, "system")})
+        messages.append({"role": "system", "content": pipeline.text_of(body.system, "system", ("text",))})
     open_calls: set[str] = set()
     for i, m in enumerate(body.messages):
         where = f"messages[{i}].content"
@@ -114,7 +99,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None]:
                     messages.append({"role": "user", "content": "".join(text)})
                     text = []
                 result = block.get("content", "")
-                result = result if isinstance(result, str) else _text_blocks(result, f"{where}[{j}].content")
+                result = result if isinstance(result, str) else pipeline.text_of(result, f"{where}[{j}].content", ("text",))
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 messages.append({"role": "tool", "tool_call_id": tid, "content": result})
@@ -161,8 +146,7 @@ def register(app: FastAPI, cfg: ServeConfig, gateway: Gateway) -> None:
                                 limit=body.max_tokens, template_kwargs=_template_kwargs(body))
         job.id = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
-            events = pipeline.run(gateway, job)
-            first = await pipeline.first_event(events)
+            events = await pipeline.start(gateway, job)
 
             async def stream():
                 yield _event("message_start", {"type": "message_start", "message": {
@@ -171,7 +155,7 @@ def register(app: FastAPI, cfg: ServeConfig, gateway: Gateway) -> None:
                     "usage": {"input_tokens": len(job.prompt), "output_tokens": 0,
                               "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}})
                 index, open_kind = -1, None
-                async for ev in pipeline.chain(first, events):
+                async for ev in events:
                     if isinstance(ev, Delta) and ev.text:
                         kind = "thinking" if ev.kind == "reasoning" else "text"
                         if kind != open_kind:

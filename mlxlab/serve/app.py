@@ -155,14 +155,13 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
         created = int(time.time())
         head = {"id": job.id, "created": created, "model": cfg.model}
         if body.stream:
-            events = pipeline.run(gateway, job)
-            first = await pipeline.first_event(events)  # queue-full and not-ready errors still answer as JSON
+            events = await pipeline.start(gateway, job)  # queue-full and not-ready errors still answer as JSON
 
             async def stream():
                 yield sse({**head, "object": "chat.completion.chunk",
                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]})
-                async for ev in pipeline.chain(first, events):
+                async for ev in events:
                     if isinstance(ev, Delta):
                         delta = {"reasoning_content" if ev.kind == "reasoning" else "content": ev.text}
                         if not ev.text and not ev.logprobs:
@@ -210,10 +209,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
         prompt = pipeline.render_text(loaded, body.prompt)
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        limit = pipeline.completion_limit(loaded, cfg, len(prompt), body.completion_limit())
-        job = Job(prompt=prompt, max_tokens=limit, sink=None, sampling=pipeline.sampling(body, cfg, loaded),
-                  stops=body.stop_list(), logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
-                  adapter=pipeline.adapter_spec(loaded, body.adapter))
+        job = pipeline.make_job(loaded, cfg, prompt, body, stops=body.stop_list(), limit=body.completion_limit(),
+                                logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
         job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
         head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": cfg.model}
 
@@ -225,11 +222,10 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
                     "text_offset": []}
 
         if body.stream:
-            events = pipeline.run(gateway, job)
-            first = await pipeline.first_event(events)
+            events = await pipeline.start(gateway, job)
 
             async def stream():
-                async for ev in pipeline.chain(first, events):
+                async for ev in events:
                     if isinstance(ev, Delta) and (ev.text or ev.logprobs):
                         yield sse({**head, "choices": [{"index": 0, "text": ev.text,
                                                         "logprobs": legacy(ev.logprobs), "finish_reason": None}]})

@@ -106,7 +106,7 @@ class Loaded:
         from mlxlab.serve.prompt_cache import PromptCache
 
         self.model_dir = resolve(cfg.model)
-        self.model, self.tokenizer = load(cfg.model, cfg.dtype)
+        self.model, self.tokenizer = load(str(self.model_dir), cfg.dtype)
         self.model_id = cfg.model
         self.eos = set(self.tokenizer.eos_token_ids)
         self.tool = tool_syntax(self.tokenizer)
@@ -220,7 +220,6 @@ class SerialLane:
         if cached_now < end:
             self._prefill(cache, job.prompt[cached_now:end])
             m.cache.insert(namespace, job.prompt[:end], cache, kind="user")
-        done_prefix = end
         if s.seed is not None:
             mx.random.seed(s.seed)
         sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
@@ -239,7 +238,7 @@ class SerialLane:
             if not deltas and lp:
                 job.sink(Delta("content", "", lp))
 
-        steps = generate_step(mx.array(job.prompt[done_prefix:]), m.model, max_tokens=job.max_tokens,
+        steps = generate_step(mx.array(job.prompt[end:]), m.model, max_tokens=job.max_tokens,
                               sampler=sampler, logits_processors=processors, prompt_cache=cache,
                               prefill_step_size=self.cfg.prefill_step)
         for token, logprobs in steps:
@@ -262,10 +261,7 @@ class SerialLane:
             if parser.stopped is not None:
                 finish = "stop"
                 break
-        # Stop at the first of them; generate_step ends the loop itself at max_tokens.
-        if finish not in ("stop", "cancelled"):
-            finish = "length"
-        detok.finalize()
+        detok.finalize()  # finish stays "length" when generate_step ended the loop at max_tokens
         if parser.stopped is None and finish != "cancelled":
             send(parser.feed(detok.last_segment) + parser.finish())
         steps.close()

@@ -20,8 +20,9 @@ from mlxlab.serve.protocol import APIError
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
-def text_of(content, where: str) -> str:
-    """A message's content as text: a string, or text parts joined; images are refused (no vision)."""
+def text_of(content, where: str, text_kinds=("text", "input_text", "output_text")) -> str:
+    """A message's content as text: a string, or text parts joined; images are refused (no vision).
+    `text_kinds`: the part types that carry text in the caller's protocol."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -29,7 +30,7 @@ def text_of(content, where: str) -> str:
     parts = []
     for part in content:
         kind = part.get("type")
-        if kind in ("text", "input_text", "output_text"):
+        if kind in text_kinds:
             if not isinstance(part.get("text"), str):
                 raise APIError(400, f"{where}: a text part needs a string 'text'", param=where)
             parts.append(part["text"])
@@ -154,6 +155,14 @@ def chat_job(gateway: Gateway, cfg: ServeConfig, messages: list[dict], req, *, t
     """A job for chat `messages` (already normalized); `req` supplies the sampling fields."""
     loaded = ready_loaded(gateway)
     prompt, checkpoint, reasoning = render_chat(loaded, messages, tools, template_kwargs)
+    return make_job(loaded, cfg, prompt, req, tools=tools, stops=stops, limit=limit, logprobs=logprobs,
+                    top_logprobs=top_logprobs, reasoning=reasoning, checkpoint=checkpoint)
+
+
+def make_job(loaded, cfg: ServeConfig, prompt: list[int], req, *, tools: list[dict] | None = None,
+             stops: list[str] | None = None, limit: int | None = None, logprobs: bool = False,
+             top_logprobs: int = 0, reasoning: bool = False, checkpoint: int = 0) -> Job:
+    """A job for token `prompt`: admission, sampling defaults and the adapter spec checked here."""
     limit = completion_limit(loaded, cfg, len(prompt), limit)
     return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=sampling(req, cfg, loaded), stops=stops or [],
                tools=tools, reasoning=reasoning, logprobs=logprobs, top_logprobs=top_logprobs,
@@ -249,18 +258,21 @@ async def collect(gateway: Gateway, job: Job, is_disconnected) -> Collected:
 _END = object()
 
 
-async def first_event(events):
-    """The first event of a job; submitting happens here, so queue-full and not-ready errors are
-    raised before a streamed response has started (and answer as plain JSON errors)."""
+async def start(gateway: Gateway, job: Job) -> AsyncIterator[object]:
+    """The events of a job for a streamed response, its first event already awaited: submitting
+    happens here, so queue-full and not-ready errors are raised before the response has started
+    (and answer as plain JSON errors)."""
+    events = run(gateway, job)
     try:
-        return await events.__anext__()
+        first = await events.__anext__()
     except StopAsyncIteration:
-        return _END
+        first = _END
 
+    async def chained():
+        if first is _END:
+            return
+        yield first
+        async for ev in events:
+            yield ev
 
-async def chain(first, events):
-    if first is _END:
-        return
-    yield first
-    async for ev in events:
-        yield ev
+    return chained()

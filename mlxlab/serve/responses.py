@@ -252,8 +252,7 @@ def register(app: FastAPI, cfg: ServeConfig, gateway: Gateway) -> None:
         created = int(time.time())
         ids = {"message": f"msg_{uuid.uuid4().hex[:24]}", "reasoning": f"rs_{uuid.uuid4().hex[:24]}"}
         if body.stream:
-            events = pipeline.run(gateway, job)
-            first = await pipeline.first_event(events)
+            events = await pipeline.start(gateway, job)
 
             async def stream():
                 seq = 0
@@ -296,7 +295,7 @@ def register(app: FastAPI, cfg: ServeConfig, gateway: Gateway) -> None:
                     return [ev("response.output_item.added", output_index=out_index, item={
                         "type": "reasoning", "id": ids["reasoning"], "summary": [], "content": []})]
 
-                async for e in pipeline.chain(first, events):
+                async for e in events:
                     if isinstance(e, Delta) and e.text:
                         if e.kind != current:
                             if current:

@@ -39,6 +39,7 @@ def prepare_data(cfg: TrainConfig, run_dir: Path) -> DataConfig:
 def evaluate(model, tokenizer, cfg: TrainConfig, data: DataConfig, run_dir: Path, which: str) -> dict:
     """Evaluate on the task's split; results in <run>/eval_<which>.jsonl, summary cached in
     <run>/eval_<which>.json (a resumed run does not evaluate the base model again)."""
+    from mlxlab.eval.chunk import read_split
     from mlxlab.eval.cli import evaluate_model
     from mlxlab.fsutil import atomic_write_text
 
@@ -49,7 +50,8 @@ def evaluate(model, tokenizer, cfg: TrainConfig, data: DataConfig, run_dir: Path
 
     data_dir = Path(data.train) if Path(data.train).is_dir() else Path(data.train).parent
     mx.reset_peak_memory()
-    summary = evaluate_model(model, tokenizer, data_dir, cfg.task.eval, run_dir / f"eval_{which}.jsonl", which)
+    summary = evaluate_model(model, tokenizer, read_split(data_dir, cfg.task.eval), cfg.task.eval,
+                             run_dir / f"eval_{which}.jsonl", which)
     summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
     atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
     return summary
