@@ -453,6 +453,15 @@ class ServeConfig:
     """On Ctrl-C/SIGTERM: how long in-flight requests may finish before the server exits."""
     log_requests: bool = False
     """Log one line per HTTP request."""
+    batch: int = 1
+    """Rows decoded together by the continuous-batching lane; 1 serves one request at a time.
+    Requests that cannot batch (explicit seed, repetition/presence/frequency penalties, KV
+    quantization) take the serial lane between batches."""
+    prefill_batch: int = 8
+    """With batch > 1: prompts prefilled together (at most `batch`)."""
+    kv_quant: str = "off"
+    """KV-cache quantization: off, 4 or 8 (uniform bits, group 64), config (the model's
+    kv_config.json: a list of {layer_idx, bits, group_size}) or a path to such a JSON file."""
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -463,6 +472,9 @@ class ServeConfig:
             raise UserError(f"prompt_cache_gb must be >= 0, got {self.prompt_cache_gb}")
         if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
             raise UserError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
+        if self.batch < 1 or self.prefill_batch < 1:
+            raise UserError(f"batch and prefill_batch must be >= 1, got {self.batch} and {self.prefill_batch}")
+        self.kv_quant = str(self.kv_quant)
 
 
 SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig,

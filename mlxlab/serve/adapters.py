@@ -36,10 +36,31 @@ class MountRequest(BaseModel):
 
 
 class Selection:
-    """The adapters the current job uses (shared by every wrapper)."""
+    """The adapters the current forward pass uses (shared by every wrapper).
+
+    Either one spec for the whole batch (`ids`), or one per batch row (`set_rows`, the batched
+    lane): then each wrapper adds, for stack position k and each adapter at that position, that
+    adapter's delta times a 0/1 row mask. A row gets its own adapters' deltas in its own order and
+    `+ 0 * delta` elsewhere, which leaves a row's values exactly what its spec alone computes.
+    """
 
     def __init__(self):
         self.ids: tuple[str, ...] = ()
+        self.masked: list[tuple[str, mx.array]] | None = None
+
+    def set_rows(self, rows: list[tuple[str, ...]]) -> None:
+        if len(set(rows)) <= 1:  # one spec for every row: the plain path, no masks
+            self.ids, self.masked = (rows[0] if rows else ()), None
+            return
+        self.ids, self.masked = (), []
+        for k in range(max(len(r) for r in rows)):
+            names = dict.fromkeys(r[k] for r in rows if len(r) > k)
+            for name in names:
+                mask = [1.0 if len(r) > k and r[k] == name else 0.0 for r in rows]
+                self.masked.append((name, mx.array(mask)[:, None, None]))
+
+    def clear(self) -> None:
+        self.ids, self.masked = (), None
 
 
 class MultiLoRA(nn.Module):
@@ -51,12 +72,19 @@ class MultiLoRA(nn.Module):
 
     def __call__(self, x):
         y = self.linear(x)
-        for name in self._selection.ids:
+        sel = self._selection
+        for name in sel.ids:
             slot = self._slots.get(name)
             if slot is not None:
                 a, b, scale = slot
                 z = (x @ a) @ b
                 y = y + (scale * z).astype(x.dtype)
+        for name, mask in sel.masked or ():
+            slot = self._slots.get(name)
+            if slot is not None:
+                a, b, scale = slot
+                z = (x @ a) @ b
+                y = y + (mask * (scale * z)).astype(x.dtype)
         return y
 
 

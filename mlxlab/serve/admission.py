@@ -48,6 +48,18 @@ class Admission:
                 + tokens * (self.full_kv_bytes_per_token + self.score_bytes_per_token)
                 + min(tokens, self.sliding_window) * self.sliding_kv_bytes_per_token)
 
+    def bytes_for_rows(self, lengths: list[int]) -> int:
+        """Bytes for a batch of rows that will reach these lengths (prompt + max_tokens each)."""
+        if not lengths:
+            return self.weights_bytes + RESERVE_BYTES
+        n, t = len(lengths), max(lengths)
+        return (self.weights_bytes + RESERVE_BYTES
+                + n * (t * (self.full_kv_bytes_per_token + self.score_bytes_per_token)
+                       + min(t, self.sliding_window) * self.sliding_kv_bytes_per_token))
+
+    def fits_rows(self, lengths: list[int]) -> bool:
+        return self.bytes_for_rows(lengths) <= self.budget_bytes
+
     def check(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """None when the request fits, else the reason."""
         need = prompt_tokens + max_tokens
@@ -64,22 +76,23 @@ class Admission:
         return d
 
 
-def measure(model, budget_bytes: int | None, prefill_step: int) -> Admission:
-    """Measure the model's memory terms and solve for the max safe context."""
+def measure(model, budget_bytes: int | None, prefill_step: int, kv=None) -> Admission:
+    """Measure the model's memory terms and solve for the max safe context (`kv`: a KVQuant plan)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    cache = make_prompt_cache(model)
+    cache = kv.make_cache(model) if kv is not None else make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     full = sliding = 0
     window = 0
     for c in cache:
-        if not isinstance(c, (KVCache, RotatingKVCache)) or c.keys is None:
+        if not isinstance(c, (KVCache, RotatingKVCache, QuantizedKVCache)) or c.keys is None:
             continue
-        per_token = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+        parts = [*c.keys, *c.values] if isinstance(c.keys, tuple) else [c.keys, c.values]
+        per_token = sum(a.nbytes for a in parts) // parts[0].shape[2]
         if isinstance(c, RotatingKVCache):
             sliding += per_token
             window = max(window, c.max_size)

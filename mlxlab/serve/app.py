@@ -137,6 +137,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
             "queue": g.stats(),
             "response_store": app.state.response_store.stats(),
             "adapters": loaded.adapters.stats() if loaded else None,
+            "batch": g.batch_stats(),
+            "kv_quant": loaded.kv.stats() if loaded else None,
         }
 
     # --- generation ---------------------------------------------------------------------------

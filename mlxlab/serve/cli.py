@@ -36,7 +36,9 @@ def ready_line(cfg: ServeConfig, gateway) -> str:
     cache = (f"prompt cache {cfg.prompt_cache_gb:g} GB" if loaded.cache.enabled else "prompt cache off")
     return (f"mlxlab serve: ready on http://{cfg.host}:{cfg.port}/v1 | model {cfg.model} | context ceiling "
             f"{adm.max_safe_context} tokens (memory budget {adm.budget_bytes / 1e9:.1f} GB"
-            f"{'' if adm.explicit_budget else ', 75% of RAM'}) | {cache} | queue {cfg.max_queue}")
+            f"{'' if adm.explicit_budget else ', 75% of RAM'}) | {cache} | queue {cfg.max_queue}"
+            f" | {'batch ' + str(cfg.batch) if gateway.batch else 'serial'}"
+            f"{' | kv ' + loaded.kv.mode if loaded.kv.enabled else ''}")
 
 
 def run(cfg: ServeConfig) -> None:

@@ -58,6 +58,7 @@ class Done:
     stop_sequence: str | None = None
     seconds: float = 0.0
     ttft: float = 0.0
+    tokens: list[int] = field(default_factory=list)  # the generated token ids
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Loaded:
         import mlx.core as mx
 
         from mlxlab.models.zoo import load, resolve
-        from mlxlab.serve import admission
+        from mlxlab.serve import admission, kv_quant
         from mlxlab.serve.output import think_markers, tool_syntax
         from mlxlab.serve.prompt_cache import PromptCache
 
@@ -113,7 +114,8 @@ class Loaded:
         self.think = think_markers(self.tokenizer)
         self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)
         budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb else None
-        self.admission = admission.measure(self.model, budget, cfg.prefill_step)
+        self.kv = kv_quant.parse(cfg.kv_quant, self.model, self.model_dir)
+        self.admission = admission.measure(self.model, budget, cfg.prefill_step, self.kv)
         mx.set_memory_limit(self.admission.budget_bytes)
         self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
         self.generation_config = read_generation_config(self.model_dir)
@@ -177,36 +179,26 @@ class SerialLane:
                 mx.eval([c.state for c in cache])
 
     def run(self, job: Job) -> Done:
-        from mlxlab.serve.adapters import parse_spec
-
         m = self.m
-        ids = parse_spec(job.adapter)
-        try:
-            m.adapters.check(ids)  # it may have been unmounted while the job waited
-        except KeyError as e:
-            raise JobError(str(e).strip("'\"")) from None
+        ids = check_adapters(m, job)
         m.adapters.selection.ids = ids
         try:
             return self._run(job, ids)
         finally:
-            m.adapters.selection.ids = ()
+            m.adapters.selection.clear()
 
     def _run(self, job: Job, ids: tuple[str, ...]) -> Done:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
-        from mlx_lm.models.cache import make_prompt_cache
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-        from mlxlab.serve.output import OutputParser
-
-        m, s = self.m, job.sampling
-        for i in ids:
-            m.adapters.mounted[i].requests += 1
-        t0 = time.perf_counter()
-        namespace = (m.model_id, "+".join(ids) or "none")
+        m = self.m
+        count_adapter_use(m, ids)
+        out = RowOutput(m, job)
+        namespace = cache_namespace(m, ids)
         cache, cached = m.cache.fetch(namespace, job.prompt)
         if cache is None:
-            cache = make_prompt_cache(m.model)
+            cache = m.kv.make_cache(m.model)
+        out.cached = cached
         # Prefill all but the last prompt token here, storing checkpoints on the way: the end of
         # the system prompt (shared by every conversation with it) and the end of this prompt
         # (the prefix of the next turn even when the answer does not re-tokenize the same way).
@@ -220,79 +212,126 @@ class SerialLane:
         if cached_now < end:
             self._prefill(cache, job.prompt[cached_now:end])
             m.cache.insert(namespace, job.prompt[:end], cache, kind="user")
-        if s.seed is not None:
-            mx.random.seed(s.seed)
-        sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
-                               min_p=s.min_p, top_k=s.top_k)
-        processors = make_logits_processors(s.logit_bias, s.repetition_penalty, 64,
-                                            s.presence_penalty, 64, s.frequency_penalty, 64)
-        parser = OutputParser(job.stops, m.tool, job.tools, m.think, job.reasoning)
-        detok = m.tokenizer.detokenizer
-        detok.reset()
-        out_tokens: list[int] = []
-        finish, ttft = "length", 0.0
-
-        def send(deltas, lp=None):
-            for i, (kind, text) in enumerate(deltas):
-                job.sink(Delta(kind, text, lp if i == len(deltas) - 1 else None))
-            if not deltas and lp:
-                job.sink(Delta("content", "", lp))
-
+        if job.sampling.seed is not None:
+            mx.random.seed(job.sampling.seed)
+        sampler, processors = make_sampling(job.sampling)
         steps = generate_step(mx.array(job.prompt[end:]), m.model, max_tokens=job.max_tokens,
                               sampler=sampler, logits_processors=processors, prompt_cache=cache,
                               prefill_step_size=self.cfg.prefill_step)
+        finish = "length"  # when generate_step ends the loop at max_tokens
         for token, logprobs in steps:
-            if not out_tokens:
-                ttft = time.perf_counter() - t0
-            token = int(token)
-            out_tokens.append(token)  # fed to the cache already (generate_step runs one ahead)
-            if job.cancelled.is_set():
-                finish = "cancelled"
+            finish = out.feed(int(token), logprobs)  # the token is in the cache already (one ahead)
+            if finish:
                 break
-            if token in m.eos:
-                finish = "stop"
-                break
-            lp = self._logprobs(token, logprobs, job.top_logprobs) if job.logprobs else None
-            if token in m.hidden:
-                send([], lp)
-                continue
-            detok.add_token(token)
-            send(parser.feed(detok.last_segment), lp)
-            if parser.stopped is not None:
-                finish = "stop"
-                break
-        detok.finalize()  # finish stays "length" when generate_step ended the loop at max_tokens
-        if parser.stopped is None and finish != "cancelled":
-            send(parser.feed(detok.last_segment) + parser.finish())
         steps.close()
-        if parser.calls and finish != "cancelled":
-            finish = "tool_calls"
-        if finish != "cancelled":
+        done = out.close(finish or "length")
+        if done.finish_reason != "cancelled":
             # The cache holds prompt + every token generated (each was fed as the next one was computed).
-            m.cache.insert(namespace, job.prompt + out_tokens, cache, copy_cache=False)
-        done = Done(finish, len(job.prompt), len(out_tokens), cached, parser.calls, parser.stopped,
-                    time.perf_counter() - t0, ttft)
-        job.sink(done)
+            m.cache.insert(namespace, job.prompt + out.tokens, cache, copy_cache=False)
         return done
 
-    def _logprobs(self, token: int, logprobs, top: int) -> list[dict]:
-        import mlx.core as mx
 
-        tok = self.m.tokenizer
+def count_adapter_use(m: Loaded, ids: tuple[str, ...]) -> None:
+    for i in ids:
+        m.adapters.mounted[i].requests += 1
 
-        def entry(tid: int, lp: float) -> dict:
-            text = tok.decode([tid])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-        e = entry(token, logprobs[token].item())
-        if top:
-            ids = mx.argpartition(-logprobs, top - 1)[:top]
-            vals = logprobs[ids]
-            pairs = sorted(zip(ids.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
-            e["top_logprobs"] = [entry(i, v) for i, v in pairs]
-        else:
-            e["top_logprobs"] = []
-        return [e]
+def cache_namespace(m: Loaded, ids: tuple[str, ...]) -> tuple[str, str]:
+    return (m.model_id, "+".join(ids) or "none")
+
+
+def check_adapters(m: Loaded, job: Job) -> tuple[str, ...]:
+    """The job's adapter ids, still mounted (one may have been unmounted while the job waited)."""
+    from mlxlab.serve.adapters import parse_spec
+
+    ids = parse_spec(job.adapter)
+    try:
+        m.adapters.check(ids)
+    except KeyError as e:
+        raise JobError(str(e).strip("'\"")) from None
+    return ids
+
+
+def make_sampling(s: Sampling):
+    """(sampler, logits processors) for one row, built by mlx-lm."""
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
+                           min_p=s.min_p, top_k=s.top_k)
+    processors = make_logits_processors(s.logit_bias, s.repetition_penalty, 64,
+                                        s.presence_penalty, 64, s.frequency_penalty, 64)
+    return sampler, processors
+
+
+class RowOutput:
+    """One job's output side, the same in both lanes: token -> (eos, hidden tokens, streaming
+    detokenizer, stop strings, tool/reasoning parser) -> Delta events; `close` sends the Done."""
+
+    def __init__(self, m: Loaded, job: Job):
+        from mlxlab.serve.output import OutputParser
+
+        self.m, self.job = m, job
+        self.parser = OutputParser(job.stops, m.tool, job.tools, m.think, job.reasoning)
+        self.detok = m.tokenizer.detokenizer  # a fresh copy per call
+        self.detok.reset()
+        self.tokens: list[int] = []
+        self.cached = 0
+        self.t0 = time.perf_counter()
+        self.ttft = 0.0
+
+    def _send(self, deltas, lp=None) -> None:
+        for i, (kind, text) in enumerate(deltas):
+            self.job.sink(Delta(kind, text, lp if i == len(deltas) - 1 else None))
+        if not deltas and lp:
+            self.job.sink(Delta("content", "", lp))
+
+    def feed(self, token: int, logprobs) -> str | None:
+        """Take one generated token; the finish reason when the row must stop here, else None."""
+        job = self.job
+        if not self.tokens:
+            self.ttft = time.perf_counter() - self.t0
+        self.tokens.append(token)
+        if job.cancelled.is_set():
+            return "cancelled"
+        if token in self.m.eos:
+            return "stop"
+        lp = token_logprobs(self.m.tokenizer, token, logprobs, job.top_logprobs) if job.logprobs else None
+        if token in self.m.hidden:
+            self._send([], lp)
+            return None
+        self.detok.add_token(token)
+        self._send(self.parser.feed(self.detok.last_segment), lp)
+        return "stop" if self.parser.stopped is not None else None
+
+    def close(self, finish: str) -> Done:
+        parser = self.parser
+        self.detok.finalize()
+        if parser.stopped is None and finish != "cancelled":
+            self._send(parser.feed(self.detok.last_segment) + parser.finish())
+        if parser.calls and finish != "cancelled":
+            finish = "tool_calls"
+        done = Done(finish, len(self.job.prompt), len(self.tokens), self.cached, parser.calls,
+                    parser.stopped, time.perf_counter() - self.t0, self.ttft, list(self.tokens))
+        self.job.sink(done)
+        return done
+
+
+def token_logprobs(tok, token: int, logprobs, top: int) -> list[dict]:
+    import mlx.core as mx
+
+    def entry(tid: int, lp: float) -> dict:
+        text = tok.decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    e = entry(token, logprobs[token].item())
+    if top:
+        ids = mx.argpartition(-logprobs, top - 1)[:top]
+        vals = logprobs[ids]
+        pairs = sorted(zip(ids.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+        e["top_logprobs"] = [entry(i, v) for i, v in pairs]
+    else:
+        e["top_logprobs"] = []
+    return [e]
 
 
 class Gateway:
@@ -311,7 +350,10 @@ class Gateway:
         self.started_at = time.time()
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
                          "rejected_queue_full": 0, "prompt_tokens": 0, "completion_tokens": 0}
-        self.running: Job | None = None
+        self.running: Job | None = None  # on the serial lane
+        self.serial: SerialLane | None = None
+        self.batch = None  # BatchLane when serve.batch > 1 (and the KV cache is not quantized)
+        self.served_serial = 0
         self._thread = threading.Thread(target=self._work, name="mlxlab-engine", daemon=True)
 
     def start(self) -> Gateway:
@@ -319,7 +361,10 @@ class Gateway:
         return self
 
     def lane_for(self, job: Job) -> str:
-        return "serial"
+        """"batch" when a batched lane runs and the job can join it, else "serial"."""
+        from mlxlab.serve.batch import batchable
+
+        return "batch" if self.batch is not None and batchable(job) else "serial"
 
     @property
     def pending(self) -> int:
@@ -329,7 +374,7 @@ class Gateway:
         if self.state != "ready":
             raise NotReady(self.error or f"the engine is {self.state}")
         with self._lock:
-            if self._pending >= self.cfg.max_queue:
+            if self._pending >= self.cfg.max_queue + self.cfg.batch - 1:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"{self._pending} requests are queued or running (max_queue={self.cfg.max_queue})")
             self._pending += 1
@@ -366,45 +411,103 @@ class Gateway:
     def _work(self) -> None:
         try:
             self.loaded = self._loader(self.cfg)
-            lanes = {"serial": SerialLane(self.loaded, self.cfg)}
+            self.serial = SerialLane(self.loaded, self.cfg)
+            if self.cfg.batch > 1 and not self.loaded.kv.enabled:
+                from mlxlab.serve.batch import BatchLane
+
+                self.batch = BatchLane(self.loaded, self.cfg, self._finish)
+            elif self.cfg.batch > 1:
+                print("mlxlab serve: kv_quant is on, so every request runs on the serial lane "
+                      "(quantized KV caches cannot be batched)", file=sys.stderr)
             self.state = "ready"
         except BaseException as e:  # noqa: BLE001 - reported through /health
             self.state, self.error = "failed", f"failed to load: {e}"
             self.ready.set()
             return
         self.ready.set()
+        held = []  # an item that must wait for the batch to drain (serial job, admin task, stop)
         while True:
-            job = self._queue.get()
-            if job is None:
+            batch = self.batch
+            if batch is not None and batch.active:
+                while not held:  # take what has arrived, without waiting
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(item, Job) and self.lane_for(item) == "batch":
+                        self._add_row(item)
+                    else:
+                        held.append(item)
+                try:
+                    batch.step()
+                except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine carries on
+                    traceback.print_exc()
+                    batch.fail_all(f"generation failed: {e}")
+                continue
+            item = held.pop() if held else self._queue.get()
+            if item is None:
                 self.state = "stopped"
                 return
-            if not isinstance(job, Job):  # an admin task (adapter mount/unmount)
-                job()
-                continue
-            self.running = job
-            try:
-                if job.cancelled.is_set():
-                    job.sink(Done("cancelled", len(job.prompt), 0, 0))
-                    self.counters["cancelled"] += 1
-                else:
-                    done = lanes[self.lane_for(job)].run(job)
-                    self.counters["cancelled" if done.finish_reason == "cancelled" else "completed"] += 1
-                    self.counters["prompt_tokens"] += done.prompt_tokens
-                    self.counters["completion_tokens"] += done.completion_tokens
-            except JobError as e:
-                self.counters["failed"] += 1
-                job.sink(Failed(str(e)))
-            except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
-                traceback.print_exc()
-                self.counters["failed"] += 1
-                job.sink(Failed(f"generation failed: {e}"))
-            finally:
-                self.running = None
-                with self._lock:
-                    self._pending -= 1
+            if not isinstance(item, Job):  # an admin task (adapter mount/unmount)
+                item()
+            elif self.lane_for(item) == "batch":
+                self._add_row(item)
+            else:
+                self._run_serial(item)
+
+    def _add_row(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.sink(Done("cancelled", len(job.prompt), 0, 0))
+            self._finish(job, None, None)
+            return
+        try:
+            self.batch.add(job)
+        except JobError as e:
+            self._finish(job, None, str(e))
+
+    def _run_serial(self, job: Job) -> None:
+        self.running = job
+        done, error = None, None
+        try:
+            if job.cancelled.is_set():
+                job.sink(Done("cancelled", len(job.prompt), 0, 0))
+            else:
+                done = self.serial.run(job)
+                self.served_serial += 1
+        except JobError as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
+            traceback.print_exc()
+            error = f"generation failed: {e}"
+        finally:
+            self.running = None
+            self._finish(job, done, error)
+
+    def _finish(self, job: Job, done: Done | None, error: str | None) -> None:
+        """Count a job that left the engine; `error` is sent to it as Failed."""
+        if error is not None:
+            self.counters["failed"] += 1
+            job.sink(Failed(error))
+        elif done is None or done.finish_reason == "cancelled":
+            self.counters["cancelled"] += 1
+        else:
+            self.counters["completed"] += 1
+        if done is not None:
+            self.counters["prompt_tokens"] += done.prompt_tokens
+            self.counters["completion_tokens"] += done.completion_tokens
+        with self._lock:
+            self._pending -= 1
+
+    def batch_stats(self) -> dict:
+        b = self.batch
+        if b is None:
+            return {"configured": self.cfg.batch, "batched": False, "active_rows": int(self.running is not None),
+                    "served_serial": self.served_serial,
+                    "reason": "kv_quant is on" if self.cfg.batch > 1 else None}
+        return {**b.stats(), "served_serial": self.served_serial}
 
     def stats(self) -> dict:
-        out = {"state": self.state, "queued": max(self._pending - (self.running is not None), 0),
-               "running": int(self.running is not None), "max_queue": self.cfg.max_queue,
-               **self.counters}
+        running = int(self.running is not None) + (self.batch.running if self.batch else 0)
+        out = {"state": self.state, "queued": max(self._pending - running, 0), "running": running,
+               "max_queue": self.cfg.max_queue, **self.counters}
         return out

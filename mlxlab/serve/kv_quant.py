@@ -1,0 +1,116 @@
+"""KV-cache quantization for serving: `serve.kv_quant=off|4|8|config|PATH.json`.
+
+- `off`: the model's own caches (float).
+- `4` / `8`: every layer whose cache can be quantized, at that many bits, group size 64, from the
+  first token on.
+- `config`: the per-layer plan in the model directory's `kv_config.json`; `PATH.json`: the same
+  from a file. A plan is a JSON list of `{"layer_idx": i, "bits": 2|3|4|5|6|8, "group_size":
+  32|64|128}`; layers not listed stay in float.
+
+A quantized layer gets mlx-lm's `QuantizedKVCache`, and attention runs through mlx-lm's quantized
+SDPA. mlx-lm has no quantized form of the sliding-window `RotatingKVCache`, so those layers
+(Gemma 3: five of every six) stay in float under a uniform setting, and a plan that names one
+is refused at start; `/stats.kv_quant` says which layers are quantized. Quantized caches cannot
+be merged into a batch, so with kv_quant on every request runs on the serial lane.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxlab.config import UserError
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class KVQuant:
+    mode: str = "off"  # off | uniform-kv4 | uniform-kv8 | config
+    plan: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (bits, group_size)
+    source: str | None = None
+    float_layers: list[int] = field(default_factory=list)  # layers that could not be quantized
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.plan)
+
+    def make_cache(self, model) -> list:
+        """mlx-lm's cache for `model` with the planned layers quantized (empty, so from token 0)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        for i, (bits, group) in self.plan.items():
+            cache[i] = cache[i].to_quantized(group_size=group, bits=bits)
+        return cache
+
+    def stats(self) -> dict:
+        by_bits: dict[str, int] = {}
+        for bits, _ in self.plan.values():
+            by_bits[str(bits)] = by_bits.get(str(bits), 0) + 1
+        return {"mode": self.mode, "source": self.source, "quantized_layers": sorted(self.plan),
+                "bits_histogram": by_bits, "float_layers": self.float_layers,
+                "note": ("sliding-window layers have no quantized cache in mlx-lm and stay in float"
+                         if self.float_layers and self.enabled else None)}
+
+
+def _quantizable(model) -> list[bool]:
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return [type(c) is KVCache for c in make_prompt_cache(model)]
+
+
+def parse(setting: str | int, model, model_dir: Path) -> KVQuant:
+    """The plan for `setting`; UserError (one line) when it cannot apply to this model."""
+    setting = str(setting).strip().lower() if not str(setting).endswith(".json") else str(setting)
+    ok = _quantizable(model)
+    if setting in ("off", "none", "0", "false"):
+        return KVQuant()
+    if setting in ("4", "8"):
+        bits = int(setting)
+        plan = {i: (bits, 64) for i, q in enumerate(ok) if q}
+        if not plan:
+            raise UserError(f"serve.kv_quant={setting}: no layer of this model has a quantizable KV cache")
+        return KVQuant(f"uniform-kv{bits}", plan, None, [i for i, q in enumerate(ok) if not q])
+    if setting == "config" or setting.endswith(".json"):
+        path = Path(model_dir) / "kv_config.json" if setting == "config" else Path(setting).expanduser()
+        try:
+            entries = json.loads(path.read_text())
+        except OSError:
+            raise UserError(f"serve.kv_quant={setting}: cannot read {path}") from None
+        except ValueError as e:
+            raise UserError(f"serve.kv_quant={setting}: {path} is not JSON ({e})") from None
+        return KVQuant("config", _plan(entries, ok, path), str(path), [])
+    raise UserError(f"serve.kv_quant={setting!r}: use off, 4, 8, config, or a kv_config.json path")
+
+
+def _plan(entries, ok: list[bool], path: Path) -> dict[int, tuple[int, int]]:
+    if isinstance(entries, dict) and isinstance(entries.get("layers"), list):
+        entries = entries["layers"]
+    if not isinstance(entries, list):
+        raise UserError(f"{path}: expected a list of {{layer_idx, bits, group_size}}")
+    plan, problems = {}, []
+    for n, e in enumerate(entries):
+        if not isinstance(e, dict):
+            problems.append(f"entry {n} is not an object")
+            continue
+        i, bits, group = e.get("layer_idx"), e.get("bits"), e.get("group_size", 64)
+        if not isinstance(i, int) or not 0 <= i < len(ok):
+            problems.append(f"entry {n}: layer_idx {i!r} is not a layer (0..{len(ok) - 1})")
+        elif bits is None:
+            continue  # an explicit float layer
+        elif bits not in BITS:
+            problems.append(f"entry {n}: bits {bits!r} not in {BITS}")
+        elif group not in GROUP_SIZES:
+            problems.append(f"entry {n}: group_size {group!r} not in {GROUP_SIZES}")
+        elif not ok[i]:
+            problems.append(f"entry {n}: layer {i} has a sliding-window cache, which mlx-lm cannot quantize")
+        elif i in plan:
+            problems.append(f"entry {n}: layer {i} is listed twice")
+        else:
+            plan[i] = (bits, group)
+    if problems:
+        raise UserError(f"{path}: " + "; ".join(problems))
+    return plan
