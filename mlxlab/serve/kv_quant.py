@@ -56,23 +56,37 @@ class KVQuant:
                          if self.float_layers and self.enabled else None)}
 
 
-def _quantizable(model) -> list[bool]:
+def _layers(model) -> tuple[list[bool], list[int]]:
+    """Per cache layer: can it be quantized, and its head dim (keys and values alike)."""
+    import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    return [type(c) is KVCache for c in make_prompt_cache(model)]
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    dims = [min(c.keys.shape[-1], c.values.shape[-1]) if getattr(c, "keys", None) is not None else 0
+            for c in cache]
+    return [type(c) is KVCache for c in cache], dims
+
+
+def _check_groups(plan: dict[int, tuple[int, int]], dims: list[int], what: str) -> None:
+    bad = sorted({(dims[i], g) for i, (_, g) in plan.items() if dims[i] % g})
+    if bad:
+        raise UserError(f"{what}: head dim {bad[0][0]} is not divisible by the group size {bad[0][1]}; "
+                        "this model's KV cache cannot be quantized with it")
 
 
 def parse(setting: str | int, model, model_dir: Path) -> KVQuant:
     """The plan for `setting`; UserError (one line) when it cannot apply to this model."""
     setting = str(setting).strip().lower() if not str(setting).endswith(".json") else str(setting)
-    ok = _quantizable(model)
     if setting in ("off", "none", "0", "false"):
         return KVQuant()
+    ok, dims = _layers(model)
     if setting in ("4", "8"):
         bits = int(setting)
         plan = {i: (bits, 64) for i, q in enumerate(ok) if q}
         if not plan:
             raise UserError(f"serve.kv_quant={setting}: no layer of this model has a quantizable KV cache")
+        _check_groups(plan, dims, f"serve.kv_quant={setting}")
         return KVQuant(f"uniform-kv{bits}", plan, None, [i for i, q in enumerate(ok) if not q])
     if setting == "config" or setting.endswith(".json"):
         path = Path(model_dir) / "kv_config.json" if setting == "config" else Path(setting).expanduser()
@@ -82,7 +96,9 @@ def parse(setting: str | int, model, model_dir: Path) -> KVQuant:
             raise UserError(f"serve.kv_quant={setting}: cannot read {path}") from None
         except ValueError as e:
             raise UserError(f"serve.kv_quant={setting}: {path} is not JSON ({e})") from None
-        return KVQuant("config", _plan(entries, ok, path), str(path), [])
+        plan = _plan(entries, ok, path)
+        _check_groups(plan, dims, str(path))
+        return KVQuant("config", plan, str(path), [i for i, q in enumerate(ok) if i not in plan])
     raise UserError(f"serve.kv_quant={setting!r}: use off, 4, 8, config, or a kv_config.json path")
 
 

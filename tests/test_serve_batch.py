@@ -1,0 +1,314 @@
+"""The batched lane (serve.batch=N): parity with mlx-lm's BatchGenerator, equality with the serial
+lane, the lane picker, the prompt cache, per-row adapters, aggregate admission, cancellation and
+KV-cache quantization."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+
+from mlxlab.config import ServeConfig, UserError
+from mlxlab.serve import kv_quant
+from mlxlab.serve.batch import BatchLane
+from mlxlab.serve.engine import Delta, Done, Failed, Job, Loaded, Sampling
+from tests.test_serve import SYSTEM, make_client, sse_events, streamed_content
+from tests.test_serve_adapters import make_adapter
+
+LENGTHS = (5, 40, 17, 90, 3, 60)
+MAX_TOKENS = (20, 8, 30, 12, 25, 16)
+JOIN_AT = (0, 0, 0, 3, 7, 7)  # the decode step at which each row arrives
+
+
+def prompts(lengths=LENGTHS, seed=0, vocab=(10, 200)):
+    rng = random.Random(seed)
+    return [[2] + [rng.randrange(*vocab) for _ in range(n)] for n in lengths]
+
+
+def batch_generator_tokens(model, eos, ps, max_tokens, join_at, size, prefill_step):
+    """mlx-lm's BatchGenerator on a schedule: row i is inserted before the join_at[i]-th next()."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[e] for e in sorted(eos)], completion_batch_size=size,
+                         prefill_batch_size=size, prefill_step_size=prefill_step)
+    out, uid_of, done, step = {}, {}, set(), 0
+    while len(done) < len(ps):
+        for i, at in enumerate(join_at):
+            if at == step:
+                (uid,) = gen.insert([ps[i]], max_tokens=[max_tokens[i]])
+                uid_of[uid] = i
+                out[i] = []
+        _, responses = gen.next()
+        for r in responses:
+            out[uid_of[r.uid]].append(r.token)
+            if r.finish_reason is not None:
+                done.add(uid_of[r.uid])
+        step += 1
+    gen.close()
+    return [out[i] for i in range(len(ps))]
+
+
+def lane_tokens(loaded, cfg, ps, max_tokens, join_at, cancel=None):
+    """Our lane on the same schedule (lane.step() is one BatchGenerator.next())."""
+    results = {}
+    lane = BatchLane(loaded, cfg, lambda job, done, err: results.__setitem__(job.id, done or err))
+    jobs = [Job(p, m, lambda e: None, Sampling(temperature=0.0), id=str(i))
+            for i, (p, m) in enumerate(zip(ps, max_tokens, strict=True))]
+    step = 0
+    while len(results) < len(ps):
+        for i, at in enumerate(join_at):
+            if at == step:
+                lane.add(jobs[i])
+        if cancel and step == cancel[1]:
+            jobs[cancel[0]].cancelled.set()
+        lane.step()
+        step += 1
+    assert lane.active == 0 and not lane.rows
+    return [results[str(i)] for i in range(len(ps))], lane
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_greedy_tokens_equal_mlx_lm_batch_generator(tiny_dir, family):
+    """Different lengths (left padding), chunked prefill beside decoding, rows joining at steps 3
+    and 7 and leaving at different max_tokens: the same token trajectories as BatchGenerator."""
+    tiny_dir(family)
+    cfg = ServeConfig(model=f"tiny-{family}", memory_budget_gb=2, batch=8, prefill_step=16, prompt_cache_gb=0)
+    loaded = Loaded(cfg)
+    ps = prompts()
+    ours, lane = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT)
+    ref = batch_generator_tokens(loaded.model, loaded.eos, ps, MAX_TOKENS, JOIN_AT, 8, 16)
+    assert [d.tokens for d in ours] == ref
+    assert lane.peak_rows >= 4 and lane.rows_served == len(ps)
+    assert [d.finish_reason for d in ours] == ["stop" if t[-1] in loaded.eos else "length" for t in ref]
+
+
+def test_cancelled_row_leaves_and_the_others_are_unchanged(tiny_dir):
+    tiny_dir("gemma3")
+    cfg = ServeConfig(model="tiny-gemma3", memory_budget_gb=2, batch=8, prefill_step=16, prompt_cache_gb=0)
+    loaded = Loaded(cfg)
+    ps = prompts()
+    plain, _ = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT)
+    cut, _ = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT, cancel=(2, 6))
+    assert cut[2].finish_reason == "cancelled" and 0 < cut[2].completion_tokens < MAX_TOKENS[2]
+    assert [d.tokens for i, d in enumerate(cut) if i != 2] == [d.tokens for i, d in enumerate(plain) if i != 2]
+
+
+def submit_all(gateway, jobs, timeout=300):
+    """Submit jobs back to back; wait for each to end; {id: Done | Failed} plus the text per id."""
+    ends, texts, events = {}, {j.id: [] for j in jobs}, {j.id: threading.Event() for j in jobs}
+
+    def sink_for(jid):
+        def sink(e):
+            if isinstance(e, Delta):
+                texts[jid].append(e.text)
+            else:
+                ends[jid] = e
+                events[jid].set()
+        return sink
+
+    for j in jobs:
+        j.sink = sink_for(j.id)
+        gateway.submit(j)
+    for e in events.values():
+        assert e.wait(timeout)
+    return ends, {k: "".join(v) for k, v in texts.items()}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    """A serial server and a batch=4 server on tiny-gemma3."""
+    tiny_dir("gemma3")
+    serial = make_client()
+    batched = make_client(batch=4)
+    yield serial, batched
+    serial[1].stop()
+    batched[1].stop()
+
+
+def test_batched_requests_equal_the_serial_lane(pair):
+    (_, serial), (client, batched) = pair
+    jobs = lambda: [Job(p, m, None, Sampling(temperature=0.0), id=str(i))  # noqa: E731
+                    for i, (p, m) in enumerate(zip(prompts(seed=1), MAX_TOKENS, strict=True))]
+    solo, solo_text = submit_all(serial, jobs())
+    ends, texts = submit_all(batched, jobs())
+    assert all(isinstance(d, Done) for d in ends.values())
+    assert {k: d.tokens for k, d in ends.items()} == {k: d.tokens for k, d in solo.items()}
+    assert texts == solo_text
+    stats = client.get("/stats").json()["batch"]
+    assert stats["configured"] == 4 and stats["batched"] is True and stats["peak_rows"] >= 2
+    assert stats["active_rows"] == 0 and stats["rows_served"] >= 6
+
+
+def test_http_stream_and_stops_on_the_batched_lane(pair):
+    (serial_client, _), (client, _) = pair
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does zip do?"}],
+            "temperature": 0, "max_tokens": 24}
+    plain = client.post("/v1/chat/completions", json=body).json()
+    assert plain == {**plain, "choices": serial_client.post("/v1/chat/completions", json=body).json()["choices"]}
+    events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    content = plain["choices"][0]["message"]["content"]
+    assert streamed_content(events) == content
+    stop = content[5:9]
+    stopped = client.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["message"]["content"] == content[:content.index(stop)]
+    # The prompt cache serves batched rows: the same request again reuses its prompt.
+    again = client.post("/v1/chat/completions", json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= plain["usage"]["prompt_tokens"] - 1
+    assert again["choices"][0]["message"]["content"] == content
+
+
+def test_lane_picker_sends_seed_and_penalties_to_the_serial_lane(pair):
+    _, (client, gateway) = pair
+    before = client.get("/stats").json()["batch"]
+    base = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    for extra in ({"seed": 7, "temperature": 0.8}, {"frequency_penalty": 0.5}, {"presence_penalty": 0.3}):
+        assert client.post("/v1/chat/completions", json={**base, **extra}).status_code == 200
+    assert client.post("/v1/chat/completions", json={**base, "temperature": 0.7, "logprobs": True,
+                                                      "top_logprobs": 2}).status_code == 200
+    after = client.get("/stats").json()["batch"]
+    assert after["served_serial"] - before["served_serial"] == 3
+    assert after["rows_served"] - before["rows_served"] == 1
+    assert gateway.lane_for(Job([1, 2], 4, None, Sampling(repetition_penalty=1.1))) == "serial"
+    assert gateway.lane_for(Job([1, 2], 4, None, Sampling(temperature=0.5, top_k=5))) == "batch"
+
+
+def test_rows_with_different_adapters_decode_together(tiny_dir, tmp_path):
+    """Each row's tokens equal that adapter served alone; the rows shared decode steps."""
+    make_adapter(tiny_dir("gemma3"), tmp_path / "a", seed=1)
+    make_adapter(tiny_dir("gemma3"), tmp_path / "b", seed=2, targets=("q", "o", "down"), layers=3)
+    _, gateway = make_client(batch=4, adapter_root=str(tmp_path), adapters={"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})
+    try:
+        prompt = prompts((30,), seed=3)[0]
+        specs = ["a", "b", "none", "a+b", "b+a", "a"]
+
+        def jobs():
+            return [Job(prompt, 24, None, Sampling(temperature=0.0), adapter=s, id=f"{i}:{s}")
+                    for i, s in enumerate(specs)]
+        alone = {}
+        for j in jobs():  # one at a time: a batch of one row, one spec, no masks
+            alone.update(submit_all(gateway, [j])[0])
+        together, _ = submit_all(gateway, jobs())
+        assert {k: d.tokens for k, d in together.items()} == {k: d.tokens for k, d in alone.items()}
+        toks = {s: alone[f"{i}:{s}"].tokens for i, s in enumerate(specs)}
+        assert len({tuple(toks[s]) for s in ("a", "b", "none", "a+b")}) == 4  # the adapters matter
+        assert gateway.batch.peak_rows == 4
+        assert gateway.loaded.adapters.mounted["a"].requests == 8  # a, a+b, b+a, a; twice
+    finally:
+        gateway.stop()
+
+
+def test_aggregate_admission_makes_rows_wait_instead_of_overflowing(tiny_dir):
+    tiny_dir("gemma3")
+    _, gateway = make_client(batch=4, prompt_cache_gb=0)
+    try:
+        ps = prompts((20, 25, 30, 35), seed=4)
+        adm = gateway.loaded.admission
+        longest = 35 + 1 + 40
+        # Room for two rows of the longest length, not three (the batch cache pads to the longest).
+        adm.budget_bytes = (adm.bytes_for_rows([longest] * 2) + adm.bytes_for_rows([longest] * 3)) // 2
+
+        def jobs():
+            return [Job(p, 40, None, Sampling(temperature=0.0), id=str(i)) for i, p in enumerate(ps)]
+        ends, _ = submit_all(gateway, jobs())
+        stats = gateway.batch_stats()
+        assert stats["peak_rows"] == 2 and stats["memory_waits"] >= 1
+        adm.budget_bytes = 10**12
+        free, _ = submit_all(gateway, jobs())
+        assert {k: d.tokens for k, d in ends.items()} == {k: d.tokens for k, d in free.items()}
+    finally:
+        gateway.stop()
+
+
+def test_a_failing_forward_fails_the_batch_and_the_lane_recovers(tiny_dir, monkeypatch):
+    tiny_dir("gemma3")
+    _, gateway = make_client(batch=4, prompt_cache_gb=0)
+    try:
+        ps = prompts((8, 12), seed=5)
+        good, _ = submit_all(gateway, [Job(ps[0], 6, None, Sampling(temperature=0.0), id="x")])
+        lane = gateway.batch
+        real = lane._decode
+
+        def broken():
+            raise RuntimeError("boom")
+        monkeypatch.setattr(lane, "_decode", broken)
+        ends, _ = submit_all(gateway, [Job(p, 6, None, Sampling(temperature=0.0), id=str(i)) for i, p in enumerate(ps)])
+        assert all(isinstance(e, Failed) and "boom" in e.message for e in ends.values())
+        monkeypatch.setattr(lane, "_decode", real)
+        again, _ = submit_all(gateway, [Job(ps[0], 6, None, Sampling(temperature=0.0), id="x")])
+        assert again["x"].tokens == good["x"].tokens
+        assert gateway.pending == 0 and gateway.counters["failed"] == 2
+    finally:
+        gateway.stop()
+
+
+# --- KV quantization ---------------------------------------------------------------------------
+
+
+def test_kv_quant_plans_are_validated(tiny_dir, tmp_path):
+    from mlx_lm.utils import load
+
+    model, _ = load(str(tiny_dir("gemma3")))
+    assert not kv_quant.parse("off", model, tmp_path).enabled
+    with pytest.raises(UserError, match="cannot read"):
+        kv_quant.parse("config", model, tmp_path)
+    with pytest.raises(UserError, match="use off, 4, 8"):
+        kv_quant.parse("16", model, tmp_path)
+    plan = tmp_path / "kv_config.json"
+    plan.write_text(json.dumps([{"layer_idx": 0, "bits": 8, "group_size": 64},
+                                {"layer_idx": 99, "bits": 8}, {"layer_idx": 1, "bits": 7}]))
+    with pytest.raises(UserError) as e:
+        kv_quant.parse("config", model, tmp_path)
+    msg = str(e.value)
+    assert "layer 0 has a sliding-window cache" in msg and "layer_idx 99" in msg and "bits 7" in msg
+    # tiny models have 16-wide heads: no group size divides them
+    with pytest.raises(UserError, match="not divisible by the group size 64"):
+        kv_quant.parse("8", model, tmp_path)
+
+
+def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
+    import mlx.core as mx
+
+    limit = mx.set_memory_limit(int(2e9))
+    mx.set_memory_limit(limit)  # restored below: a 1.5 GB budget caps the allocator for the process
+    off = Loaded(ServeConfig(model=str(real_model_dir), memory_budget_gb=1.5, prompt_cache_gb=0))
+    plan = tmp_path / "kv_config.json"
+    plan.write_text(json.dumps([{"layer_idx": 5, "bits": 8, "group_size": 64},
+                                {"layer_idx": 11, "bits": 4, "group_size": 32}]))
+    cfg = ServeConfig(model=str(real_model_dir), memory_budget_gb=1.5, prompt_cache_gb=0, kv_quant=str(plan),
+                      batch=4)
+    client, gateway = make_client(**{k: getattr(cfg, k) for k in ("model", "memory_budget_gb", "prompt_cache_gb",
+                                                                   "kv_quant", "batch")})
+    try:
+        stats = client.get("/stats").json()
+        kv = stats["kv_quant"]
+        assert kv["mode"] == "config" and kv["quantized_layers"] == [5, 11] and kv["bits_histogram"] == {"8": 1, "4": 1}
+        assert stats["batch"] == {**stats["batch"], "configured": 4, "batched": False, "reason": "kv_quant is on"}
+        # admission counts the quantized bytes: fewer bytes per token, a longer safe context
+        adm = gateway.loaded.admission
+        assert adm.full_kv_bytes_per_token < off.admission.full_kv_bytes_per_token
+        assert adm.max_safe_context > off.admission.max_safe_context
+        body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12, "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        assert client.get("/stats").json()["batch"]["served_serial"] == 1
+        from mlx_lm.models.cache import QuantizedKVCache
+        cache = gateway.loaded.kv.make_cache(gateway.loaded.model)
+        assert [i for i, c in enumerate(cache) if isinstance(c, QuantizedKVCache)] == [5, 11]
+    finally:
+        gateway.stop()
+        mx.set_memory_limit(limit)
+
+
+def test_batched_lane_equals_batch_generator_on_gemma3_270m(real_model_dir):
+    cfg = ServeConfig(model=str(real_model_dir), memory_budget_gb=4, batch=4, prefill_step=32, prompt_cache_gb=0)
+    loaded = Loaded(cfg)
+    tok = loaded.tokenizer
+    ps = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+          for q in ("What does the zip builtin do?", "Name a prime number.",
+                    "Write one sentence about the sea, in the style of a weather report.")]
+    ours, _ = lane_tokens(loaded, cfg, ps, (12, 8, 12), (0, 0, 2))
+    ref = batch_generator_tokens(loaded.model, loaded.eos, ps, (12, 8, 12), (0, 0, 2), 4, 32)
+    assert [d.tokens for d in ours] == ref
+    assert tok.decode(ref[1]).strip()  # real text, not padding
