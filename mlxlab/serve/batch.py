@@ -88,6 +88,7 @@ class BatchLane:
         self._fallback = make_sampler(temp=0.0)
         self._stop = StopSequences([[t] for t in sorted(loaded.eos)])
         self._uid = 0
+        self._samplers: dict[tuple, Callable] = {}
         self.waiting: deque[Row] = deque()
         self.rows: dict[int, Row] = {}
         self.prompt_batch = PromptProcessingBatch.empty(loaded.model, self._fallback, cfg.prefill_step)
@@ -128,6 +129,10 @@ class BatchLane:
         row = Row(self._uid, job, ids, out, cache if cache is not None else make_prompt_cache(m.model))
         self._uid += 1
         row.sampler, row.processors = make_sampling(job.sampling)
+        # Rows with the same sampling share one sampler object: mlx-lm then samples the whole batch
+        # in one call instead of one call per row.
+        key = (job.sampling.temperature, job.sampling.top_p, job.sampling.top_k, job.sampling.min_p)
+        row.sampler = self._samplers.setdefault(key, row.sampler)
         end = len(job.prompt) - 1
         at = cached
         if job.checkpoint and at < job.checkpoint < end:
