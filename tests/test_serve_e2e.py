@@ -229,6 +229,68 @@ def test_openai_responses_sdk(served):
         client.responses.create(model="x", input="x", previous_response_id="resp_doesnotexist")
 
 
+def test_batched_server_with_concurrent_sdk_clients(served, real_model_dir):
+    """`serve batch=4`: a tool round trip, a stream, an Anthropic message and a Responses call at
+    the same time; each answer equals the serial server's (greedy); the rows shared the batch."""
+    import anthropic
+
+    _, _, serial = served
+    port = free_port()
+    proc = start_server(port, "memory_budget_gb=6", "max_tokens=64", "batch=4")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        history = [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+            {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
+            {"role": "user", "content": "What is the weather in Berlin?"},
+        ]
+        calls = {
+            "tool": lambda c: c.chat.completions.create(model="x", messages=history, tools=TOOLS, temperature=0,
+                                                        max_tokens=40).choices[0].message.tool_calls[0].function,
+            "stream": lambda c: "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                model="x", temperature=0, max_tokens=32, stream=True,
+                messages=[{"role": "user", "content": "Tell a short story about a fox."}]) if ch.choices),
+            "responses": lambda c: c.responses.create(model="x", input="Name the day after Monday.",
+                                                      max_output_tokens=16, temperature=0).output_text,
+        }
+        results, errors = {}, []
+
+        def go(name, fn):
+            try:
+                results[name] = fn(client)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def anthro():
+            try:
+                results["anthropic"] = claude.messages.create(
+                    model="x", max_tokens=16, extra_body={"temperature": 0},
+                    messages=[{"role": "user", "content": "Name a colour."}]).content[0].text
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=go, args=kv) for kv in calls.items()] + [threading.Thread(target=anthro)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert results["tool"].name == "get_weather" and json.loads(results["tool"].arguments) == {"city": "Berlin"}
+        for name in ("stream", "responses"):
+            assert results[name] == calls[name](serial), name
+        assert results["anthropic"] == ask(serial, "Name a colour.", max_tokens=16).choices[0].message.content
+        batch = httpx.get(f"{url}/stats").json()["batch"]
+        assert batch["batched"] and batch["peak_rows"] >= 2 and batch["rows_served"] == 4 and batch["active_rows"] == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
 def test_port_taken_and_sigterm_drain(served, real_model_dir):
     url, proc, _ = served
     port = int(url.rsplit(":", 1)[1])

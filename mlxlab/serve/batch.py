@@ -216,7 +216,8 @@ class BatchLane:
             if r.finish_reason is None:  # our stop (stop string, tool end, cancel): still in the batch
                 idx = self.gen.uids.index(r.uid)
                 leaving.append(idx)
-                cache = self.gen.extract_cache(idx) if finish != "cancelled" else None
+                keep = finish != "cancelled" and self.m.cache.enabled
+                cache = self.gen.extract_cache(idx) if keep else None
             else:
                 cache = r.prompt_cache
             self._close(row, finish, cache)
@@ -268,7 +269,7 @@ class BatchLane:
         self._select(pb.uids)
         pb.prompt(chunks)
         for u, seg in ended:
-            if seg.kind is not None:
+            if seg.kind is not None and self.m.cache.enabled:
                 row = self.rows[u]
                 self.m.cache.insert(cache_namespace(self.m, row.ids), row.job.prompt[:seg.end],
                                     pb.extract_cache(pb.uids.index(u)), kind=seg.kind, copy_cache=False)

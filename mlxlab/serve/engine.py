@@ -3,12 +3,11 @@
     HTTP handlers --Job--> Gateway (bounded queue, admission already passed) --> lane --> events
                                                                                  (thread-safe sink)
 
-The worker thread loads the model, then runs jobs one at a time on the serial lane; the HTTP
-event loop only renders prompts, queues jobs and forwards events, so it never waits on MLX.
-`Gateway.lane_for` is where a batched lane (rows joining and leaving between decode steps) will
-be chosen for the requests that can batch; both lanes would run on this same thread, so they
-never use the model at the same time. Adapters will change which LoRA deltas the lane applies
-per job; the job already carries its adapter spec, which namespaces the prompt cache.
+The worker thread loads the model, then runs jobs on the serial lane (one at a time, with the
+prompt cache) or, with `serve.batch=N`, on the batched lane (`batch.py`: rows join and leave
+between decode steps). `Gateway.lane_for` picks per job; both lanes run on this one thread, so
+they never use the model at the same time. `RowOutput` turns one job's tokens into events the same
+way on both lanes.
 
 A job's sink receives `Delta` events (content or reasoning text, optional logprobs), then
 exactly one `Done` (finish reason, usage, tool calls) or `Failed`. Setting `job.cancelled`
