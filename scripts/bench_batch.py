@@ -13,7 +13,8 @@ Each server runs alone (started, warmed up, measured, stopped):
 
 At each level C, C clients start together; each sends `--requests` non-streamed chats one after
 another (distinct prompts, temperature 0, `--max-tokens`). Aggregate tok/s = all completion tokens
-/ (last answer - start). Prints the table and the ratios the issue asks for (mlxlab batched vs
+/ (last answer - start). `--repeats` passes alternate the server order and the table shows their mean. Prints the table
+and the ratios the issue asks for (mlxlab batched vs
 mlx_lm.server at every level, vs our serial lane at 4 clients) and how many answers were the same
 text on mlxlab's batched lane and mlx_lm.server.
 """
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--with-defaults", action="store_true", help="also mlx_lm.server with its defaults (bf16)")
     ap.add_argument("--skip-serial", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the servers, alternating their order")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -109,7 +111,7 @@ def main() -> None:
     from mlxlab.runtime import home
 
     model_dir = resolve(args.model)
-    n = max(args.clients)
+    n = max(*args.clients, 2)
     servers = {f"mlxlab batch={n}": [sys.executable, "-m", "mlxlab", "serve", f"model={args.model}", f"batch={n}",
                                      f"prefill_batch={n}", f"max_queue={4 * n}"]}
     if not args.skip_serial:
@@ -122,16 +124,30 @@ def main() -> None:
     if args.with_defaults:
         servers["mlx_lm.server (defaults)"] = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
                                                *concurrency]
+    # Passes alternate the server order (A B C, then C' B A ...) so slow drift of this noisy machine
+    # does not favour whoever runs first; the serial lane runs in the first pass only.
+    passes = {name: [] for name in servers}
+    for p in range(args.repeats):
+        order = list(servers) if p % 2 == 0 else list(reversed(servers))
+        for name in order:
+            if p and name == "mlxlab serial":
+                continue
+            port = free_port()
+            print(f"{name} (pass {p + 1}) ...", file=sys.stderr)
+            ours = name.startswith("mlxlab")
+            port_arg = [f"port={port}"] if ours else ["--port", str(port)]
+            passes[name].append(measure(servers[name] + port_arg, port, args.clients, args.requests,
+                                        args.max_tokens, ours))
     runs = {}
-    for name, cmd in servers.items():
-        port = free_port()
-        print(f"{name} ...", file=sys.stderr)
-        ours = name.startswith("mlxlab")
-        port_arg = [f"port={port}"] if ours else ["--port", str(port)]
-        runs[name] = measure(cmd + port_arg, port, args.clients, args.requests, args.max_tokens, ours)
+    for name, got in passes.items():
+        levels = {c: {"tok_s": sum(g["levels"][c]["tok_s"] for g in got) / len(got),
+                      "per_pass": [round(g["levels"][c]["tok_s"], 2) for g in got],
+                      "texts": got[0]["levels"][c]["texts"]} for c in args.clients}
+        runs[name] = {"levels": levels, "batch_stats": got[-1]["batch_stats"]}
 
     ours = runs[f"mlxlab batch={n}"]["levels"]
-    print(f"\naggregate tok/s ({args.model}, {args.requests} requests per client, max_tokens {args.max_tokens})")
+    print(f"\naggregate tok/s ({args.model}, {args.requests} requests per client, max_tokens {args.max_tokens}; "
+          f"mean of {args.repeats} passes, per pass in the JSON)")
     print(f"{'server':<26}" + "".join(f"{str(c) + ' clients':>12}" for c in args.clients))
     for name, r in runs.items():
         print(f"{name:<26}" + "".join(f"{r['levels'][c]['tok_s']:>12.2f}" for c in args.clients))
