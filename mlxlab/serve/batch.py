@@ -132,6 +132,8 @@ class BatchLane:
         # Rows with the same sampling share one sampler object: mlx-lm then samples the whole batch
         # in one call instead of one call per row.
         key = (job.sampling.temperature, job.sampling.top_p, job.sampling.top_k, job.sampling.min_p)
+        if len(self._samplers) > 64:
+            self._samplers.clear()
         row.sampler = self._samplers.setdefault(key, row.sampler)
         end = len(job.prompt) - 1
         at = cached
