@@ -163,6 +163,7 @@ class BatchLane:
             self.finished(row.job, None, message)
         self.rows.clear()
         self.waiting.clear()
+        self._waited.clear()
         self.prompt_batch = PromptProcessingBatch.empty(self.m.model, self._fallback, self.cfg.prefill_step)
         self.gen = GenerationBatch.empty(self.m.model, self._fallback)
         self.m.adapters.selection.clear()
@@ -187,7 +188,7 @@ class BatchLane:
                 self._prefill()
             finally:
                 self.m.adapters.selection.clear()
-        self.peak_rows = max(self.peak_rows, self.running)
+                self.peak_rows = max(self.peak_rows, self.running)
 
     def _drop_cancelled(self) -> None:
         for row in [r for r in self.waiting if r.job.cancelled.is_set()]:
