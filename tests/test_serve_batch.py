@@ -50,8 +50,9 @@ def batch_generator_tokens(model, eos, ps, max_tokens, join_at, size, prefill_st
     return [out[i] for i in range(len(ps))]
 
 
-def lane_tokens(loaded, cfg, ps, max_tokens, join_at, cancel=None):
-    """Our lane on the same schedule (lane.step() is one BatchGenerator.next())."""
+def lane_tokens(loaded, cfg, ps, max_tokens, join_at, cancel=()):
+    """Our lane on the same schedule (lane.step() is one BatchGenerator.next()); `cancel`: (row,
+    step) pairs, the row's client goes away before that step."""
     results = {}
     lane = BatchLane(loaded, cfg, lambda job, done, err: results.__setitem__(job.id, done or err))
     jobs = [Job(p, m, lambda e: None, Sampling(temperature=0.0), id=str(i))
@@ -61,8 +62,9 @@ def lane_tokens(loaded, cfg, ps, max_tokens, join_at, cancel=None):
         for i, at in enumerate(join_at):
             if at == step:
                 lane.add(jobs[i])
-        if cancel and step == cancel[1]:
-            jobs[cancel[0]].cancelled.set()
+        for row, at in cancel:
+            if step == at:
+                jobs[row].cancelled.set()
         lane.step()
         step += 1
     assert lane.active == 0 and not lane.rows
@@ -84,15 +86,46 @@ def test_greedy_tokens_equal_mlx_lm_batch_generator(tiny_dir, family):
     assert [d.finish_reason for d in ours] == ["stop" if t[-1] in loaded.eos else "length" for t in ref]
 
 
-def test_cancelled_row_leaves_and_the_others_are_unchanged(tiny_dir):
+@pytest.mark.parametrize("batch", [8, 3])
+def test_cancelled_rows_leave_and_the_others_are_unchanged(tiny_dir, batch):
+    """Row 2 is cancelled while decoding, row 3 while its 90-token prompt is being prefilled (16
+    per step); with batch=3, row 5 is cancelled while it waits for room."""
     tiny_dir("gemma3")
-    cfg = ServeConfig(model="tiny-gemma3", memory_budget_gb=2, batch=8, prefill_step=16, prompt_cache_gb=0)
+    cfg = ServeConfig(model="tiny-gemma3", memory_budget_gb=2, batch=batch, prefill_step=16, prompt_cache_gb=0)
     loaded = Loaded(cfg)
     ps = prompts()
     plain, _ = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT)
-    cut, _ = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT, cancel=(2, 6))
+    cancel = [(2, 6), (3, 5)] + ([(5, 8)] if batch == 3 else [])
+    cut, lane = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT, cancel=cancel)
+    gone = {row for row, _ in cancel}
     assert cut[2].finish_reason == "cancelled" and 0 < cut[2].completion_tokens < MAX_TOKENS[2]
-    assert [d.tokens for i, d in enumerate(cut) if i != 2] == [d.tokens for i, d in enumerate(plain) if i != 2]
+    assert cut[3].finish_reason == "cancelled" and cut[3].completion_tokens == 0
+    if batch == 3:
+        assert cut[5].finish_reason == "cancelled" and cut[5].completion_tokens == 0
+    assert [d.tokens for i, d in enumerate(cut) if i not in gone] == [d.tokens for i, d in enumerate(plain) if i not in gone]
+    assert lane.peak_rows <= batch
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_finished_rows_cache_exactly_prompt_plus_completion(tiny_dir, family):
+    """The entry a finished row stores is keyed by prompt + completion and continues exactly like
+    a fresh prefill of those tokens."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tiny_dir(family)
+    cfg = ServeConfig(model=f"tiny-{family}", memory_budget_gb=2, batch=4, prefill_step=16)
+    loaded = Loaded(cfg)
+    ps = prompts((20, 33, 9), seed=7)
+    done, _ = lane_tokens(loaded, cfg, ps, (10, 14, 6), (0, 0, 1))
+    for p, d in zip(ps, done, strict=True):
+        full = p + d.tokens
+        cache, n = loaded.cache.fetch((loaded.model_id, "none"), full + [5])
+        assert n == len(full)
+        cached = loaded.model(mx.array([[5]]), cache=cache)[0, -1]
+        fresh = loaded.model(mx.array([full + [5]]), cache=make_prompt_cache(loaded.model))[0, -1]
+        np.testing.assert_allclose(np.array(cached), np.array(fresh), atol=1e-4, rtol=1e-4)
 
 
 def submit_all(gateway, jobs, timeout=300):
@@ -157,6 +190,12 @@ def test_http_stream_and_stops_on_the_batched_lane(pair):
     again = client.post("/v1/chat/completions", json=body).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= plain["usage"]["prompt_tokens"] - 1
     assert again["choices"][0]["message"]["content"] == content
+    # A second turn reuses the first turn's prompt + answer, as the serial lane does, same answer.
+    turn2 = {**body, "messages": body["messages"] + [{"role": "assistant", "content": content},
+                                                     {"role": "user", "content": "And map?"}]}
+    second = client.post("/v1/chat/completions", json=turn2).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= plain["usage"]["prompt_tokens"] - 1
+    assert second["choices"] == serial_client.post("/v1/chat/completions", json=turn2).json()["choices"]
 
 
 def test_lane_picker_sends_seed_and_penalties_to_the_serial_lane(pair):
@@ -178,21 +217,23 @@ def test_rows_with_different_adapters_decode_together(tiny_dir, tmp_path):
     """Each row's tokens equal that adapter served alone; the rows shared decode steps."""
     make_adapter(tiny_dir("gemma3"), tmp_path / "a", seed=1)
     make_adapter(tiny_dir("gemma3"), tmp_path / "b", seed=2, targets=("q", "o", "down"), layers=3)
-    _, gateway = make_client(batch=4, adapter_root=str(tmp_path), adapters={"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})
+    _, gateway = make_client(batch=4, adapter_root=str(tmp_path), prompt_cache_gb=0,
+                             adapters={"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})
     try:
-        prompt = prompts((30,), seed=3)[0]
         specs = ["a", "b", "none", "a+b", "b+a", "a"]
+        # different lengths: mixed-adapter prefill with padding, then mixed-adapter decoding
+        ps = prompts((30, 12, 45, 30, 30, 7), seed=3)
 
         def jobs():
-            return [Job(prompt, 24, None, Sampling(temperature=0.0), adapter=s, id=f"{i}:{s}")
+            return [Job(ps[i], 24, None, Sampling(temperature=0.0), adapter=s, id=f"{i}:{s}")
                     for i, s in enumerate(specs)]
         alone = {}
         for j in jobs():  # one at a time: a batch of one row, one spec, no masks
             alone.update(submit_all(gateway, [j])[0])
         together, _ = submit_all(gateway, jobs())
         assert {k: d.tokens for k, d in together.items()} == {k: d.tokens for k, d in alone.items()}
-        toks = {s: alone[f"{i}:{s}"].tokens for i, s in enumerate(specs)}
-        assert len({tuple(toks[s]) for s in ("a", "b", "none", "a+b")}) == 4  # the adapters matter
+        same_prompt = [alone[f"{i}:{s}"].tokens for i, s in ((0, "a"), (3, "a+b"), (4, "b+a"))]
+        assert same_prompt[0] != same_prompt[1]  # the adapters matter
         assert gateway.batch.peak_rows == 4
         assert gateway.loaded.adapters.mounted["a"].requests == 8  # a, a+b, b+a, a; twice
     finally:
@@ -206,8 +247,9 @@ def test_aggregate_admission_makes_rows_wait_instead_of_overflowing(tiny_dir):
         ps = prompts((20, 25, 30, 35), seed=4)
         adm = gateway.loaded.admission
         longest = 35 + 1 + 40
-        # Room for two rows of the longest length, not three (the batch cache pads to the longest).
-        adm.budget_bytes = (adm.bytes_for_rows([longest] * 2) + adm.bytes_for_rows([longest] * 3)) // 2
+        # Room for two rows of the longest length plus the copy of one being prefilled, never three
+        # (the batch cache pads to the longest row).
+        adm.budget_bytes = (adm.bytes_for_rows([longest] * 2, 1) + adm.bytes_for_rows([longest] * 3, 1)) // 2
 
         def jobs():
             return [Job(p, 40, None, Sampling(temperature=0.0), id=str(i)) for i, p in enumerate(ps)]
@@ -257,11 +299,14 @@ def test_kv_quant_plans_are_validated(tiny_dir, tmp_path):
         kv_quant.parse("16", model, tmp_path)
     plan = tmp_path / "kv_config.json"
     plan.write_text(json.dumps([{"layer_idx": 0, "bits": 8, "group_size": 64},
-                                {"layer_idx": 99, "bits": 8}, {"layer_idx": 1, "bits": 7}]))
+                                {"layer_idx": 99, "bits": 8}, {"layer_idx": 1, "bits": 7},
+                                {"layer_idx": 2, "bits": 4.0}, {"layer_idx": 3, "bits": 4, "group_size": 64.0},
+                                {"layer_idx": 4, "bits": None}, {"layer_idx": 4, "bits": 8}]))
     with pytest.raises(UserError) as e:
         kv_quant.parse("config", model, tmp_path)
     msg = str(e.value)
     assert "layer 0 has a sliding-window cache" in msg and "layer_idx 99" in msg and "bits 7" in msg
+    assert "bits 4.0" in msg and "group_size 64.0" in msg and "layer 4 is listed twice" in msg
     # tiny models have 16-wide heads: no group size divides them
     with pytest.raises(UserError, match="not divisible by the group size 64"):
         kv_quant.parse("8", model, tmp_path)

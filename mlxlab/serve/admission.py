@@ -44,21 +44,18 @@ class Admission:
     max_safe_context: int
 
     def bytes_for(self, tokens: int) -> int:
-        return (self.weights_bytes + RESERVE_BYTES
-                + tokens * (self.full_kv_bytes_per_token + self.score_bytes_per_token)
-                + min(tokens, self.sliding_window) * self.sliding_kv_bytes_per_token)
+        return self.bytes_for_rows([tokens])
 
-    def bytes_for_rows(self, lengths: list[int]) -> int:
-        """Bytes for a batch of rows that will reach these lengths (prompt + max_tokens each)."""
-        if not lengths:
-            return self.weights_bytes + RESERVE_BYTES
-        n, t = len(lengths), max(lengths)
-        return (self.weights_bytes + RESERVE_BYTES
-                + n * (t * (self.full_kv_bytes_per_token + self.score_bytes_per_token)
-                       + min(t, self.sliding_window) * self.sliding_kv_bytes_per_token))
+    def bytes_for_rows(self, lengths: list[int], copies: int = 0) -> int:
+        """Bytes for a batch of rows that will reach these lengths (prompt + max_tokens each), plus
+        `copies` transient copies of a row's cache (a batch cache is padded to its longest row)."""
+        t = max(lengths, default=0)
+        per_row = (t * (self.full_kv_bytes_per_token + self.score_bytes_per_token)
+                   + min(t, self.sliding_window) * self.sliding_kv_bytes_per_token)
+        return self.weights_bytes + RESERVE_BYTES + (len(lengths) + copies) * per_row
 
-    def fits_rows(self, lengths: list[int]) -> bool:
-        return self.bytes_for_rows(lengths) <= self.budget_bytes
+    def fits_rows(self, lengths: list[int], copies: int = 0) -> bool:
+        return self.bytes_for_rows(lengths, copies) <= self.budget_bytes
 
     def check(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """None when the request fits, else the reason."""

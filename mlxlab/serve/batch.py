@@ -27,6 +27,7 @@ At most `serve.batch` rows are in the prompt and generation batches together (ml
 
 from __future__ import annotations
 
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from mlxlab.serve.engine import (
     check_adapters,
     count_adapter_use,
     make_sampling,
+    prompt_segments,
 )
 
 
@@ -78,7 +80,7 @@ class BatchLane:
     name = "batch"
 
     def __init__(self, loaded: Loaded, cfg: ServeConfig, finished: Callable[[Job, Done | None, str | None], None]):
-        from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
+        from mlx_lm.generate import PromptProcessingBatch, StopSequences
         from mlx_lm.sample_utils import make_sampler
 
         self.m, self.cfg = loaded, cfg
@@ -91,8 +93,7 @@ class BatchLane:
         self._samplers: dict[tuple, Callable] = {}
         self.waiting: deque[Row] = deque()
         self.rows: dict[int, Row] = {}
-        self.prompt_batch = PromptProcessingBatch.empty(loaded.model, self._fallback, cfg.prefill_step)
-        self.gen = GenerationBatch.empty(loaded.model, self._fallback)
+        self._empty_batches()
         self._new_prompt_batch = lambda rows: PromptProcessingBatch(
             model=loaded.model, uids=[r.uid for r in rows], caches=[r.cache for r in rows],
             tokens=[list(r.job.prompt[:r.out.cached]) for r in rows], prefill_step_size=cfg.prefill_step,
@@ -118,15 +119,10 @@ class BatchLane:
 
     def add(self, job: Job) -> None:
         """Queue a job as a row (raises JobError when its adapter is gone)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
         m = self.m
         ids = check_adapters(m, job)
         count_adapter_use(m, ids)
-        out = RowOutput(m, job)
-        cache, cached = m.cache.fetch(cache_namespace(m, ids), job.prompt)
-        out.cached = cached
-        row = Row(self._uid, job, ids, out, cache if cache is not None else make_prompt_cache(m.model))
+        row = Row(self._uid, job, ids, RowOutput(m, job), None)
         self._uid += 1
         row.sampler, row.processors = make_sampling(job.sampling)
         # Rows with the same sampling share one sampler object: mlx-lm then samples the whole batch
@@ -135,37 +131,48 @@ class BatchLane:
         if len(self._samplers) > 64:
             self._samplers.clear()
         row.sampler = self._samplers.setdefault(key, row.sampler)
-        end = len(job.prompt) - 1
-        at = cached
-        if job.checkpoint and at < job.checkpoint < end:
-            row.segments.append(Segment(job.prompt[at:job.checkpoint], job.checkpoint, "system"))
-            at = job.checkpoint
-        if at < end:
-            row.segments.append(Segment(job.prompt[at:end], end, "user"))
-        row.segments.append(Segment(job.prompt[end:], len(job.prompt), None))
         self.rows[row.uid] = row
         self.waiting.append(row)
 
+    def _start(self, row: Row) -> None:
+        """At admission: the longest cached prefix (so a row admitted after another with the same
+        system prompt reuses its checkpoint), then the pieces of the prompt still to run."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        m, job = self.m, row.job
+        cache, cached = m.cache.fetch(cache_namespace(m, row.ids), job.prompt)
+        row.cache = cache if cache is not None else make_prompt_cache(m.model)
+        row.out.cached = cached
+        row.segments = [Segment(job.prompt[a:b], b, kind) for a, b, kind in prompt_segments(job, cached)]
+
     def _close(self, row: Row, finish: str, cache=None) -> None:
-        done = row.out.close(finish)
-        if cache is not None and finish != "cancelled":
-            self.m.cache.insert(cache_namespace(self.m, row.ids), row.job.prompt + row.out.tokens, cache,
-                                copy_cache=False)
+        """The row leaves: its Done is sent, then (not cancelled) prompt + completion is cached."""
         del self.rows[row.uid]
+        self._waited.discard(row.uid)
+        done = row.out.close(finish)
         self.rows_served += 1
         self.finished(row.job, done, None)
+        if cache is not None and finish != "cancelled":
+            try:  # the answer is out: a failed cache insert must not touch it
+                self.m.cache.insert(cache_namespace(self.m, row.ids), row.job.prompt + row.out.tokens, cache,
+                                    copy_cache=False)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+
+    def _empty_batches(self) -> None:
+        from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+
+        self.prompt_batch = PromptProcessingBatch.empty(self.m.model, self._fallback, self.cfg.prefill_step)
+        self.gen = GenerationBatch.empty(self.m.model, self._fallback)
 
     def fail_all(self, message: str) -> None:
         """A forward pass failed: every row fails, the batches start empty."""
-        from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
-
         for row in list(self.rows.values()):
             self.finished(row.job, None, message)
         self.rows.clear()
         self.waiting.clear()
         self._waited.clear()
-        self.prompt_batch = PromptProcessingBatch.empty(self.m.model, self._fallback, self.cfg.prefill_step)
-        self.gen = GenerationBatch.empty(self.m.model, self._fallback)
+        self._empty_batches()
         self.m.adapters.selection.clear()
 
     # --- one scheduler step ------------------------------------------------------------------
@@ -233,13 +240,17 @@ class BatchLane:
         lengths = [self.rows[u].length for u in self.prompt_batch.uids + self.gen.uids]
         while self.waiting and len(admitted) < room:
             row = self.waiting[0]
-            if not self.m.admission.fits_rows(lengths + [row.length]):
+            # Rows being prefilled are counted twice: moving to generation copies their cache. A row
+            # alone is always admitted: it passed the single-request ceiling before it was queued.
+            copies = len(self.prompt_batch) + len(admitted) + 1
+            if lengths and not self.m.admission.fits_rows(lengths + [row.length], copies):
                 if row.uid not in self._waited:  # counted once per row
                     self._waited.add(row.uid)
                     self.memory_waits += 1
                 break
             self.waiting.popleft()
             self._waited.discard(row.uid)
+            self._start(row)
             admitted.append(row)
             lengths.append(row.length)
         if admitted:

@@ -198,19 +198,10 @@ class SerialLane:
         if cache is None:
             cache = m.kv.make_cache(m.model)
         out.cached = cached
-        # Prefill all but the last prompt token here, storing checkpoints on the way: the end of
-        # the system prompt (shared by every conversation with it) and the end of this prompt
-        # (the prefix of the next turn even when the answer does not re-tokenize the same way).
-        end = len(job.prompt) - 1
-        if job.checkpoint and cached < job.checkpoint < end:
-            self._prefill(cache, job.prompt[cached:job.checkpoint])
-            m.cache.insert(namespace, job.prompt[:job.checkpoint], cache, kind="system")
-            cached_now = job.checkpoint
-        else:
-            cached_now = cached
-        if cached_now < end:
-            self._prefill(cache, job.prompt[cached_now:end])
-            m.cache.insert(namespace, job.prompt[:end], cache, kind="user")
+        *pieces, (end, _, _) = prompt_segments(job, cached)
+        for start, stop, kind in pieces:
+            self._prefill(cache, job.prompt[start:stop])
+            m.cache.insert(namespace, job.prompt[:stop], cache, kind=kind)
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
         sampler, processors = make_sampling(job.sampling)
@@ -228,6 +219,22 @@ class SerialLane:
             # The cache holds prompt + every token generated (each was fed as the next one was computed).
             m.cache.insert(namespace, job.prompt + out.tokens, cache, copy_cache=False)
         return done
+
+
+def prompt_segments(job: Job, cached: int) -> list[tuple[int, int, str | None]]:
+    """The pieces of the prompt still to run, as (start, end, prompt-cache checkpoint kind), in
+    both lanes: up to the end of the system prompt ("system": shared by every conversation with
+    it), up to the last token ("user": the prefix of the next turn even when the answer does not
+    re-tokenize the same way), then the last token alone (None: generation starts from it)."""
+    end = len(job.prompt) - 1
+    pieces, at = [], cached
+    if job.checkpoint and at < job.checkpoint < end:
+        pieces.append((at, job.checkpoint, "system"))
+        at = job.checkpoint
+    if at < end:
+        pieces.append((at, end, "user"))
+    pieces.append((end, len(job.prompt), None))
+    return pieces
 
 
 def count_adapter_use(m: Loaded, ids: tuple[str, ...]) -> None:
@@ -373,7 +380,8 @@ class Gateway:
         if self.state != "ready":
             raise NotReady(self.error or f"the engine is {self.state}")
         with self._lock:
-            if self._pending >= self.cfg.max_queue + self.cfg.batch - 1:
+            rows = self.cfg.batch if self.batch is not None else 1
+            if self._pending >= self.cfg.max_queue + rows - 1:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"{self._pending} requests are queued or running (max_queue={self.cfg.max_queue})")
             self._pending += 1
@@ -454,25 +462,32 @@ class Gateway:
             else:
                 self._run_serial(item)
 
-    def _add_row(self, job: Job) -> None:
+    def _cancelled_before_start(self, job: Job) -> bool:
         if job.cancelled.is_set():
             job.sink(Done("cancelled", len(job.prompt), 0, 0))
             self._finish(job, None, None)
+            return True
+        return False
+
+    def _add_row(self, job: Job) -> None:
+        if self._cancelled_before_start(job):
             return
         try:
             self.batch.add(job)
         except JobError as e:
             self._finish(job, None, str(e))
+        except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
+            traceback.print_exc()
+            self._finish(job, None, f"generation failed: {e}")
 
     def _run_serial(self, job: Job) -> None:
+        if self._cancelled_before_start(job):
+            return
         self.running = job
         done, error = None, None
         try:
-            if job.cancelled.is_set():
-                job.sink(Done("cancelled", len(job.prompt), 0, 0))
-            else:
-                done = self.serial.run(job)
-                self.served_serial += 1
+            done = self.serial.run(job)
+            self.served_serial += 1
         except JobError as e:
             error = str(e)
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on

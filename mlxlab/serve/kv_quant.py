@@ -56,20 +56,24 @@ class KVQuant:
                          if self.float_layers and self.enabled else None)}
 
 
-def _layers(model) -> tuple[list[bool], list[int]]:
-    """Per cache layer: can it be quantized, and its head dim (keys and values alike)."""
+def _layers(model) -> tuple[list[str | None], list[tuple[int, ...]]]:
+    """Per cache layer: why it cannot be quantized (None when it can), and its key and value head
+    dims."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
-    dims = [min(c.keys.shape[-1], c.values.shape[-1]) if getattr(c, "keys", None) is not None else 0
+    dims = [(c.keys.shape[-1], c.values.shape[-1]) if getattr(c, "keys", None) is not None else ()
             for c in cache]
-    return [type(c) is KVCache for c in cache], dims
+    why = [None if type(c) is KVCache else
+           "a sliding-window cache, which mlx-lm cannot quantize" if isinstance(c, RotatingKVCache) else
+           f"a {type(c).__name__}, which mlx-lm cannot quantize" for c in cache]
+    return why, dims
 
 
-def _check_groups(plan: dict[int, tuple[int, int]], dims: list[int], what: str) -> None:
-    bad = sorted({(dims[i], g) for i, (_, g) in plan.items() if dims[i] % g})
+def _check_groups(plan: dict[int, tuple[int, int]], dims: list[tuple[int, ...]], what: str) -> None:
+    bad = sorted({(d, g) for i, (_, g) in plan.items() for d in dims[i] if d % g})
     if bad:
         raise UserError(f"{what}: head dim {bad[0][0]} is not divisible by the group size {bad[0][1]}; "
                         "this model's KV cache cannot be quantized with it")
@@ -80,7 +84,8 @@ def parse(setting: str | int, model, model_dir: Path) -> KVQuant:
     setting = str(setting).strip().lower() if not str(setting).endswith(".json") else str(setting)
     if setting in ("off", "none", "0", "false"):
         return KVQuant()
-    ok, dims = _layers(model)
+    why, dims = _layers(model)
+    ok = [w is None for w in why]
     if setting in ("4", "8"):
         bits = int(setting)
         plan = {i: (bits, 64) for i, q in enumerate(ok) if q}
@@ -96,36 +101,37 @@ def parse(setting: str | int, model, model_dir: Path) -> KVQuant:
             raise UserError(f"serve.kv_quant={setting}: cannot read {path}") from None
         except ValueError as e:
             raise UserError(f"serve.kv_quant={setting}: {path} is not JSON ({e})") from None
-        plan = _plan(entries, ok, path)
+        plan = _plan(entries, why, path)
         _check_groups(plan, dims, str(path))
         return KVQuant("config", plan, str(path), [i for i, q in enumerate(ok) if i not in plan])
     raise UserError(f"serve.kv_quant={setting!r}: use off, 4, 8, config, or a kv_config.json path")
 
 
-def _plan(entries, ok: list[bool], path: Path) -> dict[int, tuple[int, int]]:
+def _plan(entries, why: list[str | None], path: Path) -> dict[int, tuple[int, int]]:
     if isinstance(entries, dict) and isinstance(entries.get("layers"), list):
         entries = entries["layers"]
     if not isinstance(entries, list):
         raise UserError(f"{path}: expected a list of {{layer_idx, bits, group_size}}")
-    plan, problems = {}, []
+    plan, seen, problems = {}, set(), []
     for n, e in enumerate(entries):
         if not isinstance(e, dict):
             problems.append(f"entry {n} is not an object")
             continue
         i, bits, group = e.get("layer_idx"), e.get("bits"), e.get("group_size", 64)
-        if not isinstance(i, int) or not 0 <= i < len(ok):
-            problems.append(f"entry {n}: layer_idx {i!r} is not a layer (0..{len(ok) - 1})")
-        elif bits is None:
-            continue  # an explicit float layer
-        elif bits not in BITS:
-            problems.append(f"entry {n}: bits {bits!r} not in {BITS}")
-        elif group not in GROUP_SIZES:
-            problems.append(f"entry {n}: group_size {group!r} not in {GROUP_SIZES}")
-        elif not ok[i]:
-            problems.append(f"entry {n}: layer {i} has a sliding-window cache, which mlx-lm cannot quantize")
-        elif i in plan:
+        if type(i) is not int or not 0 <= i < len(why):
+            problems.append(f"entry {n}: layer_idx {i!r} is not a layer (0..{len(why) - 1})")
+        elif i in seen:
             problems.append(f"entry {n}: layer {i} is listed twice")
+        elif bits is None:
+            seen.add(i)  # an explicit float layer
+        elif type(bits) is not int or bits not in BITS:
+            problems.append(f"entry {n}: bits {bits!r} not one of {BITS}")
+        elif type(group) is not int or group not in GROUP_SIZES:
+            problems.append(f"entry {n}: group_size {group!r} not one of {GROUP_SIZES}")
+        elif why[i] is not None:
+            problems.append(f"entry {n}: layer {i} has {why[i]}")
         else:
+            seen.add(i)
             plan[i] = (bits, group)
     if problems:
         raise UserError(f"{path}: " + "; ".join(problems))
