@@ -8,16 +8,16 @@ steps. Keeping mlx-lm's order and its batch classes (padding, batch KV caches, p
 its stop-token matcher) is what makes greedy tokens equal `BatchGenerator`'s
 (tests/test_serve_batch.py). What the lane adds:
 
-- the prompt cache: a row starts from the longest cached prefix of its (model, adapter)
-  namespace and stores the same checkpoints as the serial lane (end of the system prompt, end
+- the prompt cache: a row starts, when it is admitted, from the longest cached prefix of its
+  (model, adapter) namespace (so it can reuse what rows admitted before it stored), and stores the same checkpoints as the serial lane (end of the system prompt, end
   of the prompt, prompt + completion when it finishes), so batched and serial requests share
   one cache;
 - per-row adapters: before every forward pass the lane sets one adapter spec per batch row
   (`Selection.set_rows`), so rows with different LoRA adapters decode in the same batch;
 - aggregate memory admission: a waiting row is admitted only when every row, each grown to
-  prompt + max_tokens and padded to the longest, fits the memory budget together
-  (`Admission.fits_rows`); otherwise it waits for rows to finish (a row that cannot fit even
-  alone was refused with 400 before it was queued);
+  prompt + max_tokens and padded to the longest, plus a copy of each row still prefilling, fits
+  the memory budget together (`Admission.fits_rows`); otherwise it waits for rows to finish (a
+  row alone is always admitted: one that cannot fit alone was refused with 400 before queueing);
 - per-row output (`RowOutput`): stop strings, tool and reasoning parsing, logprobs,
   cancellation, exactly as on the serial lane.
 
