@@ -73,18 +73,12 @@ class MultiLoRA(nn.Module):
     def __call__(self, x):
         y = self.linear(x)
         sel = self._selection
-        for name in sel.ids:
+        for name, mask in [(name, None) for name in sel.ids] + (sel.masked or []):
             slot = self._slots.get(name)
             if slot is not None:
                 a, b, scale = slot
-                z = (x @ a) @ b
-                y = y + (scale * z).astype(x.dtype)
-        for name, mask in sel.masked or ():
-            slot = self._slots.get(name)
-            if slot is not None:
-                a, b, scale = slot
-                z = (x @ a) @ b
-                y = y + (mask * (scale * z)).astype(x.dtype)
+                delta = scale * ((x @ a) @ b)
+                y = y + (delta if mask is None else mask * delta).astype(x.dtype)
         return y
 
 

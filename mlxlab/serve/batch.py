@@ -77,10 +77,8 @@ class Row:
 
 
 class BatchLane:
-    name = "batch"
-
     def __init__(self, loaded: Loaded, cfg: ServeConfig, finished: Callable[[Job, Done | None, str | None], None]):
-        from mlx_lm.generate import PromptProcessingBatch, StopSequences
+        from mlx_lm.generate import StopSequences
         from mlx_lm.sample_utils import make_sampler
 
         self.m, self.cfg = loaded, cfg
@@ -94,12 +92,6 @@ class BatchLane:
         self.waiting: deque[Row] = deque()
         self.rows: dict[int, Row] = {}
         self._empty_batches()
-        self._new_prompt_batch = lambda rows: PromptProcessingBatch(
-            model=loaded.model, uids=[r.uid for r in rows], caches=[r.cache for r in rows],
-            tokens=[list(r.job.prompt[:r.out.cached]) for r in rows], prefill_step_size=cfg.prefill_step,
-            samplers=[r.sampler for r in rows], fallback_sampler=self._fallback,
-            logits_processors=[r.processors for r in rows], stop_sequences=[self._stop] * len(rows),
-            max_tokens=[r.job.max_tokens for r in rows])
         self.steps = 0
         self.rows_served = 0
         self.peak_rows = 0
@@ -158,6 +150,17 @@ class BatchLane:
                                     copy_cache=False)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
+
+    def _prompt_batch_of(self, rows: list[Row]):
+        """A prompt batch of newly admitted rows (their caches merged into one batch cache)."""
+        from mlx_lm.generate import PromptProcessingBatch
+
+        return PromptProcessingBatch(
+            model=self.m.model, uids=[r.uid for r in rows], caches=[r.cache for r in rows],
+            tokens=[list(r.job.prompt[:r.out.cached]) for r in rows], prefill_step_size=self.cfg.prefill_step,
+            samplers=[r.sampler for r in rows], fallback_sampler=self._fallback,
+            logits_processors=[r.processors for r in rows], stop_sequences=[self._stop] * len(rows),
+            max_tokens=[r.job.max_tokens for r in rows])
 
     def _empty_batches(self) -> None:
         from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
@@ -254,7 +257,7 @@ class BatchLane:
             admitted.append(row)
             lengths.append(row.length)
         if admitted:
-            self.prompt_batch.extend(self._new_prompt_batch(admitted))
+            self.prompt_batch.extend(self._prompt_batch_of(admitted))
             for row in admitted:
                 row.cache = None  # merged into the batch cache
 

@@ -159,8 +159,6 @@ def read_generation_config(model_dir) -> dict:
 class SerialLane:
     """One request at a time, with the prompt cache: prefill what is not cached, then decode."""
 
-    name = "serial"
-
     def __init__(self, loaded: Loaded, cfg: ServeConfig):
         self.m = loaded
         self.cfg = cfg
@@ -208,13 +206,13 @@ class SerialLane:
         steps = generate_step(mx.array(job.prompt[end:]), m.model, max_tokens=job.max_tokens,
                               sampler=sampler, logits_processors=processors, prompt_cache=cache,
                               prefill_step_size=self.cfg.prefill_step)
-        finish = "length"  # when generate_step ends the loop at max_tokens
+        finish = None
         for token, logprobs in steps:
             finish = out.feed(int(token), logprobs)  # the token is in the cache already (one ahead)
             if finish:
                 break
         steps.close()
-        done = out.close(finish or "length")
+        done = out.close(finish or "length")  # "length": generate_step ended the loop at max_tokens
         if done.finish_reason != "cancelled":
             # The cache holds prompt + every token generated (each was fed as the next one was computed).
             m.cache.insert(namespace, job.prompt + out.tokens, cache, copy_cache=False)
