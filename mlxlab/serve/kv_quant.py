@@ -52,8 +52,8 @@ class KVQuant:
             by_bits[str(bits)] = by_bits.get(str(bits), 0) + 1
         return {"mode": self.mode, "source": self.source, "quantized_layers": sorted(self.plan),
                 "bits_histogram": by_bits, "float_layers": self.float_layers,
-                "note": ("sliding-window layers have no quantized cache in mlx-lm and stay in float"
-                         if self.float_layers and self.enabled else None)}
+                "note": ("layers whose cache mlx-lm cannot quantize (sliding windows) stay in float"
+                         if self.float_layers and self.mode.startswith("uniform") else None)}
 
 
 def _layers(model) -> tuple[list[str | None], list[tuple[int, ...]]]:
