@@ -357,3 +357,17 @@ def test_batched_lane_equals_batch_generator_on_gemma3_270m(real_model_dir):
     ref = batch_generator_tokens(loaded.model, loaded.eos, ps, (12, 8, 12), (0, 0, 2), 4, 32)
     assert [d.tokens for d in ours] == ref
     assert tok.decode(ref[1]).strip()  # real text, not padding
+
+
+@pytest.mark.parametrize("arg,message", [("kv_quant=16", "use off, 4, 8, config"),
+                                         ("kv_quant=8", "not divisible by the group size 64"),
+                                         ("batch=0", "batch and prefill_batch must be >= 1")])
+def test_bad_batch_or_kv_settings_stop_the_server_with_one_line(tiny_dir, arg, message):
+    import subprocess
+    import sys
+
+    tiny_dir("gemma3")
+    r = subprocess.run([sys.executable, "-m", "mlxlab", "serve", "model=tiny-gemma3", "port=8732", arg],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
