@@ -97,6 +97,78 @@ def _load(path: Path) -> None:
     ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
+# Run in a child process: load the library as mlxlab would, then matmuls of the shapes that pick
+# OpenBLAS's small-matrix and large kernels.
+_PROBE = """
+import ctypes, sys
+try:
+    ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+except OSError as e:
+    print("load-error:", e)
+    sys.exit(3)
+import mlx.core as mx
+for n, k, m in [(1, 4, 4), (7, 33, 5), (64, 64, 64), (1, 640, 4096), (300, 700, 129)]:
+    mx.eval(mx.ones((n, k)) @ mx.ones((k, m)))
+print("ok")
+"""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _probe(lib: Path) -> str:
+    """"ok", or why `lib` cannot serve MLX here. Some OpenBLAS builds run AVX-512 kernels on CPUs
+    without AVX-512 (cmeel-openblas 0.3.31 and 0.3.23 on an AMD EPYC without it: SIGILL in
+    sgemm_small_kernel), which would kill the process at its first matmul; a child process takes
+    that risk instead. The verdict is cached per library and CPU under MLXLAB_HOME/blas."""
+    st = lib.stat()
+    key = hashlib.sha256(f"{lib}:{st.st_size}:{st.st_mtime_ns}:{_cpu_flags()}".encode()).hexdigest()[:16]
+    cached = home() / "blas" / f"probe-{key}.txt"
+    try:
+        return cached.read_text().strip()
+    except OSError:
+        pass
+    env = {k: v for k, v in os.environ.items() if k != "MLXLAB_BLAS"}
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(lib)], capture_output=True, text=True,
+                           timeout=120, env=env)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"probe failed to run ({e})"
+    if r.returncode == 0 and r.stdout.strip().endswith("ok"):
+        verdict = "ok"
+    elif r.returncode == 3:
+        return r.stdout.strip().removeprefix("load-error: ")  # a missing dependency: not cached
+    else:
+        verdict = f"{lib.name} crashed a test matmul on this CPU (exit {r.returncode})"
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(verdict + "\n")
+        os.replace(tmp, cached)
+    except OSError:
+        pass
+    return verdict
+
+
+def _checked(lib: Path, relink: bool) -> Path:
+    """`lib` (or its relinked copy when libgfortran is missing) once a child process has used it
+    safely; OSError otherwise."""
+    verdict = _probe(lib)
+    if relink and "libgfortran" in verdict:
+        lib = _relinked_openblas(lib)
+        verdict = _probe(lib)
+    if verdict != "ok":
+        raise OSError(verdict)
+    return lib
+
+
 def load_blas() -> str | None:
     """Load an optimized BLAS globally before MLX is imported; return its path or None.
 
@@ -120,13 +192,8 @@ def load_blas() -> str | None:
     try:
         if lib is None:
             raise OSError("cmeel-openblas is not installed")
-        try:
-            _load(lib)
-        except OSError as e:
-            if choice or "libgfortran" not in str(e):
-                raise
-            lib = _relinked_openblas(lib)
-            _load(lib)
+        lib = _checked(lib, relink=not choice)
+        _load(lib)
     except (OSError, subprocess.SubprocessError) as e:
         _reason = f"no optimized BLAS loaded ({e})"
         warnings.warn(f"mlxlab: {_reason}; MLX matmuls on the CPU will be slow", stacklevel=3)

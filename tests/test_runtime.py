@@ -61,3 +61,21 @@ def test_dtype_policy():
     assert runtime.resolve_dtype("bfloat16") == mx.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         runtime.resolve_dtype("int8")
+
+
+@linux_only
+def test_a_blas_that_crashes_the_probe_is_not_loaded(tmp_path, monkeypatch):
+    """A library whose test matmul kills the child (SIGILL, as AVX-512 kernels on a CPU without
+    AVX-512 do) is refused, and the verdict is cached; a healthy one passes."""
+    monkeypatch.setenv("MLXLAB_HOME", str(tmp_path))
+    lib = tmp_path / "libfake.so"
+    lib.write_bytes(b"not really a library")
+    monkeypatch.setattr(runtime, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    verdict = runtime._probe(lib)
+    assert "crashed a test matmul" in verdict
+    with pytest.raises(OSError, match="crashed"):
+        runtime._checked(lib, relink=False)
+    monkeypatch.setattr(runtime, "_PROBE", "print('ok')")
+    assert runtime._probe(lib) == verdict  # cached per library and CPU
+    real = runtime._loaded
+    assert real and runtime._probe(runtime.Path(real)) == "ok"
