@@ -6,22 +6,11 @@ import json
 import threading
 
 import pytest
-from fastapi.testclient import TestClient
 
 from mlxlab.config import ServeConfig
 from mlxlab.serve import pipeline
-from mlxlab.serve.app import create_app
-from mlxlab.serve.engine import Delta, Done, Gateway, Job, QueueFull
-
-SYSTEM = ("You are a careful assistant. You answer questions about the Python standard library "
-          "precisely, with one short example, and you never invent module names or functions.")
-
-
-def make_client(**overrides):
-    cfg = ServeConfig(**{"model": "tiny-gemma3", "memory_budget_gb": 2, **overrides})
-    gateway = Gateway(cfg).start()
-    assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
-    return TestClient(create_app(cfg, gateway)), gateway
+from mlxlab.serve.engine.jobs import Delta, Done, Job, QueueFull, Sampling
+from tests.helpers.serve import SYSTEM, make_client, sse_events, streamed_content
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +24,6 @@ def server(tiny_dir):
 def chat(user="What does zip do?", **kw):
     return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
             "temperature": 0, "max_tokens": 24, **kw}
-
-
-def sse_events(text: str) -> list:
-    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(x) for x in lines[:-1]]
-
-
-def streamed_content(events) -> str:
-    return "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
 
 
 def test_status_endpoints_and_request_ids(server):
@@ -189,7 +168,7 @@ def test_unknown_routes_and_methods(server):
 
 
 def test_memory_admission(server):
-    from mlxlab.serve.admission import RESERVE_BYTES
+    from mlxlab.serve.engine.admission import RESERVE_BYTES
 
     adm = server[1].loaded.admission  # a budget that holds 600 tokens of this model
     budget = (adm.weights_bytes + RESERVE_BYTES + 600 * (adm.full_kv_bytes_per_token + adm.score_bytes_per_token)
@@ -243,7 +222,7 @@ def test_cancelled_job_stops_within_a_step(server):
     _, gateway = server
     got, finished = [], threading.Event()
     job = Job(prompt=gateway.loaded.tokenizer.encode("def f(x):"), max_tokens=500, sink=None,
-              sampling=pipeline.Sampling(temperature=0.0))
+              sampling=Sampling(temperature=0.0))
 
     def sink(ev):
         got.append(ev)
@@ -263,13 +242,14 @@ def test_cancelled_job_stops_within_a_step(server):
 def test_sampling_precedence(server):
     _, gateway = server
     loaded = gateway.loaded
-    from mlxlab.serve.protocol import ChatRequest
+    from mlxlab.serve.openai.protocol import ChatRequest
 
     req = ChatRequest(messages=[{"role": "user", "content": "x"}], top_k=5)
     old = dict(loaded.generation_config)
     try:
         loaded.generation_config.update({"temperature": 0.6, "top_k": 64, "top_p": 0.95})
-        s = pipeline.sampling(req, ServeConfig(model="tiny-gemma3", top_p=0.5), loaded)
+        s = pipeline.resolve_sampling(pipeline.SamplingAsk.of(req), ServeConfig(model="tiny-gemma3", top_p=0.5),
+                                     loaded)
         assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.6, 0.5, 5, 0.0)
     finally:
         loaded.generation_config.clear()

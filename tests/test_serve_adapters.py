@@ -14,25 +14,11 @@ import numpy as np
 import pytest
 
 import mlxlab  # noqa: F401  (BLAS before MLX)
-from mlxlab.config import LoraConfig
 from mlxlab.lora import apply as lora_apply
 from mlxlab.lora import io as lora_io
-from tests.test_serve import make_client
+from tests.helpers.serve import make_adapter, make_client
 
 PROMPT = [{"role": "user", "content": "What does the zip builtin do?"}]
-
-
-def make_adapter(model_dir, out, seed: int, targets=("q", "v"), layers=2, rank=4):
-    """A LoRA adapter with random (non-zero) A and B, saved in mlx-lm's layout."""
-    from mlx_lm.utils import load
-
-    model, _ = load(str(model_dir))
-    plan = lora_apply.plan(model, LoraConfig(targets=list(targets), layers=layers, rank=rank, scale=2.0))
-    lora_apply.apply(model, plan, seed=seed)
-    mx.random.seed(seed + 100)
-    for _, m in lora_apply.lora_modules(model):
-        m.lora_b = mx.random.normal(m.lora_b.shape) * 0.5
-    return lora_io.save(model, plan, out)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +97,7 @@ def test_mount_select_stack_unmount(served, root, tiny_dir):
     r = client.post("/v1/chat/completions", json={"messages": PROMPT, "adapter": "b"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_adapter"
     client.delete("/v1/adapters/a")
-    from mlxlab.serve.adapters import MultiLoRA
+    from mlxlab.lora.multi import MultiLoRA
 
     assert not any(isinstance(m, MultiLoRA) for _, m in loaded.model.named_modules())
     assert logits(loaded.model, loaded.tokenizer).tobytes() == logits(load(str(tiny_dir("gemma3")))[0], tok).tobytes()

@@ -11,11 +11,11 @@ import threading
 import pytest
 
 from mlxlab.config import ServeConfig, UserError
-from mlxlab.serve import kv_quant
-from mlxlab.serve.batch import BatchLane
-from mlxlab.serve.engine import Delta, Done, Failed, Job, Loaded, Sampling
-from tests.test_serve import SYSTEM, make_client, sse_events, streamed_content
-from tests.test_serve_adapters import make_adapter
+from mlxlab.serve.engine import kv_quant
+from mlxlab.serve.engine.batch import BatchLane
+from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job, Sampling, parse_adapter_spec
+from mlxlab.serve.engine.loaded import Loaded
+from tests.helpers.serve import SYSTEM, make_adapter, make_client, sse_events, streamed_content
 
 LENGTHS = (5, 40, 17, 90, 3, 60)
 MAX_TOKENS = (20, 8, 30, 12, 25, 16)
@@ -225,7 +225,7 @@ def test_rows_with_different_adapters_decode_together(tiny_dir, tmp_path):
         ps = prompts((30, 12, 45, 30, 30, 7), seed=3)
 
         def jobs():
-            return [Job(ps[i], 24, None, Sampling(temperature=0.0), adapter=s, id=f"{i}:{s}")
+            return [Job(ps[i], 24, None, Sampling(temperature=0.0), adapter=parse_adapter_spec(s), id=f"{i}:{s}")
                     for i, s in enumerate(specs)]
         alone = {}
         for j in jobs():  # one at a time: a batch of one row, one spec, no masks

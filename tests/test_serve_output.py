@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mlxlab.serve.output import OutputParser, ToolSyntax
+from mlxlab.serve.engine.output import OutputParser, ToolSyntax
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]

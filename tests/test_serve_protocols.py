@@ -3,12 +3,10 @@ the response store, per-protocol errors, and one request path under all three su
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from mlxlab.serve.responses import ResponseStore
-from tests.test_serve import make_client
+from mlxlab.serve.responses.store import ResponseStore
+from tests.helpers.serve import make_client, named_events
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +15,6 @@ def client(tiny_dir):
     c, gateway = make_client()
     yield c
     gateway.stop()
-
-
-def events_of(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.splitlines())
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
 
 
 CONVO = [{"role": "user", "content": "Name a prime number."}]
@@ -48,7 +38,7 @@ def test_messages_stream_grammar_and_count_tokens(client):
     plain = client.post("/v1/messages", json=body).json()
     r = client.post("/v1/messages?beta=true", json={**body, "stream": True},
                     headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024", "x-api-key": "k"})
-    ev = events_of(r.text)
+    ev = named_events(r.text)
     names = [e for e, _ in ev]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     assert names[1] == "content_block_start" and "content_block_stop" in names
@@ -99,7 +89,7 @@ def test_responses_chain_get_delete_and_stream(client):
     r = client.post("/v1/responses", json={"input": [{"type": "message", "role": "user", "content": "Another."}],
                                            "previous_response_id": first["id"], "max_output_tokens": 6,
                                            "temperature": 0, "stream": True})
-    ev = events_of(r.text)
+    ev = named_events(r.text)
     names = [e for e, _ in ev]
     assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]

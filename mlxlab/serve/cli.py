@@ -4,20 +4,30 @@
     python -m mlxlab serve model=tiny-qwen3 port=8091 memory_budget_gb=4 prompt_cache_gb=1
 
 The port is checked before anything loads; the model loads on the engine thread while /health
-answers 503; a ready line (URL, model, context ceiling, cache) is printed once it can serve.
-Ctrl-C or SIGTERM drains: new requests get 503, in-flight ones get `drain_timeout_s` to finish,
-then the process exits 0 (a second signal exits at once).
+answers 503; a ready line (URL, model, context ceiling, cache) is logged once it can serve.
+Ctrl-C or SIGTERM drains: new requests get 503; the server exits 0 once every request in flight
+has been answered in full (each response's last byte handed to its socket) or its client has
+gone, or after `drain_timeout_s`; a second signal exits at once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 import threading
 import time
 
-from mlxlab.config import ServeConfig, UserError, run_hydra
+import uvicorn
+
+from mlxlab.cli import run_hydra
+from mlxlab.config import ServeConfig
+from mlxlab.errors import UserError
+from mlxlab.serve.app import create_app
+from mlxlab.serve.engine.gateway import Gateway
+
+log = logging.getLogger(__name__)
 
 
 def check_port(host: str, port: int) -> None:
@@ -30,7 +40,7 @@ def check_port(host: str, port: int) -> None:
                             "running there? pick another with port=...") from None
 
 
-def ready_line(cfg: ServeConfig, gateway) -> str:
+def ready_line(cfg: ServeConfig, gateway: Gateway) -> str:
     loaded = gateway.loaded
     adm = loaded.admission
     cache = (f"prompt cache {cfg.prompt_cache_gb:g} GB" if loaded.cache.enabled else "prompt cache off")
@@ -41,65 +51,84 @@ def ready_line(cfg: ServeConfig, gateway) -> str:
             f"{' | kv ' + loaded.kv.mode if loaded.kv.enabled else ''}")
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before the exit: the first signal turns new requests into 503s and
+    waits until nothing is left in flight, then exits; a second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, app, gateway: Gateway, drain_timeout_s: float):
+        super().__init__(config)
+        self.app, self.gateway, self.drain_timeout_s = app, gateway, drain_timeout_s
+        self.draining_since: float | None = None
+        self.drained = threading.Event()
+
+    def handle_exit(self, sig, frame):
+        if self.draining_since is not None:  # second signal: leave now
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self.draining_since = time.monotonic()
+        self.app.state.draining = True
+        log.info("mlxlab serve: draining (%d in flight, up to %g s)", self.app.state.in_flight.count,
+                 self.drain_timeout_s)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def busy(self) -> bool:
+        """Whether a job is queued or running, an HTTP exchange is in flight, or a connection
+        still has response bytes buffered that its client has not taken yet."""
+        if self.gateway.pending or self.app.state.in_flight.count:
+            return True
+        try:
+            connections = list(self.server_state.connections)
+        except RuntimeError:  # the set changed while we copied it: look again
+            return True
+        for c in connections:
+            transport = getattr(c, "transport", None)
+            if transport is not None and transport.get_write_buffer_size():
+                return True
+        return False
+
+    def _drain(self):
+        deadline = self.draining_since + self.drain_timeout_s
+        while self.busy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.busy():
+            log.warning("mlxlab serve: drain timeout (%g s): leaving with requests in flight", self.drain_timeout_s)
+        self.drained.set()
+        self.should_exit = True
+
+
 def run(cfg: ServeConfig) -> None:
-    import uvicorn
-
-    from mlxlab.serve.app import create_app
-    from mlxlab.serve.engine import Gateway
-
     check_port(cfg.host, cfg.port)
     gateway = Gateway(cfg).start()
     app = create_app(cfg, gateway)
-
-    class Server(uvicorn.Server):
-        """uvicorn, with a drain before the exit: new requests 503, in-flight ones finish."""
-
-        draining_since: float | None = None
-
-        def handle_exit(self, sig, frame):
-            if self.draining_since is not None:  # second signal: leave now
-                self.force_exit = True
-                self.should_exit = True
-                return
-            self.draining_since = time.monotonic()
-            app.state.draining = True
-            print(f"mlxlab serve: draining ({gateway.pending} in flight, up to {cfg.drain_timeout_s:g} s)",
-                  file=sys.stderr)
-            threading.Thread(target=self._drain, daemon=True).start()
-
-        def _drain(self):
-            deadline = time.monotonic() + cfg.drain_timeout_s
-            while gateway.pending and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.1)  # let the last responses flush
-            self.should_exit = True
-
+    # The drain has already waited for every response; uvicorn's own grace period only closes
+    # the idle connections.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             access_log=cfg.log_requests, timeout_graceful_shutdown=5)
-    server = Server(config)
-
+    server = DrainingServer(config, app, gateway, cfg.drain_timeout_s)
     failed = []
 
     def announce():
         gateway.ready.wait()
         if gateway.state == "ready":
-            print(ready_line(cfg, gateway), file=sys.stderr, flush=True)
+            log.info(ready_line(cfg, gateway))
         else:  # the model or a start-time adapter did not load: nothing to serve
             failed.append(gateway.error)
             server.should_exit = True
 
     threading.Thread(target=announce, daemon=True).start()
-    print(f"mlxlab serve: loading {cfg.model} (http://{cfg.host}:{cfg.port}/health answers 503 until ready)",
-          file=sys.stderr, flush=True)
+    log.info("mlxlab serve: loading %s (http://%s:%d/health answers 503 until ready)", cfg.model, cfg.host, cfg.port)
     server.run()
     gateway.stop(timeout=2)
     if failed:
-        print(f"mlxlab serve: error: {failed[0]}", file=sys.stderr)
+        log.error("mlxlab serve: error: %s", failed[0])
     else:
-        print("mlxlab serve: stopped", file=sys.stderr)
+        log.info("mlxlab serve: stopped")
     # Leave without running C++ static destructors: MLX aborts at exit ("terminate called without
     # an active exception") once a non-main thread has used its thread-local generation stream.
     # Everything worth keeping is flushed; the exit code is the drain's, not the teardown's.
+    for handler in logging.getLogger().handlers + logging.getLogger("mlxlab").handlers:
+        handler.flush()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if failed else 0)

@@ -1,23 +1,95 @@
-"""The request path every protocol shares: prompt rendering, sampling defaults, admission, and
-running a job on the engine as an async stream of events.
+"""The request path every protocol shares, between its router and the engine.
 
-Protocol routers (OpenAI chat and completions here; Anthropic Messages and OpenAI Responses
-convert their bodies to the same chat messages) call these, so stop handling, tools, the prompt
-cache and admission behave the same on every surface.
+    router: body --protocol.to_ask()--> Ask --make_job()--> Job --run()--> events --pump()--> encoder
+
+- `Ask` is one generation request normalized at the edge of its protocol (chat messages in the
+  chat-template form, or a completion prompt; the sampling fields the client gave; stops, tools,
+  limits; the adapter spec already parsed). Nothing below re-parses a request.
+- `make_job` renders the prompt, resolves sampling defaults (request > serve flag > the model's
+  generation_config.json > fallback), applies memory admission and checks the adapters are
+  mounted; every refusal is a 4xx `APIError` before anything is queued.
+- `run` submits the job and yields its events; `pump` is the one Delta/Done/Failed dispatch,
+  feeding a protocol's `Encoder` (its stream chunks), or the `Collector` for a response that is
+  not streamed.
+
+So stops, tools, the prompt cache and admission behave the same on every surface.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from fastapi.responses import StreamingResponse
 
 from mlxlab.config import ServeConfig
-from mlxlab.serve.engine import Delta, Done, Failed, Gateway, Job, NotReady, QueueFull, Sampling
-from mlxlab.serve.protocol import APIError
+from mlxlab.serve.engine.gateway import Gateway
+from mlxlab.serve.engine.jobs import (
+    AdapterSpec,
+    Delta,
+    Done,
+    Event,
+    Failed,
+    Job,
+    NotReady,
+    QueueFull,
+    Sampling,
+    parse_adapter_spec,
+)
+from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.http import SSE_HEADERS, APIError
 
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+# --- the normalized request ------------------------------------------------------------------
+
+
+@dataclass
+class SamplingAsk:
+    """The sampling fields as the client sent them (None: not given)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @classmethod
+    def of(cls, body) -> SamplingAsk:
+        """The fields a request model has (each protocol offers a subset)."""
+        return cls(**{f.name: getattr(body, f.name) for f in dataclasses.fields(cls) if hasattr(body, f.name)})
+
+
+@dataclass
+class Ask:
+    """One generation request, normalized at the edge of its protocol."""
+
+    messages: list[dict] | None = None  # chat, in the chat-template form (normalize_messages)
+    prompt: str | list[int] | None = None  # a completion prompt: text or token ids
+    tools: list[dict] | None = None  # function tools offered to the model
+    template_kwargs: dict | None = None
+    max_tokens: int | None = None  # None: the serve default, clamped to what fits
+    stops: list[str] = field(default_factory=list)
+    sampling: SamplingAsk = field(default_factory=SamplingAsk)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    adapter: AdapterSpec = ()
+
+
+def adapter_spec(spec: str | None) -> AdapterSpec:
+    """The request's `adapter` field parsed ("none", "a", "a+b"); 400 when malformed."""
+    try:
+        return parse_adapter_spec(spec)
+    except ValueError as e:
+        raise APIError(400, str(e), param="adapter", code="unknown_adapter") from None
 
 
 def text_of(content, where: str, text_kinds=("text", "input_text", "output_text")) -> str:
@@ -67,7 +139,17 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render_chat(loaded, messages: list[dict], tools: list[dict] | None = None,
+# --- Ask -> Job ----------------------------------------------------------------------------------
+
+
+def ready_loaded(gateway: Gateway) -> Loaded:
+    if gateway.state != "ready":
+        raise APIError(503, gateway.error or f"the model is {gateway.state}; try again shortly",
+                       type="service_unavailable", code="not_ready", headers={"Retry-After": "5"})
+    return gateway.loaded
+
+
+def render_chat(loaded: Loaded, messages: list[dict], tools: list[dict] | None = None,
                 template_kwargs: dict | None = None) -> tuple[list[int], int, bool]:
     """(prompt tokens, end of the system prompt in tokens or 0, starts inside a reasoning block)."""
     tok = loaded.tokenizer
@@ -98,44 +180,46 @@ def render_chat(loaded, messages: list[dict], tools: list[dict] | None = None,
     return prompt, checkpoint if checkpoint >= 16 else 0, reasoning
 
 
-def render_text(loaded, prompt) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+def render_text(loaded: Loaded, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
         vocab = loaded.tokenizer.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
-    text = prompt[0] if isinstance(prompt, list) else prompt
-    return list(loaded.tokenizer.encode(text))
+    tokens = list(loaded.tokenizer.encode(prompt))
+    if not tokens:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return tokens
 
 
-def sampling(req, cfg: ServeConfig, loaded) -> Sampling:
+def resolve_sampling(ask: SamplingAsk, cfg: ServeConfig, loaded: Loaded) -> Sampling:
     """Request > serve flag > the model's generation_config.json > built-in fallback."""
     values = {}
     for key in ("temperature", "top_p", "top_k", "min_p"):
-        for source in (getattr(req, key, None), getattr(cfg, key), loaded.generation_config.get(key)):
+        for source in (getattr(ask, key), getattr(cfg, key), loaded.generation_config.get(key)):
             if source is not None:
                 values[key] = source
                 break
         else:
             values[key] = FALLBACK[key]
-    rep = getattr(req, "repetition_penalty", None)
+    rep = ask.repetition_penalty
     if rep is None:
         rep = loaded.generation_config.get("repetition_penalty")
     bias = None
-    if getattr(req, "logit_bias", None):
+    if ask.logit_bias:
         bias = {}
-        for k, v in req.logit_bias.items():
+        for k, v in ask.logit_bias.items():
             if not k.lstrip("-").isdigit() or not 0 <= int(k) < loaded.tokenizer.vocab_size:
                 raise APIError(400, f"logit_bias key {k!r} is not a token id of this model", param="logit_bias")
             bias[int(k)] = v
     return Sampling(temperature=float(values["temperature"]), top_p=float(values["top_p"]),
-                    top_k=int(values["top_k"]), min_p=float(values["min_p"]),
-                    seed=getattr(req, "seed", None), repetition_penalty=rep if rep and rep != 1.0 else None,
-                    presence_penalty=getattr(req, "presence_penalty", None) or None,
-                    frequency_penalty=getattr(req, "frequency_penalty", None) or None, logit_bias=bias)
+                    top_k=int(values["top_k"]), min_p=float(values["min_p"]), seed=ask.seed,
+                    repetition_penalty=rep if rep and rep != 1.0 else None,
+                    presence_penalty=ask.presence_penalty or None,
+                    frequency_penalty=ask.frequency_penalty or None, logit_bias=bias)
 
 
-def completion_limit(loaded, cfg: ServeConfig, prompt_len: int, requested: int | None) -> int:
+def completion_limit(loaded: Loaded, cfg: ServeConfig, prompt_len: int, requested: int | None) -> int:
     """max_tokens for the job; raises the memory-admission 400 when the request cannot fit."""
     ceiling = loaded.admission.max_safe_context
     if requested is None:
@@ -149,46 +233,29 @@ def completion_limit(loaded, cfg: ServeConfig, prompt_len: int, requested: int |
     return requested
 
 
-def chat_job(gateway: Gateway, cfg: ServeConfig, messages: list[dict], req, *, tools: list[dict] | None = None,
-             stops: list[str] | None = None, limit: int | None = None, logprobs: bool = False,
-             top_logprobs: int = 0, template_kwargs: dict | None = None) -> Job:
-    """A job for chat `messages` (already normalized); `req` supplies the sampling fields."""
+def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
+    """The engine job for `ask`; a 4xx APIError for anything that cannot run, before queueing."""
     loaded = ready_loaded(gateway)
-    prompt, checkpoint, reasoning = render_chat(loaded, messages, tools, template_kwargs)
-    return make_job(loaded, cfg, prompt, req, tools=tools, stops=stops, limit=limit, logprobs=logprobs,
-                    top_logprobs=top_logprobs, reasoning=reasoning, checkpoint=checkpoint)
-
-
-def make_job(loaded, cfg: ServeConfig, prompt: list[int], req, *, tools: list[dict] | None = None,
-             stops: list[str] | None = None, limit: int | None = None, logprobs: bool = False,
-             top_logprobs: int = 0, reasoning: bool = False, checkpoint: int = 0) -> Job:
-    """A job for token `prompt`: admission, sampling defaults and the adapter spec checked here."""
-    limit = completion_limit(loaded, cfg, len(prompt), limit)
-    return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=sampling(req, cfg, loaded), stops=stops or [],
-               tools=tools, reasoning=reasoning, logprobs=logprobs, top_logprobs=top_logprobs,
-               checkpoint=checkpoint, adapter=adapter_spec(loaded, getattr(req, "adapter", None)))
-
-
-def adapter_spec(loaded, spec: str | None) -> str:
-    """The request's `adapter` field checked against the mounted adapters: "none", "a" or "a+b"."""
-    from mlxlab.serve.adapters import parse_spec
-
+    checkpoint, reasoning = 0, False
+    if ask.messages is not None:
+        prompt, checkpoint, reasoning = render_chat(loaded, ask.messages, ask.tools, ask.template_kwargs)
+    else:
+        prompt = render_text(loaded, ask.prompt)
+    limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+    sampling = resolve_sampling(ask.sampling, cfg, loaded)
     try:
-        ids = parse_spec(spec)
-        loaded.adapters.check(ids)
-    except (ValueError, KeyError) as e:
+        loaded.adapters.check(ask.adapter)
+    except KeyError as e:
         raise APIError(400, str(e).strip("'\""), param="adapter", code="unknown_adapter") from None
-    return "+".join(ids) or "none"
+    return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=sampling, stops=ask.stops,
+               tools=ask.tools, reasoning=reasoning, logprobs=ask.logprobs, top_logprobs=ask.top_logprobs,
+               checkpoint=checkpoint, adapter=ask.adapter)
 
 
-def ready_loaded(gateway: Gateway):
-    if gateway.state != "ready":
-        raise APIError(503, gateway.error or f"the model is {gateway.state}; try again shortly",
-                       type="service_unavailable", code="not_ready", headers={"Retry-After": "5"})
-    return gateway.loaded
+# --- Job -> events -> encoders -------------------------------------------------------------------
 
 
-async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator[object]:
+async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator[Event]:
     """Submit `job` and yield its events; the job is cancelled if the consumer goes away.
 
     `is_disconnected` (an async callable) is polled while waiting, for responses that are not
@@ -231,34 +298,94 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
         job.cancelled.set()  # a no-op when the job has finished
 
 
-@dataclass
-class Collected:
-    content: str
-    reasoning: str
-    logprobs: list
-    done: Done
+class Encoder:
+    """A protocol's view of one job's events: each method returns the wire chunks (SSE text) to
+    send for it. Encoders are pure, so tests drive them without a model (`encode`)."""
+
+    def start(self) -> list[str]:
+        return []
+
+    def delta(self, ev: Delta) -> list[str]:
+        return []
+
+    def done(self, ev: Done) -> list[str]:
+        return []
+
+    def failed(self, ev: Failed) -> list[str]:
+        return []
+
+    def end(self) -> list[str]:
+        return []
 
 
-async def collect(gateway: Gateway, job: Job, is_disconnected) -> Collected:
+def feed(encoder: Encoder, ev: Event) -> list[str]:
+    """The one Delta/Done/Failed dispatch."""
+    if isinstance(ev, Delta):
+        return encoder.delta(ev)
+    if isinstance(ev, Done):
+        return encoder.done(ev)
+    return encoder.failed(ev)
+
+
+def encode(encoder: Encoder, events: Iterable[Event]) -> list[str]:
+    """Every chunk `encoder` sends for `events` (what `pump` streams), without a server."""
+    return [*encoder.start(), *(c for ev in events for c in feed(encoder, ev)), *encoder.end()]
+
+
+async def pump(events: AsyncIterator[Event], encoder: Encoder) -> AsyncIterator[str]:
+    for chunk in encoder.start():
+        yield chunk
+    async for ev in events:
+        for chunk in feed(encoder, ev):
+            yield chunk
+    for chunk in encoder.end():
+        yield chunk
+
+
+class Collector(Encoder):
+    """The encoder of a response that is not streamed: gathers the text, reasoning and logprobs;
+    a failure is a 500."""
+
+    def __init__(self):
+        self.parts: dict[str, list[str]] = {"content": [], "reasoning": []}
+        self.logprobs: list[dict] = []
+        self.finished: Done | None = None
+
+    def delta(self, ev: Delta) -> list[str]:
+        self.parts["reasoning" if ev.kind == "reasoning" else "content"].append(ev.text)
+        self.logprobs.extend(ev.logprobs or [])
+        return []
+
+    def done(self, ev: Done) -> list[str]:
+        self.finished = ev
+        return []
+
+    def failed(self, ev: Failed) -> list[str]:
+        raise APIError(500, ev.message, type="server_error")
+
+    @property
+    def content(self) -> str:
+        return "".join(self.parts["content"])
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.parts["reasoning"])
+
+
+async def collect(gateway: Gateway, job: Job, is_disconnected) -> Collector:
     """Run a job to the end for a response that is not streamed."""
-    content, reasoning, logprobs, done = [], [], [], None
-    async for ev in run(gateway, job, is_disconnected):
-        if isinstance(ev, Delta):
-            (reasoning if ev.kind == "reasoning" else content).append(ev.text)
-            logprobs.extend(ev.logprobs or [])
-        elif isinstance(ev, Done):
-            done = ev
-        elif isinstance(ev, Failed):
-            raise APIError(500, ev.message, type="server_error")
-    if done is None:
+    got = Collector()
+    async for _ in pump(run(gateway, job, is_disconnected), got):
+        pass
+    if got.finished is None:
         raise APIError(499, "client closed the request")
-    return Collected("".join(content), "".join(reasoning), logprobs, done)
+    return got
 
 
 _END = object()
 
 
-async def start(gateway: Gateway, job: Job) -> AsyncIterator[object]:
+async def start(gateway: Gateway, job: Job) -> AsyncIterator[Event]:
     """The events of a job for a streamed response, its first event already awaited: submitting
     happens here, so queue-full and not-ready errors are raised before the response has started
     (and answer as plain JSON errors)."""
@@ -276,3 +403,9 @@ async def start(gateway: Gateway, job: Job) -> AsyncIterator[object]:
             yield ev
 
     return chained()
+
+
+async def stream(gateway: Gateway, job: Job, encoder: Encoder):
+    """A streamed response: the job's events through `encoder`, as server-sent events."""
+    events = await start(gateway, job)
+    return StreamingResponse(pump(events, encoder), media_type="text/event-stream", headers=SSE_HEADERS)

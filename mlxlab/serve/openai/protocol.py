@@ -12,26 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlxlab.serve.http import APIError
+from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages
 
-class APIError(Exception):
-    """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def anthropic(self) -> tuple[int, dict]:
-        """(status, body) in the Anthropic shape: {"type": "error", "error": {"type", "message"}}."""
-        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", 529: "overloaded_error"}.get(self.status, "api_error")
-        status = 529 if self.status == 503 else self.status
-        return status, {"type": "error", "error": {"type": kind, "message": self.message}}
+def error_shape(err: APIError) -> tuple[int, dict]:
+    """(status, body) in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+    return err.status, {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
 
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -125,8 +112,13 @@ class ChatRequest(Sampled):
             raise ValueError("tool_choice must be auto, none, required or {type: function, function: {name}}")
         return v
 
-    def completion_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def to_ask(self) -> Ask:
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return Ask(messages=normalize_messages([m.model_dump(exclude_none=True) for m in self.messages]),
+                   tools=None if self.tool_choice == "none" else tools, template_kwargs=self.chat_template_kwargs,
+                   max_tokens=self.max_completion_tokens or self.max_tokens, stops=self.stop_list(),
+                   sampling=SamplingAsk.of(self), logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
+                   adapter=adapter_spec(self.adapter))
 
 
 class CompletionRequest(Sampled):
@@ -144,5 +136,11 @@ class CompletionRequest(Sampled):
             raise ValueError("prompt is empty")
         return v
 
-    def completion_limit(self) -> int | None:
-        return self.max_tokens
+    def to_ask(self) -> Ask:
+        if self.echo or self.suffix:
+            raise APIError(400, f"{'echo' if self.echo else 'suffix'} is not supported by this server",
+                           param="echo" if self.echo else "suffix")
+        prompt = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
+        return Ask(prompt=prompt, max_tokens=self.max_tokens, stops=self.stop_list(), sampling=SamplingAsk.of(self),
+                   logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0,
+                   adapter=adapter_spec(self.adapter))

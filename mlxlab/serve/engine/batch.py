@@ -13,7 +13,7 @@ its stop-token matcher) is what makes greedy tokens equal `BatchGenerator`'s
   of the prompt, prompt + completion when it finishes), so batched and serial requests share
   one cache;
 - per-row adapters: before every forward pass the lane sets one adapter spec per batch row
-  (`Selection.set_rows`), so rows with different LoRA adapters decode in the same batch;
+  (`lora.multi.Selection.set_rows`), so rows with different LoRA adapters decode in the same batch;
 - aggregate memory admission: a waiting row is admitted only when every row, each grown to
   prompt + max_tokens and padded to the longest, plus a copy of each row still prefilling, fits
   the memory budget together (`Admission.fits_rows`); otherwise it waits for rows to finish (a
@@ -27,23 +27,23 @@ At most `serve.batch` rows are in the prompt and generation batches together (ml
 
 from __future__ import annotations
 
-import traceback
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxlab.config import ServeConfig
-from mlxlab.serve.engine import (
-    Done,
-    Job,
-    Loaded,
+from mlxlab.serve.engine.jobs import AdapterSpec, Done, Job
+from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.rows import (
     RowOutput,
     cache_namespace,
-    check_adapters,
-    count_adapter_use,
+    claim_adapters,
     make_sampling,
     prompt_segments,
 )
+
+log = logging.getLogger(__name__)
 
 
 def batchable(job: Job) -> bool:
@@ -64,7 +64,7 @@ class Segment:
 class Row:
     uid: int
     job: Job
-    ids: tuple[str, ...]
+    ids: AdapterSpec
     out: RowOutput
     cache: list | None
     segments: list[Segment] = field(default_factory=list)
@@ -112,8 +112,7 @@ class BatchLane:
     def add(self, job: Job) -> None:
         """Queue a job as a row (raises JobError when its adapter is gone)."""
         m = self.m
-        ids = check_adapters(m, job)
-        count_adapter_use(m, ids)
+        ids = claim_adapters(m, job)
         row = Row(self._uid, job, ids, RowOutput(m, job), None)
         self._uid += 1
         row.sampler, row.processors = make_sampling(job.sampling)
@@ -149,7 +148,7 @@ class BatchLane:
                 self.m.cache.insert(cache_namespace(self.m, row.ids), row.job.prompt + row.out.tokens, cache,
                                     copy_cache=False)
             except Exception:  # noqa: BLE001
-                traceback.print_exc()
+                log.exception("mlxlab serve: storing a finished row in the prompt cache failed")
 
     def _prompt_batch_of(self, rows: list[Row]):
         """A prompt batch of newly admitted rows (their caches merged into one batch cache)."""

@@ -1,0 +1,12 @@
+"""Admin request models (errors answer in the OpenAI shape)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class MountRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    path: str = Field(min_length=1)

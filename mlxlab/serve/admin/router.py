@@ -1,0 +1,113 @@
+"""Status and admin routes: `GET /health` (503 while loading or draining), `GET /v1/models[/{id}]`,
+`GET /stats`, and the adapter API (`GET/POST /v1/adapters`, `DELETE /v1/adapters/{id}`,
+`GET /v1/adapters/available`). Errors answer in the OpenAI shape."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from mlxlab.errors import UserError
+from mlxlab.serve.admin.protocol import MountRequest
+from mlxlab.serve.engine.adapters import Adapters
+from mlxlab.serve.http import APIError, protocol_route
+from mlxlab.serve.openai.protocol import error_shape
+from mlxlab.serve.pipeline import ready_loaded
+
+health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
+router = APIRouter(route_class=protocol_route(error_shape))
+
+
+@health_router.get("/health")
+async def health(request: Request):
+    state = request.app.state
+    g = state.gateway
+    ok = g.state == "ready" and not state.draining
+    body = {"status": "ok" if ok else ("draining" if state.draining else g.state), "model": state.cfg.model}
+    if g.error:
+        body["error"] = g.error
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def model_card(request: Request) -> dict:
+    gateway, cfg = request.app.state.gateway, request.app.state.cfg
+    loaded = gateway.loaded
+    return {"id": cfg.model, "object": "model", "created": int(gateway.started_at), "owned_by": "mlxlab",
+            "context_length": loaded.admission.max_safe_context if loaded else None}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [model_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    served = request.app.state.cfg.model
+    if model_id != served:
+        raise APIError(404, f"model {model_id!r} is not served here (serving {served!r})",
+                       type="not_found_error", param="model", code="model_not_found")
+    return model_card(request)
+
+
+@router.get("/stats")
+async def stats(request: Request):
+    state = request.app.state
+    g, cfg = state.gateway, state.cfg
+    loaded = g.loaded
+    return {
+        "server": {"model": cfg.model, "started_at": g.started_at, "uptime_s": round(time.time() - g.started_at, 1),
+                   "state": g.state, "draining": state.draining, "host": cfg.host, "port": cfg.port},
+        "prompt_cache": loaded.cache.stats() if loaded else None,
+        "admission": loaded.admission.stats() if loaded else None,
+        "queue": g.stats(),
+        "response_store": state.response_store.stats(),
+        "adapters": loaded.adapters.stats() if loaded else None,
+        "batch": g.batch_stats(),
+        "kv_quant": loaded.kv.stats() if loaded else None,
+    }
+
+
+def registry(request: Request, mutating: bool = False) -> Adapters:
+    if mutating and not request.app.state.cfg.allow_adapter_mount:
+        raise APIError(403, "runtime adapter mounting is switched off (serve.allow_adapter_mount=false)",
+                       type="permission_error", code="mount_disabled")
+    return ready_loaded(request.app.state.gateway).adapters
+
+
+@router.get("/v1/adapters")
+async def listing(request: Request):
+    return {"adapters": [m.card() for m in registry(request).mounted.values()]}
+
+
+@router.get("/v1/adapters/available")
+async def available(request: Request):
+    reg = registry(request)
+    return {"root": str(reg.root), "adapters": reg.available()}
+
+
+@router.post("/v1/adapters")
+async def mount(body: MountRequest, request: Request):
+    reg = registry(request, mutating=True)
+    try:
+        path = reg.confine(body.path)
+    except PermissionError as e:
+        raise APIError(403, str(e), type="permission_error", param="path", code="outside_adapter_root") from None
+    try:
+        mounted = await request.app.state.gateway.call(lambda: reg.mount(body.id, path))
+    except UserError as e:
+        raise APIError(400, str(e), param="path", code="invalid_adapter") from None
+    return mounted.card()
+
+
+@router.delete("/v1/adapters/{adapter_id}")
+async def unmount(adapter_id: str, request: Request):
+    reg = registry(request, mutating=True)
+    try:
+        await request.app.state.gateway.call(lambda: reg.unmount(adapter_id))
+    except KeyError:
+        raise APIError(404, f"no adapter {adapter_id!r} is mounted", type="not_found_error",
+                       code="adapter_not_found") from None
+    return {"id": adapter_id, "object": "adapter.deleted", "deleted": True}

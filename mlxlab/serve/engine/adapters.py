@@ -1,0 +1,101 @@
+"""The served model's adapter registry: mount, unmount, path confinement, per-adapter counters.
+
+The per-row LoRA arithmetic is `lora/multi.py` (`MultiLoRA` wrappers and their shared
+`Selection`); this module decides what may be mounted. Mounting and unmounting run on the engine
+thread between jobs (`Gateway.call`), never in the middle of a forward pass. Files are read with
+`lora.io.read_plan` (safetensors + JSON only; every problem reported at once, nothing mounted on
+any problem). Runtime paths are confined to `serve.adapter_root` after resolving symlinks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxlab.errors import UserError
+from mlxlab.lora import io as lora_io
+from mlxlab.lora import multi
+from mlxlab.serve.engine.jobs import AdapterSpec
+
+
+@dataclass
+class Mounted:
+    id: str
+    path: str
+    rank: int
+    scale: float
+    size_bytes: int
+    modules: list[str]
+    layers: list[int]
+    requests: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def card(self) -> dict:
+        return {"id": self.id, "path": self.path, "rank": self.rank, "scale": self.scale,
+                "size_bytes": self.size_bytes, "mounted_layers": self.layers, "modules": len(self.modules),
+                "requests": self.requests}
+
+
+class Adapters:
+    """The registry; its methods that touch the model run on the engine thread."""
+
+    def __init__(self, model, root: str | Path):
+        self.model = model
+        self.root = Path(root).expanduser().resolve()
+        self.selection = multi.Selection()
+        self.mounted: dict[str, Mounted] = {}
+
+    # --- paths (HTTP side) ----------------------------------------------------------------------
+
+    def confine(self, path: str) -> Path:
+        """`path` (relative to the root, or absolute) resolved with symlinks; outside the root -> PermissionError."""
+        raw = Path(path).expanduser()
+        resolved = Path(os.path.realpath(raw if raw.is_absolute() else self.root / raw))
+        if resolved != self.root and self.root not in resolved.parents:
+            raise PermissionError(f"{path!r} resolves outside the adapter root {self.root}")
+        return resolved
+
+    def available(self, max_depth: int = 5) -> list[dict]:
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            depth = len(Path(dirpath).relative_to(self.root).parts)
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and depth < max_depth)
+            if "adapter_config.json" in filenames and "adapters.safetensors" in filenames:
+                rel = str(Path(dirpath).relative_to(self.root))
+                size = os.path.getsize(Path(dirpath) / "adapters.safetensors")
+                out.append({"path": rel, "size_bytes": size,
+                            "mounted_as": [m.id for m in self.mounted.values() if m.path == str(Path(dirpath))]})
+        return out
+
+    # --- engine side ------------------------------------------------------------------------------
+
+    def mount(self, adapter_id: str, path: str | Path) -> Mounted:
+        if adapter_id in self.mounted:
+            raise UserError(f"an adapter is already mounted as {adapter_id!r}; unmount it first")
+        if not adapter_id or "+" in adapter_id or adapter_id in ("none", "base"):
+            raise UserError(f"invalid adapter id {adapter_id!r} (no '+', not 'none')")
+        path = lora_io.resolve_dir(path)
+        plan, weights = lora_io.read_plan(path, self.model)  # raises with every problem; touches nothing
+        modules = multi.attach(self.model, adapter_id, plan, weights, self.selection)
+        size = os.path.getsize(Path(path) / lora_io.WEIGHTS)
+        m = Mounted(adapter_id, str(Path(path).resolve()), plan.rank, plan.scale, size, modules,
+                    sorted(plan.layers))
+        self.mounted[adapter_id] = m
+        return m
+
+    def unmount(self, adapter_id: str) -> None:
+        if adapter_id not in self.mounted:
+            raise KeyError(adapter_id)
+        multi.detach(self.model, adapter_id)
+        del self.mounted[adapter_id]
+
+    def check(self, ids: AdapterSpec) -> None:
+        """KeyError naming every id in `ids` that is not mounted."""
+        unknown = [i for i in ids if i not in self.mounted]
+        if unknown:
+            have = ", ".join(sorted(self.mounted)) or "none"
+            raise KeyError(f"adapter {', '.join(map(repr, unknown))} is not mounted (mounted: {have})")
+
+    def stats(self) -> dict:
+        return {"mounted": [m.card() for m in self.mounted.values()], "root": str(self.root)}

@@ -1,0 +1,209 @@
+"""The front of the engine: one worker thread owns the model; requests reach it through the
+gateway's bounded queue and a lane.
+
+    HTTP handlers --Job--> Gateway (bounded queue, admission already passed) --> lane --> events
+                                                                                 (thread-safe sink)
+
+The worker thread loads the model (`Loaded`), then runs jobs on the serial lane (`serial.py`: one
+at a time, with the prompt cache) or, with `serve.batch=N`, on the batched lane (`batch.py`: rows
+join and leave between decode steps). `Gateway.lane_for` picks per job; both lanes run on this one
+thread, so they never use the model at the same time. Admin tasks (adapter mount/unmount) are
+queued with `call` and run between jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from mlxlab.config import ServeConfig
+from mlxlab.serve.engine.batch import BatchLane, batchable
+from mlxlab.serve.engine.jobs import Done, Failed, Job, JobError, NotReady, QueueFull
+from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.serial import SerialLane
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    def __init__(self, cfg: ServeConfig, loader: Callable[[ServeConfig], Loaded] = Loaded):
+        self.cfg = cfg
+        self._loader = loader
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = 0  # queued + running
+        self._lock = threading.Lock()
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.error: str | None = None
+        self.loaded: Loaded | None = None
+        self.ready = threading.Event()
+        self.started_at = time.time()
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
+                         "rejected_queue_full": 0, "prompt_tokens": 0, "completion_tokens": 0}
+        self.running: Job | None = None  # on the serial lane
+        self.serial: SerialLane | None = None
+        self.batch: BatchLane | None = None  # when serve.batch > 1 (and the KV cache is not quantized)
+        self.served_serial = 0
+        self._thread = threading.Thread(target=self._work, name="mlxlab-engine", daemon=True)
+
+    def start(self) -> Gateway:
+        self._thread.start()
+        return self
+
+    def lane_for(self, job: Job) -> str:
+        """"batch" when a batched lane runs and the job can join it, else "serial"."""
+        return "batch" if self.batch is not None and batchable(job) else "serial"
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def submit(self, job: Job) -> None:
+        if self.state != "ready":
+            raise NotReady(self.error or f"the engine is {self.state}")
+        with self._lock:
+            rows = self.cfg.batch if self.batch is not None else 1
+            if self._pending >= self.cfg.max_queue + rows - 1:
+                self.counters["rejected_queue_full"] += 1
+                raise QueueFull(f"{self._pending} requests are queued or running (max_queue={self.cfg.max_queue})")
+            self._pending += 1
+            self.counters["requests"] += 1
+        self._queue.put(job)
+
+    async def call(self, fn: Callable[[], object]):
+        """Run `fn` on the engine thread between jobs (never during a forward pass); await its result."""
+        import asyncio
+
+        if self.state != "ready":
+            raise NotReady(self.error or f"the engine is {self.state}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(result, error):
+            if not future.done():
+                future.set_exception(error) if error else future.set_result(result)
+
+        def task():
+            try:
+                result, error = fn(), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+                result, error = None, e
+            loop.call_soon_threadsafe(done, result, error)
+
+        self._queue.put(task)
+        return await future
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _work(self) -> None:
+        try:
+            self.loaded = self._loader(self.cfg)
+            self.serial = SerialLane(self.loaded, self.cfg)
+            if self.cfg.batch > 1 and not self.loaded.kv.enabled:
+                self.batch = BatchLane(self.loaded, self.cfg, self._finish)
+            elif self.cfg.batch > 1:
+                log.warning("mlxlab serve: kv_quant is on, so every request runs on the serial lane "
+                            "(quantized KV caches cannot be batched)")
+            self.state = "ready"
+        except BaseException as e:  # noqa: BLE001 - reported through /health
+            self.state, self.error = "failed", f"failed to load: {e}"
+            self.ready.set()
+            return
+        self.ready.set()
+        held = []  # an item that must wait for the batch to drain (serial job, admin task, stop)
+        while True:
+            batch = self.batch
+            if batch is not None and batch.active:
+                while not held:  # take what has arrived, without waiting
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(item, Job) and self.lane_for(item) == "batch":
+                        self._add_row(item)
+                    else:
+                        held.append(item)
+                try:
+                    batch.step()
+                except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine carries on
+                    log.exception("mlxlab serve: a batched forward pass failed")
+                    batch.fail_all(f"generation failed: {e}")
+                continue
+            item = held.pop() if held else self._queue.get()
+            if item is None:
+                self.state = "stopped"
+                return
+            if not isinstance(item, Job):  # an admin task (adapter mount/unmount)
+                item()
+            elif self.lane_for(item) == "batch":
+                self._add_row(item)
+            else:
+                self._run_serial(item)
+
+    def _cancelled_before_start(self, job: Job) -> bool:
+        if job.cancelled.is_set():
+            job.sink(Done("cancelled", len(job.prompt), 0, 0))
+            self._finish(job, None, None)
+            return True
+        return False
+
+    def _add_row(self, job: Job) -> None:
+        if self._cancelled_before_start(job):
+            return
+        try:
+            self.batch.add(job)
+        except JobError as e:
+            self._finish(job, None, str(e))
+        except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
+            log.exception("mlxlab serve: adding a row failed")
+            self._finish(job, None, f"generation failed: {e}")
+
+    def _run_serial(self, job: Job) -> None:
+        if self._cancelled_before_start(job):
+            return
+        self.running = job
+        done, error = None, None
+        try:
+            done = self.serial.run(job)
+            self.served_serial += 1
+        except JobError as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
+            log.exception("mlxlab serve: a request failed")
+            error = f"generation failed: {e}"
+        finally:
+            self.running = None
+            self._finish(job, done, error)
+
+    def _finish(self, job: Job, done: Done | None, error: str | None) -> None:
+        """Count a job that left the engine; `error` is sent to it as Failed."""
+        if error is not None:
+            self.counters["failed"] += 1
+            job.sink(Failed(error))
+        elif done is None or done.finish_reason == "cancelled":
+            self.counters["cancelled"] += 1
+        else:
+            self.counters["completed"] += 1
+        if done is not None:
+            self.counters["prompt_tokens"] += done.prompt_tokens
+            self.counters["completion_tokens"] += done.completion_tokens
+        with self._lock:
+            self._pending -= 1
+
+    def batch_stats(self) -> dict:
+        b = self.batch
+        if b is None:
+            return {"configured": self.cfg.batch, "batched": False, "active_rows": int(self.running is not None),
+                    "served_serial": self.served_serial,
+                    "reason": "kv_quant is on" if self.cfg.batch > 1 else None}
+        return {**b.stats(), "served_serial": self.served_serial}
+
+    def stats(self) -> dict:
+        running = int(self.running is not None) + (self.batch.running if self.batch else 0)
+        out = {"state": self.state, "queued": max(self._pending - running, 0), "running": running,
+               "max_queue": self.cfg.max_queue, **self.counters}
+        return out

@@ -1,0 +1,101 @@
+"""What crosses into the engine and back: a `Job` (token prompt, resolved sampling, stops, tools,
+parsed adapter spec, sink) and its events, `Delta`s then exactly one `Done` or `Failed`.
+
+A job is built once at the edge of a protocol (`serve/pipeline.py`); nothing below re-parses a
+request. Setting `job.cancelled` (client gone) stops its generation before the next token.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+AdapterSpec = tuple[str, ...]  # () is the base model; ("a", "b") stacks a then b
+
+
+@dataclass
+class Sampling:
+    """Resolved sampling settings (request > serve flag > generation_config.json > fallback)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+
+
+@dataclass
+class Delta:
+    kind: str  # content | reasoning
+    text: str
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class Done:
+    finish_reason: str  # stop | length | tool_calls | cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    tool_calls: list[dict] = field(default_factory=list)
+    stop_sequence: str | None = None
+    seconds: float = 0.0
+    ttft: float = 0.0
+    tokens: list[int] = field(default_factory=list)  # the generated token ids
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Delta | Done | Failed
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    sink: Callable[[Event], None] | None
+    sampling: Sampling = field(default_factory=Sampling)
+    stops: list[str] = field(default_factory=list)
+    tools: list | None = None
+    reasoning: bool = False  # the prompt ends inside a reasoning block
+    logprobs: bool = False
+    top_logprobs: int = 0
+    adapter: AdapterSpec = ()
+    checkpoint: int = 0  # store a prompt-cache checkpoint at this prefix length (end of the system prompt)
+    id: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class NotReady(Exception):
+    pass
+
+
+class JobError(Exception):
+    """A job that cannot run as asked (e.g. its adapter was unmounted while it waited)."""
+
+
+def parse_adapter_spec(spec: str | None) -> AdapterSpec:
+    """"none" / "base" / None -> (); "a+b" -> ("a", "b"); ValueError when malformed."""
+    if spec is None or spec in ("", "none", "base"):
+        return ()
+    ids = tuple(s.strip() for s in spec.split("+"))
+    if not all(ids):
+        raise ValueError(f"malformed adapter spec {spec!r} (use an id, 'a+b', or 'none')")
+    return ids
+
+
+def spec_name(ids: AdapterSpec) -> str:
+    """The spec as clients write it: "none", "a" or "a+b"."""
+    return "+".join(ids) or "none"

@@ -1,0 +1,69 @@
+"""What the engine thread loads once: the model and tokenizer, and what is derived from them
+(stop and hidden tokens, tool and reasoning markup, admission, KV quantization, prompt cache,
+generation defaults, adapters mounted at start)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from mlxlab.config import ServeConfig
+from mlxlab.models.zoo import load, resolve
+from mlxlab.serve.engine import admission, kv_quant
+from mlxlab.serve.engine.adapters import Adapters
+from mlxlab.serve.engine.output import think_markers, tool_syntax
+from mlxlab.serve.engine.prompt_cache import PromptCache
+
+log = logging.getLogger(__name__)
+
+
+class Loaded:
+    def __init__(self, cfg: ServeConfig):
+        import mlx.core as mx
+
+        self.model_dir = resolve(cfg.model)
+        self.model, self.tokenizer = load(str(self.model_dir), cfg.dtype)
+        self.model_id = cfg.model
+        self.eos = set(self.tokenizer.eos_token_ids)
+        self.tool = tool_syntax(self.tokenizer)
+        self.think = think_markers(self.tokenizer)
+        self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)
+        budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb else None
+        self.kv = kv_quant.parse(cfg.kv_quant, self.model, self.model_dir)
+        self.admission = admission.measure(self.model, budget, cfg.prefill_step, self.kv)
+        mx.set_memory_limit(self.admission.budget_bytes)
+        self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
+        self.generation_config = read_generation_config(self.model_dir)
+        self.adapters = Adapters(self.model, cfg.adapter_root)
+        for adapter_id, path in (cfg.adapters or {}).items():
+            m = self.adapters.mount(adapter_id, path)
+            log.info("mlxlab serve: mounted adapter %r from %s (rank %d, %d modules)", adapter_id, m.path,
+                     m.rank, len(m.modules))
+
+
+def hidden_token_ids(tokenizer, tool, think) -> set[int]:
+    """Special tokens whose text must never reach a client (<eos>, <start_of_turn>, ...), except
+    the markers the output parser needs to see."""
+    hidden = set(getattr(tokenizer, "all_special_ids", []) or [])
+    backend = getattr(tokenizer, "_tokenizer", tokenizer)
+    for tid, tok in (getattr(backend, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            hidden.add(int(tid))
+    keep = set()
+    for marker in ([tool.start, tool.end] if tool else []) + (list(think) if think else []):
+        ids = tokenizer.encode(marker, add_special_tokens=False) if marker else []
+        if len(ids) == 1:
+            keep.add(ids[0])
+    return hidden - keep
+
+
+def read_generation_config(model_dir) -> dict:
+    """The sampling defaults in the model's generation_config.json (numbers only)."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: data[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)}

@@ -1,0 +1,123 @@
+"""What both lanes do per job, the same way: its adapters, its sampler, the prompt pieces to run
+and cache, and its output side (`RowOutput`: tokens -> Delta events -> one Done)."""
+
+from __future__ import annotations
+
+import time
+
+from mlxlab.serve.engine.jobs import AdapterSpec, Delta, Done, Job, JobError, Sampling, spec_name
+from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.output import OutputParser
+
+
+def claim_adapters(m: Loaded, job: Job) -> AdapterSpec:
+    """The job's adapters, checked still mounted (one may have been unmounted while the job
+    waited: JobError) and counted as used."""
+    try:
+        m.adapters.check(job.adapter)
+    except KeyError as e:
+        raise JobError(str(e).strip("'\"")) from None
+    for i in job.adapter:
+        m.adapters.mounted[i].requests += 1
+    return job.adapter
+
+
+def cache_namespace(m: Loaded, ids: AdapterSpec) -> tuple[str, str]:
+    """Prompt-cache entries are kept apart per (model, adapter spec)."""
+    return (m.model_id, spec_name(ids))
+
+
+def make_sampling(s: Sampling):
+    """(sampler, logits processors) for one row, built by mlx-lm."""
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
+                           min_p=s.min_p, top_k=s.top_k)
+    processors = make_logits_processors(s.logit_bias, s.repetition_penalty, 64,
+                                        s.presence_penalty, 64, s.frequency_penalty, 64)
+    return sampler, processors
+
+
+def prompt_segments(job: Job, cached: int) -> list[tuple[int, int, str | None]]:
+    """The pieces of the prompt still to run, as (start, end, prompt-cache checkpoint kind), in
+    both lanes: up to the end of the system prompt ("system": shared by every conversation with
+    it), up to the last token ("user": the prefix of the next turn even when the answer does not
+    re-tokenize the same way), then the last token alone (None: generation starts from it)."""
+    end = len(job.prompt) - 1
+    pieces, at = [], cached
+    if job.checkpoint and at < job.checkpoint < end:
+        pieces.append((at, job.checkpoint, "system"))
+        at = job.checkpoint
+    if at < end:
+        pieces.append((at, end, "user"))
+    pieces.append((end, len(job.prompt), None))
+    return pieces
+
+
+class RowOutput:
+    """One job's output side, the same in both lanes: token -> (eos, hidden tokens, streaming
+    detokenizer, stop strings, tool/reasoning parser) -> Delta events; `close` sends the Done."""
+
+    def __init__(self, m: Loaded, job: Job):
+        self.m, self.job = m, job
+        self.parser = OutputParser(job.stops, m.tool, job.tools, m.think, job.reasoning)
+        self.detok = m.tokenizer.detokenizer  # a fresh copy per call
+        self.detok.reset()
+        self.tokens: list[int] = []
+        self.cached = 0
+        self.t0 = time.perf_counter()
+        self.ttft = 0.0
+
+    def _send(self, deltas, lp=None) -> None:
+        for i, (kind, text) in enumerate(deltas):
+            self.job.sink(Delta(kind, text, lp if i == len(deltas) - 1 else None))
+        if not deltas and lp:
+            self.job.sink(Delta("content", "", lp))
+
+    def feed(self, token: int, logprobs) -> str | None:
+        """Take one generated token; the finish reason when the row must stop here, else None."""
+        job = self.job
+        if not self.tokens:
+            self.ttft = time.perf_counter() - self.t0
+        self.tokens.append(token)
+        if job.cancelled.is_set():
+            return "cancelled"
+        if token in self.m.eos:
+            return "stop"
+        lp = token_logprobs(self.m.tokenizer, token, logprobs, job.top_logprobs) if job.logprobs else None
+        if token in self.m.hidden:
+            self._send([], lp)
+            return None
+        self.detok.add_token(token)
+        self._send(self.parser.feed(self.detok.last_segment), lp)
+        return "stop" if self.parser.stopped is not None else None
+
+    def close(self, finish: str) -> Done:
+        parser = self.parser
+        self.detok.finalize()
+        if parser.stopped is None and finish != "cancelled":
+            self._send(parser.feed(self.detok.last_segment) + parser.finish())
+        if parser.calls and finish != "cancelled":
+            finish = "tool_calls"
+        done = Done(finish, len(self.job.prompt), len(self.tokens), self.cached, parser.calls,
+                    parser.stopped, time.perf_counter() - self.t0, self.ttft, list(self.tokens))
+        self.job.sink(done)
+        return done
+
+
+def token_logprobs(tok, token: int, logprobs, top: int) -> list[dict]:
+    import mlx.core as mx
+
+    def entry(tid: int, lp: float) -> dict:
+        text = tok.decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    e = entry(token, logprobs[token].item())
+    if top:
+        ids = mx.argpartition(-logprobs, top - 1)[:top]
+        vals = logprobs[ids]
+        pairs = sorted(zip(ids.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+        e["top_logprobs"] = [entry(i, v) for i, v in pairs]
+    else:
+        e["top_logprobs"] = []
+    return [e]

@@ -1,0 +1,79 @@
+"""The serial lane: one request at a time, with the prompt cache.
+
+It prefills all but the last prompt token itself, so it can store prompt-cache checkpoints (end
+of the system prompt, end of the prompt), then hands the last token to mlx-lm's `generate_step`.
+A finished request also stores prompt + completion (the cache then holds exactly those tokens:
+`generate_step` feeds each token as it computes the next).
+"""
+
+from __future__ import annotations
+
+from mlxlab.config import ServeConfig
+from mlxlab.serve.engine.jobs import AdapterSpec, Done, Job
+from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.rows import (
+    RowOutput,
+    cache_namespace,
+    claim_adapters,
+    make_sampling,
+    prompt_segments,
+)
+
+
+class SerialLane:
+    def __init__(self, loaded: Loaded, cfg: ServeConfig):
+        self.m, self.cfg = loaded, cfg
+
+    def _prefill(self, cache, tokens: list[int]) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        # On the stream generate_step uses: on a CPU the default stream ran this prefill ~4x slower
+        # (tiny-gemma3, 400 tokens: 2.5 s vs 0.6 s).
+        step = self.cfg.prefill_step
+        with mx.stream(generation_stream):
+            for at in range(0, len(tokens), step):
+                self.m.model(mx.array(tokens[at:at + step])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+
+    def run(self, job: Job) -> Done:
+        m = self.m
+        ids = claim_adapters(m, job)
+        m.adapters.selection.ids = ids
+        try:
+            return self._run(job, ids)
+        finally:
+            m.adapters.selection.clear()
+
+    def _run(self, job: Job, ids: AdapterSpec) -> Done:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        m = self.m
+        out = RowOutput(m, job)
+        namespace = cache_namespace(m, ids)
+        cache, cached = m.cache.fetch(namespace, job.prompt)
+        if cache is None:
+            cache = m.kv.make_cache(m.model)
+        out.cached = cached
+        *pieces, (end, _, _) = prompt_segments(job, cached)
+        for start, stop, kind in pieces:
+            self._prefill(cache, job.prompt[start:stop])
+            m.cache.insert(namespace, job.prompt[:stop], cache, kind=kind)
+        if job.sampling.seed is not None:
+            mx.random.seed(job.sampling.seed)
+        sampler, processors = make_sampling(job.sampling)
+        steps = generate_step(mx.array(job.prompt[end:]), m.model, max_tokens=job.max_tokens,
+                              sampler=sampler, logits_processors=processors, prompt_cache=cache,
+                              prefill_step_size=self.cfg.prefill_step)
+        finish = None
+        for token, logprobs in steps:
+            finish = out.feed(int(token), logprobs)  # the token is in the cache already (one ahead)
+            if finish:
+                break
+        steps.close()
+        done = out.close(finish or "length")  # "length": generate_step ended the loop at max_tokens
+        if done.finish_reason != "cancelled":
+            # The cache holds prompt + every token generated (each was fed as the next one was computed).
+            m.cache.insert(namespace, job.prompt + out.tokens, cache, copy_cache=False)
+        return done

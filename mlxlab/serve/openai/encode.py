@@ -1,0 +1,120 @@
+"""OpenAI chat/completions and completions bodies and stream chunks from a job's events (pure:
+no model, no server).
+
+Streams: `data: {chunk}` lines, then `data: [DONE]`. Chat starts with a role chunk, sends content
+or reasoning deltas (and logprobs), then tool calls in one chunk, the finish chunk, and (with
+`stream_options.include_usage`) a usage chunk with empty `choices`. A failure mid-stream is an
+error object in the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mlxlab.serve.engine.jobs import Delta, Done, Failed
+from mlxlab.serve.http import APIError
+from mlxlab.serve.openai.protocol import error_shape
+from mlxlab.serve.pipeline import Collector, Encoder
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage_of(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def tool_calls_of(done: Done) -> list[dict]:
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in done.tool_calls]
+
+
+def failure(ev: Failed) -> list[str]:
+    return [sse(error_shape(APIError(500, ev.message, type="server_error"))[1])]
+
+
+class ChatStream(Encoder):
+    def __init__(self, head: dict, include_usage: bool):
+        self.head, self.include_usage = {**head, "object": "chat.completion.chunk"}, include_usage
+
+    def _chunk(self, delta: dict, logprobs=None, finish: str | None = None) -> str:
+        return sse({**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": finish}]})
+
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def delta(self, ev: Delta) -> list[str]:
+        if not ev.text and not ev.logprobs:
+            return []
+        delta = {"reasoning_content" if ev.kind == "reasoning" else "content": ev.text} if ev.text else {}
+        return [self._chunk(delta, {"content": ev.logprobs} if ev.logprobs else None)]
+
+    def done(self, ev: Done) -> list[str]:
+        out = []
+        if ev.tool_calls:
+            out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls_of(ev))]}))
+        out.append(self._chunk({}, finish=ev.finish_reason))
+        if self.include_usage:
+            out.append(sse({**self.head, "choices": [], "usage": usage_of(ev)}))
+        return out
+
+    def failed(self, ev: Failed) -> list[str]:
+        return failure(ev)
+
+    def end(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+
+def chat_body(head: dict, got: Collector, logprobs: bool) -> dict:
+    done = got.finished
+    message = {"role": "assistant", "content": got.content}
+    if got.reasoning:
+        message["reasoning_content"] = got.reasoning
+    if done.tool_calls:
+        message["tool_calls"] = tool_calls_of(done)
+    return {**head, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
+                         "logprobs": {"content": got.logprobs} if logprobs else None}],
+            "usage": usage_of(done)}
+
+
+def legacy_logprobs(entries: list[dict]) -> dict | None:
+    """Chat-style logprob entries in the completions API's legacy layout."""
+    if not entries:
+        return None
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": []}
+
+
+class CompletionStream(Encoder):
+    def __init__(self, head: dict, include_usage: bool):
+        self.head, self.include_usage = head, include_usage
+
+    def delta(self, ev: Delta) -> list[str]:
+        if not ev.text and not ev.logprobs:
+            return []
+        return [sse({**self.head, "choices": [{"index": 0, "text": ev.text, "logprobs": legacy_logprobs(ev.logprobs),
+                                               "finish_reason": None}]})]
+
+    def done(self, ev: Done) -> list[str]:
+        out = [sse({**self.head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                              "finish_reason": ev.finish_reason}]})]
+        if self.include_usage:
+            out.append(sse({**self.head, "choices": [], "usage": usage_of(ev)}))
+        return out
+
+    def failed(self, ev: Failed) -> list[str]:
+        return failure(ev)
+
+    def end(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+
+def completion_body(head: dict, got: Collector) -> dict:
+    return {**head, "choices": [{"index": 0, "text": got.content, "logprobs": legacy_logprobs(got.logprobs),
+                                 "finish_reason": got.finished.finish_reason}], "usage": usage_of(got.finished)}

@@ -1,0 +1,39 @@
+"""OpenAI `POST /v1/chat/completions` and `POST /v1/completions`; errors in the OpenAI shape."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+
+from mlxlab.serve import pipeline
+from mlxlab.serve.http import protocol_route
+from mlxlab.serve.openai import encode
+from mlxlab.serve.openai.protocol import ChatRequest, CompletionRequest, error_shape
+
+router = APIRouter(route_class=protocol_route(error_shape))
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request):
+    gateway, cfg = request.app.state.gateway, request.app.state.cfg
+    job = pipeline.make_job(gateway, cfg, body.to_ask())
+    job.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    head = {"id": job.id, "created": int(time.time()), "model": cfg.model}
+    if body.stream:
+        return await pipeline.stream(gateway, job, encode.ChatStream(head, body.include_usage()))
+    got = await pipeline.collect(gateway, job, request.is_disconnected)
+    return encode.chat_body(head, got, body.logprobs)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    gateway, cfg = request.app.state.gateway, request.app.state.cfg
+    job = pipeline.make_job(gateway, cfg, body.to_ask())
+    job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
+    head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": cfg.model}
+    if body.stream:
+        return await pipeline.stream(gateway, job, encode.CompletionStream(head, body.include_usage()))
+    got = await pipeline.collect(gateway, job, request.is_disconnected)
+    return encode.completion_body(head, got)

@@ -1,0 +1,119 @@
+"""OpenAI Responses wire format: the request model and the conversion of `input` items and
+`instructions` into chat messages.
+
+`input` (a string, or items: message, function_call, function_call_output) and `instructions`
+become chat messages (instructions and system/developer items merged into one leading system
+message); `previous_response_id` splices the stored conversation and its output back in, the
+instructions carrying forward when the new request gives none.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxlab.serve.http import APIError
+from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages, text_of
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, Any] | None = None
+    adapter: str | None = None
+    reasoning: dict[str, Any] | None = None
+
+
+def _item_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of parts", param=where)
+    return text_of(content, where)
+
+
+def to_chat(body: ResponsesRequest, previous: dict | None) -> tuple[list[dict], str | None]:
+    """(conversation messages without the system message, instructions in force)."""
+    messages = list(previous["messages"]) if previous else []
+    instructions = body.instructions if body.instructions is not None else (previous or {}).get("instructions")
+    known_calls = {c["id"] for m in messages for c in m.get("tool_calls", [])}
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    system_extra = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where}: an item must be an object", param=where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"{where}: unknown role {role!r}", param=where)
+            text = _item_text(item.get("content", ""), f"{where}.content")
+            if role in ("system", "developer"):
+                system_extra.append(text)
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "function_call":
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise APIError(400, f"{where}: function_call needs string call_id and name", param=where)
+            try:
+                args = json.loads(item.get("arguments") or "{}")
+            except (TypeError, json.JSONDecodeError):
+                raise APIError(400, f"{where}: function_call arguments are not JSON", param=where) from None
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            known_calls.add(call_id)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if call_id not in known_calls:
+                raise APIError(400, f"{where}: function_call_output for {call_id!r} has no matching "
+                                    "function_call", param=where)
+            output = item.get("output", "")
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise APIError(400, f"{where}: unsupported item type {kind!r}", param=where)
+    if system_extra:
+        instructions = "\n\n".join([*([instructions] if instructions else []), *system_extra])
+    return messages, instructions
+
+
+def function_tools(body: ResponsesRequest) -> list[dict] | None:
+    if body.tool_choice == "none":
+        return None
+    out = []
+    for i, t in enumerate(body.tools or []):
+        if t.get("type") != "function":
+            continue  # built-in tools (web_search, file_search, ...) are not run here
+        if not isinstance(t.get("name"), str):
+            raise APIError(400, f"tools[{i}]: a function tool needs a string name", param=f"tools[{i}]")
+        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                     "parameters": t.get("parameters") or {}}})
+    return out or None
+
+
+def to_ask(body: ResponsesRequest, messages: list[dict], instructions: str | None) -> Ask:
+    """The generation request: the instructions as a leading system message, then the conversation."""
+    chat = ([{"role": "system", "content": instructions}] if instructions else []) + messages
+    return Ask(messages=normalize_messages(chat), tools=function_tools(body), max_tokens=body.max_output_tokens,
+               sampling=SamplingAsk.of(body), adapter=adapter_spec(body.adapter))

@@ -1,0 +1,82 @@
+"""OpenAI Responses: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`; errors in the OpenAI
+shape. The store (`app.state.response_store`) keeps what `previous_response_id` needs; an unknown
+or expired id is a 404."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import APIRouter, Request
+
+from mlxlab.serve import pipeline
+from mlxlab.serve.engine.jobs import Done
+from mlxlab.serve.http import APIError, protocol_route
+from mlxlab.serve.openai.protocol import error_shape
+from mlxlab.serve.responses.encode import Draft, ResponseStream
+from mlxlab.serve.responses.protocol import ResponsesRequest, to_ask, to_chat
+from mlxlab.serve.responses.store import ResponseStore
+
+router = APIRouter(route_class=protocol_route(error_shape))
+
+
+def not_found(rid: str, param: str | None = None) -> APIError:
+    return APIError(404, f"response {rid!r} not found (unknown or expired)", type="not_found_error", param=param,
+                    code="response_not_found")
+
+
+def remember(store: ResponseStore, resp: dict, messages: list[dict], instructions, done: Done, text: str) -> None:
+    """Keep the conversation with this answer appended, for a follow-up's previous_response_id."""
+    convo = list(messages)
+    if done.tool_calls:
+        convo.append({"role": "assistant", "content": text, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.loads(c["arguments"])}}
+            for c in done.tool_calls]})
+    else:
+        convo.append({"role": "assistant", "content": text})
+    store.put(resp["id"], {"messages": convo, "instructions": instructions, "response": resp})
+
+
+@router.post("/v1/responses")
+async def create(body: ResponsesRequest, request: Request):
+    gateway, cfg = request.app.state.gateway, request.app.state.cfg
+    store: ResponseStore = request.app.state.response_store
+    previous = None
+    if body.previous_response_id:
+        previous = store.get(body.previous_response_id)
+        if previous is None:
+            raise not_found(body.previous_response_id, "previous_response_id")
+    messages, instructions = to_chat(body, previous)
+    if not messages:
+        raise APIError(400, "input has no messages", param="input")
+    if body.store and ResponseStore.size_of({"messages": messages, "instructions": instructions}) > store.max_bytes:
+        raise APIError(400, f"the conversation exceeds the response store's {store.max_bytes} bytes; send it "
+                            "with store=false", param="store", code="store_entry_too_large")
+    job = pipeline.make_job(gateway, cfg, to_ask(body, messages, instructions))
+    draft = Draft(body, cfg.model, instructions, int(time.time()))
+
+    def on_final(resp: dict, done: Done, text: str) -> None:
+        if body.store:
+            remember(store, resp, messages, instructions, done, text)
+
+    if body.stream:
+        return await pipeline.stream(gateway, job, ResponseStream(draft, on_final))
+    got = await pipeline.collect(gateway, job, request.is_disconnected)
+    resp = draft.final(got.finished, got.reasoning, got.content)
+    on_final(resp, got.finished, got.content)
+    return resp
+
+
+@router.get("/v1/responses/{rid}")
+async def get(rid: str, request: Request):
+    entry = request.app.state.response_store.get(rid)
+    if entry is None:
+        raise not_found(rid)
+    return entry["response"]
+
+
+@router.delete("/v1/responses/{rid}")
+async def delete(rid: str, request: Request):
+    if not request.app.state.response_store.delete(rid):
+        raise not_found(rid)
+    return {"id": rid, "object": "response.deleted", "deleted": True}
