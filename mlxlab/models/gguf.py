@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxlab.config import UserError
+from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir
 from mlxlab.models import tokenizers as tok_lib
 
@@ -65,26 +65,11 @@ ARCHS = {
 }
 
 
-def read_field(reader, key, default=None):
-    """A GGUF metadata value; arrays read in bulk (field.contents() is slow on 262k entries)."""
-    import gguf
-
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-        items = [f.parts[i] for i in f.data]
-        if f.types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(p).decode("utf-8", errors="replace") for p in items]
-        return np.concatenate(items).tolist() if items else []
-    return f.contents()
-
-
 def _model_config(reader, arch_name: str, tensor_names: set[str], vocab_size: int) -> dict:
     a = arch_name
 
     def req(key):
-        value = read_field(reader, f"{a}.{key}")
+        value = tok_lib.read_field(reader, f"{a}.{key}")
         if value is None:
             raise UserError(f"GGUF metadata lacks {a}.{key}; the file is incomplete")
         return value
@@ -97,21 +82,21 @@ def _model_config(reader, arch_name: str, tensor_names: set[str], vocab_size: in
         "num_hidden_layers": int(req("block_count")),
         "intermediate_size": int(req("feed_forward_length")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(read_field(reader, f"{a}.attention.head_count_kv", n_heads)),
-        "head_dim": int(read_field(reader, f"{a}.attention.key_length", hidden // n_heads)),
+        "num_key_value_heads": int(tok_lib.read_field(reader, f"{a}.attention.head_count_kv", n_heads)),
+        "head_dim": int(tok_lib.read_field(reader, f"{a}.attention.key_length", hidden // n_heads)),
         "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
         "vocab_size": vocab_size,
-        "max_position_embeddings": int(read_field(reader, f"{a}.context_length", 4096)),
+        "max_position_embeddings": int(tok_lib.read_field(reader, f"{a}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
-    theta = read_field(reader, f"{a}.rope.freq_base")
+    theta = tok_lib.read_field(reader, f"{a}.rope.freq_base")
     if a == "gemma3":
         cfg["rope_theta"] = float(theta or 1_000_000.0)
         cfg["rope_local_base_freq"] = 10_000.0  # not in the GGUF; Gemma 3 uses 10k locally
-        cfg["sliding_window"] = int(read_field(reader, f"{a}.attention.sliding_window", 512))
-        cfg["sliding_window_pattern"] = _swa_pattern(read_field(reader, f"{a}.attention.sliding_window_pattern"))
+        cfg["sliding_window"] = int(tok_lib.read_field(reader, f"{a}.attention.sliding_window", 512))
+        cfg["sliding_window_pattern"] = _swa_pattern(tok_lib.read_field(reader, f"{a}.attention.sliding_window_pattern"))
         cfg["query_pre_attn_scalar"] = cfg["head_dim"]
-        scaling = read_field(reader, f"{a}.rope.scaling.factor")
+        scaling = tok_lib.read_field(reader, f"{a}.rope.scaling.factor")
         if scaling and float(scaling) != 1.0:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(scaling)}
     else:
@@ -190,7 +175,7 @@ def open_gguf(path: str | Path):
 
 
 def architecture(reader) -> str:
-    arch = read_field(reader, "general.architecture")
+    arch = tok_lib.read_field(reader, "general.architecture")
     if arch not in ARCHS:
         raise UserError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHS))}"

@@ -58,6 +58,22 @@ _TOKENIZER_KEYS = {
 }
 
 
+def read_field(reader, key, default=None):
+    """A GGUF metadata value; arrays read in bulk (field.contents() is slow on 262k entries)."""
+    import gguf
+    import numpy as np
+
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        items = [f.parts[i] for i in f.data]
+        if f.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(p).decode("utf-8", errors="replace") for p in items]
+        return np.concatenate(items).tolist() if items else []
+    return f.contents()
+
+
 def _add_bos_processor(backend, bos: str, bos_id: int) -> None:
     from tokenizers import processors
 
@@ -75,10 +91,9 @@ def from_gguf(reader, arch: str):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    from mlxlab.config import UserError
-    from mlxlab.models.gguf import read_field as _read_field
+    from mlxlab.errors import UserError
 
-    data = {name: _read_field(reader, f"tokenizer.{key}") for key, name in _TOKENIZER_KEYS.items()}
+    data = {name: read_field(reader, f"tokenizer.{key}") for key, name in _TOKENIZER_KEYS.items()}
     data = {k: v for k, v in data.items() if v is not None}
     if "tokens" not in data:
         raise UserError("GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
@@ -89,15 +104,15 @@ def from_gguf(reader, arch: str):
     tokens = data["tokens"]
 
     def special(key):
-        idx = _read_field(reader, f"tokenizer.ggml.{key}")
+        idx = read_field(reader, f"tokenizer.ggml.{key}")
         return (int(idx), tokens[int(idx)]) if idx is not None and int(idx) < len(tokens) else None
 
     bos, eos, pad, unk = (special(k) for k in
                           ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"))
-    add_bos = _read_field(reader, "tokenizer.ggml.add_bos_token")
+    add_bos = read_field(reader, "tokenizer.ggml.add_bos_token")
     if bos and (add_bos or add_bos is None and data.get("tokenizer_type") == "llama"):
         _add_bos_processor(backend, bos[1], bos[0])
-    template = _read_field(reader, "tokenizer.chat_template")
+    template = read_field(reader, "tokenizer.chat_template")
     eos_ids = [eos[0]] if eos else []
     if arch == "gemma3":
         template = template or GEMMA_CHAT_TEMPLATE

@@ -1,0 +1,91 @@
+"""The package's import graph: no cycles (function-level imports included, so none can hide one),
+and the serving engine imports nothing above it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mlxlab"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the mlxlab modules it imports anywhere in its body (`from a import b` counts as
+    a.b when that is a module, else as a)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert "mlxlab.serve.engine.gateway" in graph and graph["mlxlab.serve.engine.gateway"]
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("below,above", [
+    ("mlxlab.serve.engine", ("mlxlab.serve.",)),  # the engine knows no protocol, router or HTTP
+    ("mlxlab.lora", ("mlxlab.serve", "mlxlab.train")),
+    ("mlxlab.models", ("mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
+    # the trainer knows no task, scorer or Hydra (its `train` command entry, train/cli.py, may)
+    ("mlxlab.train", ("mlxlab.tasks", "mlxlab.eval", "mlxlab.serve", "mlxlab.cli")),
+])
+def test_layers_import_only_downwards(below, above):
+    """Library modules under `below` import nothing under `above` (command entry modules, `*.cli`,
+    sit at the top and are exempt)."""
+    graph = import_graph()
+    bad = sorted((m, t) for m, targets in graph.items()
+                 if (m == below or m.startswith(below + ".")) and not m.endswith(".cli")
+                 for t in targets if t.startswith(above) and not t.startswith(below))
+    assert not bad, bad
