@@ -1,0 +1,136 @@
+"""The SIGTERM drain on a real uvicorn server (tiny-gemma3, in-process): every response in flight,
+streamed or not, reaches its slow client in full before the server exits; new requests get 503."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from mlxlab.config import ServeConfig
+from mlxlab.serve import pipeline
+from mlxlab.serve.app import create_app
+from mlxlab.serve.cli import DrainingServer
+from mlxlab.serve.engine.gateway import Gateway
+
+pytestmark = pytest.mark.slow  # a real server and slow clients: ~15 s
+
+MAX_TOKENS = 160
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SlowClient(threading.Thread):
+    """Sends one request over a raw socket with a small receive buffer, then reads the answer a
+    few KB at a time with pauses, until the server closes the connection."""
+
+    def __init__(self, port: int, path: str, body: dict, pause_s: float = 0.04):
+        super().__init__(daemon=True)
+        self.port, self.path, self.body, self.pause_s = port, path, body, pause_s
+        self.raw = b""
+        self.first_byte = threading.Event()
+
+    def run(self):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", self.port))
+        payload = json.dumps(self.body).encode()
+        s.sendall(f"POST {self.path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        s.settimeout(120)
+        while chunk := s.recv(4096):
+            self.raw += chunk
+            self.first_byte.set()
+            time.sleep(self.pause_s)
+        s.close()
+        self.first_byte.set()
+
+    def body_text(self) -> str:
+        head, _, body = self.raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        if b"transfer-encoding: chunked" in head.lower():  # de-chunk
+            out, rest = b"", body
+            while rest:
+                size, _, rest = rest.partition(b"\r\n")
+                n = int(size, 16)
+                if n == 0:
+                    break
+                out, rest = out + rest[:n], rest[n + 2:]
+            body = out
+        return body.decode()
+
+
+def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeypatch):
+    """Two streams read slowly, and one answer that is not streamed and is written 6 s after its
+    generation ended (an event loop under load): the drain outlasts uvicorn's 5 s grace period,
+    which the engine's queue alone (empty long before) would not."""
+    tiny_dir("gemma3")
+    collect = pipeline.collect
+
+    async def late_collect(*args, **kwargs):
+        got = await collect(*args, **kwargs)
+        await asyncio.sleep(6)
+        return got
+
+    monkeypatch.setattr(pipeline, "collect", late_collect)
+    port = free_port()
+    cfg = ServeConfig(model="tiny-gemma3", memory_budget_gb=2, port=port, drain_timeout_s=90, prompt_cache_gb=0)
+    gateway = Gateway(cfg).start()
+    assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
+    app = create_app(cfg, gateway)
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5), app, gateway, cfg.drain_timeout_s)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        # Large answers (20 top logprobs per token), no early end of sequence.
+        no_eos = {str(t): -100 for t in gateway.loaded.eos}
+        base = {"prompt": "def f(x):", "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 20,
+                "logit_bias": no_eos}
+        chat = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "logprobs": True, "top_logprobs": 20, "logit_bias": no_eos}
+        clients = [SlowClient(port, "/v1/completions", {**base, "stream": True}),
+                   SlowClient(port, "/v1/chat/completions", {**chat, "stream": True}),
+                   SlowClient(port, "/v1/completions", base)]
+        for c in clients:
+            c.start()
+        assert clients[0].first_byte.wait(60) and clients[1].first_byte.wait(60)
+        deadline = time.time() + 30
+        while gateway.counters["requests"] < 3 and time.time() < deadline:  # all three are in
+            time.sleep(0.02)
+        server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["status"] == "draining"
+        for c in clients:
+            c.join(120)
+        thread.join(60)
+        assert not thread.is_alive() and server.drained.is_set()
+        for c in clients[:2]:
+            lines = [x for x in c.body_text().split("\n\n") if x.strip()]
+            assert lines[-1] == "data: [DONE]", lines[-1][:200]
+            finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines[:-1]
+                      if json.loads(x[6:])["choices"]]
+            assert finish[-1] == "length"
+        whole = json.loads(clients[2].body_text())
+        assert whole["usage"]["completion_tokens"] == MAX_TOKENS
+        assert len(whole["choices"][0]["logprobs"]["tokens"]) == MAX_TOKENS
+        assert sum(len(c.raw) for c in clients) > 300_000  # far more than the sockets buffer
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        gateway.stop()
