@@ -121,10 +121,17 @@ def test_completions_and_logprobs(server):
 
 def test_seeded_sampling_is_reproducible(server):
     client, _ = server
-    body = chat(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=12)
-    a = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
-    b = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
-    assert a == b
+
+    def sample(seed):
+        body = chat(temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=12)
+        return client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    a = sample(7)
+    assert sample(7) == a
+    # Sampling is really used: other seeds give other text (and greedy decoding a fixed one).
+    others = {sample(seed) for seed in (8, 9, 10)}
+    assert others - {a}, "three other seeds all gave the seed-7 text"
+    assert len(others | {a}) >= 3
 
 
 @pytest.mark.parametrize("body,param", [

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import mlxlab  # noqa: F401  (BLAS before MLX)
 from mlxlab.lora import apply as lora_apply
 from mlxlab.lora import io as lora_io
+from mlxlab.serve.engine.jobs import Delta, Done, Job, Sampling
 from tests.helpers.serve import make_adapter, make_client
 
 PROMPT = [{"role": "user", "content": "What does the zip builtin do?"}]
@@ -146,19 +148,30 @@ def test_validation_is_all_or_nothing_and_paths_are_confined(served, root, tmp_p
 
 
 def test_mount_waits_for_the_running_generation(served, root):
+    """A mount queued while a generation runs happens after that generation's last event."""
     client, gateway = served
+    tok = gateway.loaded.tokenizer
     reference = text(reply(client, max_tokens=48))
-    out = {}
+    events, first = [], threading.Event()
 
-    def long_request():
-        out["r"] = reply(client, max_tokens=48)
+    def sink(ev):  # slows the generation down (~20 ms a token) so the mount arrives mid-way
+        events.append(ev)
+        first.set()
+        time.sleep(0.02)
 
-    t = threading.Thread(target=long_request)
-    t.start()
+    prompt = tok.apply_chat_template(PROMPT, add_generation_prompt=True)
+    job = Job(prompt=list(prompt), max_tokens=48, sink=sink, sampling=Sampling(temperature=0.0))
+    gateway.submit(job)
+    assert first.wait(60)
+    assert gateway.running is job  # still generating when the mount is queued
+    seen_before = len(events)
     mounted = client.post("/v1/adapters", json={"id": "mid", "path": "b"})
-    t.join(60)
-    assert mounted.status_code == 200 and text(out["r"]) == reference
-    client.delete("/v1/adapters/mid")
+    try:
+        assert mounted.status_code == 200
+        assert isinstance(events[-1], Done) and len(events) > seen_before + 1  # it waited for the end
+        assert "".join(e.text for e in events if isinstance(e, Delta)) == reference
+    finally:
+        client.delete("/v1/adapters/mid")
 
 
 def test_concurrent_requests_with_different_adapters_do_not_mix(served):
@@ -180,6 +193,7 @@ def test_concurrent_requests_with_different_adapters_do_not_mix(served):
         client.delete("/v1/adapters/b")
 
 
+@pytest.mark.slow  # a subprocess server
 def test_mount_switch_off_and_start_time_mounts(root, tiny_dir, tmp_path):
     client, gateway = make_client(adapter_root=str(root), allow_adapter_mount=False, adapters={"a": str(root / "a")})
     try:
@@ -199,9 +213,10 @@ def test_mount_switch_off_and_start_time_mounts(root, tiny_dir, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # mlx_lm lora in a subprocess
 def test_mlx_lm_trained_adapter_mounts(served, tiny_dir, root):
     """An adapter written by `mlx_lm lora` (its own layout, keys omitted) mounts and changes output."""
-    from tests.conftest import REPO
+    from tests.helpers.cli import REPO
 
     client, _ = served
     out = root / "from_mlx_lm"

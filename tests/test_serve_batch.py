@@ -312,6 +312,8 @@ def test_kv_quant_plans_are_validated(tiny_dir, tmp_path):
         kv_quant.parse("8", model, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
     import mlx.core as mx
 
@@ -346,6 +348,8 @@ def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
         mx.set_memory_limit(limit)
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_batched_lane_equals_batch_generator_on_gemma3_270m(real_model_dir):
     cfg = ServeConfig(model=str(real_model_dir), memory_budget_gb=4, batch=4, prefill_step=32, prompt_cache_gb=0)
     loaded = Loaded(cfg)
@@ -359,6 +363,7 @@ def test_batched_lane_equals_batch_generator_on_gemma3_270m(real_model_dir):
     assert tok.decode(ref[1]).strip()  # real text, not padding
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.parametrize("arg,message", [("kv_quant=16", "use off, 4, 8, config"),
                                          ("kv_quant=8", "not divisible by the group size 64"),
                                          ("batch=0", "batch and prefill_batch must be >= 1")])

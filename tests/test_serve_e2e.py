@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]  # a subprocess server on gemma3-270m
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
