@@ -32,13 +32,25 @@ def tool_calls_of(done: Done) -> list[dict]:
             for c in done.tool_calls]
 
 
-def failure(ev: Failed) -> list[str]:
-    return [sse(error_shape(APIError(500, ev.message, type="server_error"))[1])]
+class _Stream(Encoder):
+    """What both OpenAI streams share: the usage chunk, the error object, the [DONE] line."""
 
-
-class ChatStream(Encoder):
     def __init__(self, head: dict, include_usage: bool):
-        self.head, self.include_usage = {**head, "object": "chat.completion.chunk"}, include_usage
+        self.head, self.include_usage = head, include_usage
+
+    def _usage(self, ev: Done) -> list[str]:
+        return [sse({**self.head, "choices": [], "usage": usage_of(ev)})] if self.include_usage else []
+
+    def failed(self, ev: Failed) -> list[str]:
+        return [sse(error_shape(APIError(500, ev.message, type="server_error"))[1])]
+
+    def end(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+
+class ChatStream(_Stream):
+    def __init__(self, head: dict, include_usage: bool):
+        super().__init__({**head, "object": "chat.completion.chunk"}, include_usage)
 
     def _chunk(self, delta: dict, logprobs=None, finish: str | None = None) -> str:
         return sse({**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
@@ -58,15 +70,7 @@ class ChatStream(Encoder):
         if ev.tool_calls:
             out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls_of(ev))]}))
         out.append(self._chunk({}, finish=ev.finish_reason))
-        if self.include_usage:
-            out.append(sse({**self.head, "choices": [], "usage": usage_of(ev)}))
-        return out
-
-    def failed(self, ev: Failed) -> list[str]:
-        return failure(ev)
-
-    def end(self) -> list[str]:
-        return ["data: [DONE]\n\n"]
+        return out + self._usage(ev)
 
 
 def chat_body(head: dict, got: Collector, logprobs: bool) -> dict:
@@ -91,10 +95,7 @@ def legacy_logprobs(entries: list[dict]) -> dict | None:
             "text_offset": []}
 
 
-class CompletionStream(Encoder):
-    def __init__(self, head: dict, include_usage: bool):
-        self.head, self.include_usage = head, include_usage
-
+class CompletionStream(_Stream):
     def delta(self, ev: Delta) -> list[str]:
         if not ev.text and not ev.logprobs:
             return []
@@ -102,17 +103,8 @@ class CompletionStream(Encoder):
                                                "finish_reason": None}]})]
 
     def done(self, ev: Done) -> list[str]:
-        out = [sse({**self.head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                              "finish_reason": ev.finish_reason}]})]
-        if self.include_usage:
-            out.append(sse({**self.head, "choices": [], "usage": usage_of(ev)}))
-        return out
-
-    def failed(self, ev: Failed) -> list[str]:
-        return failure(ev)
-
-    def end(self) -> list[str]:
-        return ["data: [DONE]\n\n"]
+        return [sse({**self.head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                               "finish_reason": ev.finish_reason}]})] + self._usage(ev)
 
 
 def completion_body(head: dict, got: Collector) -> dict:
