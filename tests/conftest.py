@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import mlxlab  # noqa: F401  (BLAS before MLX, as in every entry point)
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import REPO, run_cli  # noqa: F401  (re-export until tests/test_serve*.py import tests.helpers.cli)
 
 
 @pytest.fixture(scope="session")
@@ -42,11 +39,3 @@ def real_model_dir(session_home) -> Path:
 
     return zoo.pull("gemma3-270m")
 
-
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m mlxlab ARGS` in a subprocess, capturing output."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "mlxlab", *args], capture_output=True, text=True,
-        env=full_env, timeout=timeout, cwd=REPO,
-    )

@@ -102,8 +102,9 @@ def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     assert [r["prompt_tokens"] for r in one_by_one] == [r["prompt_tokens"] for r in results]
 
 
+@pytest.mark.slow  # CLI subprocesses
 def test_data_and_eval_commands(tiny_dir, tmp_path):
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     tiny_dir("gemma3")
     out = tmp_path / "chunk"
@@ -126,6 +127,7 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
     assert missing.returncode == 1 and "no test.jsonl" in missing.stderr
 
 
+@pytest.mark.slow  # end to end: data, base eval, training, tuned eval, report
 def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
     from mlxlab.config import compose
     from mlxlab.lora import io as lora_io

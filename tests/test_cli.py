@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
+
+pytestmark = pytest.mark.slow  # every test runs `python -m mlxlab` in a subprocess
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +36,13 @@ def test_generate_streams_and_reports_speed(env):
 
 
 def test_generate_is_reproducible_with_a_seed(env):
-    args = ("generate", "model=tiny-llama", "max_tokens=12", "temperature=1.0", "seed=7")
-    first, second = run_cli(*args, env=env), run_cli(*args, env=env)
-    assert first.returncode == 0, first.stderr
+    """The same seed gives the same text, and another seed other text (so sampling is on)."""
+    args = ("generate", "model=tiny-llama", "max_tokens=12", "temperature=1.0")
+    first, second = run_cli(*args, "seed=7", env=env), run_cli(*args, "seed=7", env=env)
+    other = run_cli(*args, "seed=8", env=env)
+    assert first.returncode == 0 and other.returncode == 0, first.stderr + other.stderr
     assert first.stdout == second.stdout
+    assert other.stdout.strip() and other.stdout != first.stdout
 
 
 def test_cfg_job_prints_the_resolved_config(env):
@@ -85,7 +90,7 @@ def test_gguf_path_works_wherever_a_model_is_named(env, session_home, tmp_path):
     from mlx.utils import tree_flatten
 
     from mlxlab.models import tiny
-    from tests.gguf_fixtures import write_gguf
+    from tests.helpers.gguf import write_gguf
 
     model, tokenizer, config = tiny.build("qwen3", seed=5)
     tokenizer.save_pretrained(str(tmp_path / "tok"))

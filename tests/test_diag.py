@@ -9,7 +9,7 @@ import pytest
 import mlxlab  # noqa: F401
 from mlxlab.config import DiagConfig, LoraConfig
 from mlxlab.diag import compare, leak, memory, parity
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4"])
@@ -26,6 +26,7 @@ def test_parity_with_mlx_lm_is_bit_exact_on_tiny_models(tiny_dir, family):
     assert (counts["ours"], counts["mlx_lm_unpadded"], counts["mlx_lm_padded_batch"]) == (1, 1, 2)
 
 
+@pytest.mark.slow  # CLI subprocesses
 def test_perturbed_gradients_fail_the_gate(tiny_dir, session_home, tmp_path):
     tiny_dir("llama")
     env = {"MLXLAB_HOME": str(session_home)}
@@ -80,6 +81,7 @@ def test_leak_harness_passes_and_can_fail(tiny_dir, tmp_path):
     assert leak.growth_mb_per_step(active, 5) > 1.0
 
 
+@pytest.mark.slow  # one subprocess per mode
 def test_memory_sweep_runs_each_mode_in_its_own_process(tiny_dir, tmp_path):
     tiny_dir("llama")
     report = memory.sweep("tiny-llama", [64], ["full", "seg2", "checkpoint", "mlx_lm", "mlx_lm_gc"],

@@ -10,7 +10,7 @@ import mlxlab  # noqa: F401
 from mlxlab.config import UserError
 from mlxlab.models import gguf as conv
 from mlxlab.models import tiny
-from tests.gguf_fixtures import roundtrip, write_gguf
+from tests.helpers.gguf import roundtrip, write_gguf
 
 PROMPT = "Beautiful is better than ugly. Explicit is better than implicit."
 

@@ -165,11 +165,12 @@ def test_saving_over_an_adapter_replaces_files_atomically(tiny_dir, tmp_path):
                                                       "mlxlab_adapter.json"]
 
 
+@pytest.mark.slow  # CLI subprocesses
 def test_cli_check_and_fuse(tiny_dir, session_home, tmp_path):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load
 
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     model, tokenizer, plan = _adapted(tiny_dir, "llama", LoraConfig(targets=["q", "up"], rank=4))
     lora_io.save(model, plan, tmp_path / "adapter")
@@ -193,6 +194,7 @@ def test_cli_check_and_fuse(tiny_dir, session_home, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow  # an `mlx_lm lora` subprocess
 def test_adapter_trained_by_mlx_lm_lora_loads_in_mlxlab(tiny_dir, tmp_path):
     """A real `mlx_lm lora` run (2 steps on the tiny model), loaded both ways: same logits."""
     import subprocess
@@ -200,7 +202,7 @@ def test_adapter_trained_by_mlx_lm_lora_loads_in_mlxlab(tiny_dir, tmp_path):
 
     from mlx_lm.utils import load
 
-    from tests.conftest import REPO
+    from tests.helpers.cli import REPO
 
     out = tmp_path / "mlx_lm_adapter"
     cmd = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(tiny_dir("qwen3")), "--train",

@@ -12,7 +12,7 @@ import pytest
 
 import mlxlab  # noqa: F401
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 # Measured 10.96 in float32 on this conversion (bf16 weights); the norm-shifted model: 1.6e8.
 PPL_BOUND = 20.0

@@ -29,6 +29,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 @linux_only
+@pytest.mark.slow  # a fresh interpreter
 def test_disabled_blas_says_so():
     r = _python("import mlxlab; from mlxlab import runtime; "
                 "print(runtime.blas_report(measure=False)['status'])", MLXLAB_BLAS="off")
@@ -36,6 +37,7 @@ def test_disabled_blas_says_so():
 
 
 @linux_only
+@pytest.mark.slow  # a fresh interpreter
 def test_mlx_imported_first_warns_once_and_carries_on():
     r = _python("import mlx.core as mx; import mlxlab; import mlxlab.runtime as rt; rt.load_blas(); "
                 "print((mx.ones(3) @ mx.ones(3)).item())")
@@ -44,6 +46,7 @@ def test_mlx_imported_first_warns_once_and_carries_on():
 
 
 @linux_only
+@pytest.mark.slow  # a fresh interpreter
 def test_unloadable_blas_path_warns_and_carries_on(tmp_path):
     bogus = tmp_path / "libnot.so"
     bogus.write_text("not a library")
@@ -64,6 +67,7 @@ def test_dtype_policy():
 
 
 @linux_only
+@pytest.mark.slow  # probes in child interpreters
 def test_a_blas_that_crashes_the_probe_is_not_loaded(tmp_path, monkeypatch):
     """A library whose test matmul kills the child (SIGILL, as AVX-512 kernels on a CPU without
     AVX-512 do) is refused, and the verdict is cached; a healthy one passes."""

@@ -19,7 +19,7 @@ from mlxlab.data import batches as B
 from mlxlab.data import datasets as D
 from mlxlab.models import tiny
 from mlxlab.train import losses
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 QUICKSTART = REPO / "mlxlab" / "data" / "quickstart"
 
@@ -147,6 +147,7 @@ def _train_cmd(out_dir: Path, *extra: str) -> list[str]:
             "grad_accum=2", *extra]
 
 
+@pytest.mark.slow  # three training subprocesses, one killed
 def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path):
     """SIGKILL mid-run, resume, and match an uninterrupted run step for step."""
     tiny_dir("llama")
