@@ -12,16 +12,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from mlxlab.errors import UserError  # also re-exported: `from mlxlab.config import UserError` works
+
 DEFAULT_MODEL = "gemma3-270m"
 
 
 def config_dir() -> Path:
     """Absolute path of the Hydra configs (`configs/` in a checkout, `mlxlab/configs` installed)."""
     return Path(str(resources.files("mlxlab.configs"))).resolve()
-
-
-class UserError(Exception):
-    """A problem with what the user asked for: reported as one line, exit code 1."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from mlxlab.config import UserError
+from mlxlab.errors import UserError
 
 
 def writable_dir(path: Path) -> Path:

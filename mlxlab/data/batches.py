@@ -79,7 +79,7 @@ class BatchSampler:
     """
 
     def __init__(self, examples: list[Example], batch_size: int, seed: int, shuffle: bool = True):
-        from mlxlab.config import UserError
+        from mlxlab.errors import UserError
 
         if len(examples) < batch_size:
             raise UserError(f"the dataset has {len(examples)} examples, fewer than "

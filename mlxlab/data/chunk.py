@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxlab.config import ChunkDataConfig, UserError
+from mlxlab.config import ChunkDataConfig
+from mlxlab.errors import UserError
 
 SYSTEM = ("You segment conversations into topical chunks. Answer with JSON only: "
           '{"chunks":[{"start_message_uuid":"...","end_message_uuid":"...","label":"..."}]}.')

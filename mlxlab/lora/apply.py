@@ -13,7 +13,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
-from mlxlab.config import LoraConfig, UserError
+from mlxlab.config import LoraConfig
+from mlxlab.errors import UserError
 
 SHORT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

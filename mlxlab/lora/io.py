@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxlab.config import UserError
+from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir, atomic_write, atomic_write_text
 from mlxlab.lora import apply as lora_apply
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
-from mlxlab.config import UserError
+from mlxlab.errors import UserError
 
 
 @dataclass

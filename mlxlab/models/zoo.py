@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxlab.config import UserError
+from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir, writable_dir
 from mlxlab.runtime import home
 
