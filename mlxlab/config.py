@@ -1,12 +1,15 @@
-"""Typed configs for every entry point, and the one place that touches Hydra/OmegaConf.
+"""Typed configs for every entry point: dataclasses and pure helpers (no Hydra, no OmegaConf).
 
-Defaults live in these dataclasses (one place); the YAML files in `configs/` compose them and hold
-experiment deltas. Library code takes the dataclasses, so tests and notebooks call it directly.
+Defaults live in these dataclasses (one place, a docstring per field, checks in `__post_init__`);
+the YAML files in `configs/` compose them and hold experiment deltas. Library code takes the
+dataclasses, so tests and notebooks call it directly. The Hydra glue that builds them from a
+command line is `mlxlab/cli.py`.
 """
 
 from __future__ import annotations
 
-import sys
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,10 +19,52 @@ from mlxlab.errors import UserError  # also re-exported: `from mlxlab.config imp
 
 DEFAULT_MODEL = "gemma3-270m"
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Compute dtypes (`auto`: float32 on a CPU, bfloat16 on an Apple GPU)."""
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+"""dtypes a converted model's weights are stored in."""
+MEMORY_MODES = ("full", "checkpoint", "segN", "auto", "mlx_lm", "mlx_lm_gc")
+"""`diag memory` modes; segN is seg1, seg2, ... (segments of N layers)."""
+KV_QUANT = ("off", "4", "8", "config", "PATH.json")
+"""`serve.kv_quant` settings."""
+
 
 def config_dir() -> Path:
     """Absolute path of the Hydra configs (`configs/` in a checkout, `mlxlab/configs` installed)."""
     return Path(str(resources.files("mlxlab.configs"))).resolve()
+
+
+def check_choice(name: str, value, choices: Iterable[str], what: str | None = None) -> None:
+    """UserError naming the field and the allowed values unless `value` is one of `choices`.
+
+    `what` words the message as "unknown <what> 'x': <name> must be one of ...".
+    """
+    choices = tuple(choices)
+    if value in choices:
+        return
+    allowed = f"{name} must be one of {', '.join(map(str, choices))}"
+    raise UserError(f"unknown {what} {value!r}: {allowed}" if what else f"{allowed}, got {value!r}")
+
+
+def optimizer_names() -> list[str]:
+    """Lower-case names of the optimizers in mlx.optimizers (imported on first use only)."""
+    import mlx.optimizers as optim
+
+    return sorted(name.lower() for name, cls in vars(optim).items()
+                  if isinstance(cls, type) and issubclass(cls, optim.Optimizer)
+                  and cls not in (optim.Optimizer, optim.MultiOptimizer))
+
+
+def is_memory_mode(mode) -> bool:
+    """Whether `mode` is one of MEMORY_MODES (segN: seg1, seg2, ...)."""
+    return isinstance(mode, str) and (mode in ("full", "checkpoint", "auto", "mlx_lm", "mlx_lm_gc")
+                                      or re.fullmatch(r"seg[1-9]\d*", mode) is not None)
+
+
+def is_kv_quant(setting) -> bool:
+    """The format of `serve.kv_quant` (whether it fits the model is checked when it loads)."""
+    text = str(setting).strip()
+    return text.lower() in ("off", "none", "0", "false", "4", "8", "config") or text.endswith(".json")
 
 
 @dataclass
@@ -50,6 +95,7 @@ class GenerateConfig:
     """LoRA adapter directory (mlxlab's or mlx-lm's layout) to apply."""
 
     def __post_init__(self):
+        check_choice("dtype", self.dtype, DTYPES)
         if self.max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -75,6 +121,10 @@ class ModelsConfig:
     force: bool = False
     """Reconvert even if the model is already in the cache."""
 
+    def __post_init__(self):
+        check_choice("action", self.action, ("list", "pull", "convert", "info"), "models action")
+        check_choice("dtype", self.dtype, SAVE_DTYPES)
+
 
 @dataclass
 class LoraToolConfig:
@@ -89,7 +139,11 @@ class LoraToolConfig:
     out: str | None = None
     """Output model directory for fuse."""
     dtype: str = "bfloat16"
-    """dtype of the fused model's saved weights."""
+    """dtype of the fused model's saved weights (auto: the compute dtype, float32 on a CPU)."""
+
+    def __post_init__(self):
+        check_choice("action", self.action, ("check", "fuse"), "lora action")
+        check_choice("dtype", self.dtype, DTYPES)
 
 
 @dataclass
@@ -134,8 +188,7 @@ class DataConfig:
     """Train on the response only (the prompt part gets no loss)."""
 
     def __post_init__(self):
-        if self.on_too_long not in ("truncate", "error"):
-            raise UserError(f"data.on_too_long must be truncate or error, got {self.on_too_long!r}")
+        check_choice("data.on_too_long", self.on_too_long, ("truncate", "error"))
         if self.max_seq_length < 2:
             raise UserError(f"data.max_seq_length must be >= 2, got {self.max_seq_length}")
 
@@ -162,8 +215,13 @@ class OptimConfig:
     def __post_init__(self):
         if self.lr <= 0:
             raise UserError(f"optim.lr must be > 0, got {self.lr}")
-        if self.schedule not in ("cosine", "constant"):
-            raise UserError(f"optim.schedule must be cosine or constant, got {self.schedule!r}")
+        check_choice("optim.schedule", self.schedule, ("cosine", "constant"))
+        names = optimizer_names()
+        if str(self.name).lower() not in names:
+            check_choice("optim.name", self.name, names, "optimizer")
+
+
+BACKWARD_MODES = ("full", "checkpoint", "segmented")
 
 
 @dataclass
@@ -180,10 +238,8 @@ class BackwardConfig:
     """Peak memory the auto plan aims for."""
 
     def __post_init__(self):
-        if self.mode not in ("full", "checkpoint", "segmented"):
-            raise UserError(f"backward.mode must be full, checkpoint or segmented, got {self.mode!r}")
-        if self.plan not in ("size", "auto"):
-            raise UserError(f"backward.plan must be size or auto, got {self.plan!r}")
+        check_choice("backward.mode", self.mode, BACKWARD_MODES)
+        check_choice("backward.plan", self.plan, ("size", "auto"))
         if self.segment_size < 1:
             raise UserError(f"backward.segment_size must be >= 1, got {self.segment_size}")
         if self.plan == "auto" and not self.memory_target_gb:
@@ -241,8 +297,7 @@ class DataBuildConfig:
     chunk: ChunkDataConfig = field(default_factory=ChunkDataConfig)
 
     def __post_init__(self):
-        if self.task != "chunk":
-            raise UserError(f"unknown dataset {self.task!r}; the builder knows: chunk")
+        check_choice("task", self.task, ("chunk",), "dataset")
 
 
 @dataclass
@@ -259,8 +314,7 @@ class EvalSettings:
     """Cases decoded together (mlx-lm's batch generation); 1 decodes one at a time."""
 
     def __post_init__(self):
-        if self.split not in ("train", "valid", "test"):
-            raise UserError(f"split must be train, valid or test, got {self.split!r}")
+        check_choice("split", self.split, ("train", "valid", "test"))
         if self.cases < 0 or self.max_tokens < 1 or self.batch_size < 1:
             raise UserError("cases must be >= 0, max_tokens and batch_size >= 1")
 
@@ -284,27 +338,8 @@ class EvalConfig(EvalSettings):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.task != "chunk":
-            raise UserError(f"unknown task {self.task!r}; the evaluator knows: chunk")
-
-
-@dataclass
-class TaskConfig:
-    """A task a training run is about: its dataset is built when data.train is unset, and the base
-    and tuned models are evaluated on it after training."""
-
-    name: str | None = None
-    """null (plain training) | chunk."""
-    data: ChunkDataConfig = field(default_factory=ChunkDataConfig)
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    eval_base: bool = True
-    """Also evaluate the base model (before LoRA is attached)."""
-    report: str | None = None
-    """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
-
-    def __post_init__(self):
-        if self.name not in (None, "chunk"):
-            raise UserError(f"unknown task.name {self.name!r}; choose null or chunk")
+        check_choice("task", self.task, ("chunk",), "task")
+        check_choice("dtype", self.dtype, DTYPES)
 
 
 @dataclass
@@ -349,16 +384,33 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     backward: BackwardConfig = field(default_factory=BackwardConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self):
         for key in ("iters", "batch_size", "grad_accum", "keep_last", "log_every"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.wandb not in ("offline", "online", "disabled"):
-            raise UserError(f"wandb must be offline, online or disabled, got {self.wandb!r}")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("wandb", self.wandb, ("offline", "online", "disabled"))
         if self.resume and not self.out_dir:
             raise UserError("resume=true needs out_dir=<the run directory to continue>")
+
+
+@dataclass
+class TrainCommandConfig(TrainConfig):
+    """`python -m mlxlab train`: TrainConfig plus the task the run is about, if any.
+
+    `task` is a Hydra config group whose options are the task modules' configs (mlxlab/tasks/:
+    `task=chunk`, or an experiment that picks it); the train command hands the node to its task
+    module, and the training loop only sees the TrainConfig fields (`train_config()`)."""
+
+    task: Any = None
+    """null (plain training) or a task's config node (its `name` says which task)."""
+
+    def train_config(self) -> TrainConfig:
+        """The same settings without the task (what the training loop takes)."""
+        import dataclasses
+
+        return TrainConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
 @dataclass
@@ -402,8 +454,12 @@ class DiagConfig:
     """Report path prefix: <out>_<action>.json (and .png)."""
 
     def __post_init__(self):
-        if self.action not in ("parity", "leak", "memory"):
-            raise UserError(f"unknown diag action {self.action!r}; choose parity, leak or memory")
+        check_choice("action", self.action, ("parity", "leak", "memory"), "diag action")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("mode", self.mode, BACKWARD_MODES)
+        for mode in self.modes:
+            if not is_memory_mode(mode):
+                check_choice("modes", mode, MEMORY_MODES, "memory mode")
         if self.length < 4:
             raise UserError(f"length must be >= 4, got {self.length}")
         if self.steps <= self.warmup + 2:
@@ -462,6 +518,9 @@ class ServeConfig:
     kv_config.json: a list of {layer_idx, bits, group_size}) or a path to such a JSON file."""
 
     def __post_init__(self):
+        check_choice("dtype", self.dtype, DTYPES)
+        if not is_kv_quant(self.kv_quant):
+            check_choice("kv_quant", self.kv_quant, KV_QUANT)
         if not 0 < self.port < 65536:
             raise UserError(f"port must be in 1..65535, got {self.port}")
         if self.max_queue < 1 or self.max_tokens < 1 or self.prefill_step < 1:
@@ -475,39 +534,9 @@ class ServeConfig:
         self.kv_quant = str(self.kv_quant)
 
 
-SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainConfig,
+SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainCommandConfig,
            "lora": LoraToolConfig, "diag": DiagConfig, "data": DataBuildConfig, "eval": EvalConfig,
            "serve": ServeConfig}
-
-
-def packaged_data(name: str) -> str:
-    """Absolute path of a dataset shipped in mlxlab/data/<name> (`${mlxlab_data:name}` in YAML)."""
-    path = Path(str(resources.files("mlxlab.data"))) / name
-    if not path.exists():
-        raise UserError(f"no bundled dataset {name!r} in {path.parent}")
-    return str(path.resolve())
-
-
-def register_schemas() -> None:
-    """Put the dataclasses in Hydra's ConfigStore, for `defaults: [<name>_schema, _self_]`."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("mlxlab_data"):
-        OmegaConf.register_new_resolver("mlxlab_data", packaged_data)
-
-    cs = ConfigStore.instance()
-    for name, cls in SCHEMAS.items():
-        cs.store(name=f"{name}_schema", node=cls)
-
-
-def to_dataclass(cfg, cls):
-    """Resolved OmegaConf node -> the typed dataclass (runs every __post_init__ check)."""
-    from omegaconf import OmegaConf
-
-    data = OmegaConf.to_container(cfg, resolve=True)
-    data = {k: v for k, v in data.items() if k != "hydra"}
-    return from_dict(cls, data)
 
 
 def from_dict(cls, data: dict):
@@ -531,84 +560,3 @@ def to_dict(cfg) -> dict:
     import dataclasses
 
     return dataclasses.asdict(cfg)
-
-
-def compose(name: str, overrides: list[str] | None = None):
-    """Compose a config without the CLI (tests, notebooks) and return its dataclass."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_schemas()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        cfg = hydra_compose(config_name=name, overrides=overrides or [])
-    return to_dataclass(cfg, SCHEMAS[name])
-
-
-_NEEDS_QUOTES = set(" \t\n(),[]{}'\"\\")
-
-
-def quote_free_text(arg: str) -> str:
-    """`prompt=def f(n): ...` -> `prompt='def f(n): ...'` so Hydra's grammar takes it verbatim.
-
-    Values that already use Hydra syntax (quotes, lists, dicts, ${...}) are left alone.
-    """
-    key, sep, value = arg.partition("=")
-    if not sep or key.startswith("-") or not value or value[0] in "[{'\"" or "${" in value:
-        return arg
-    if not _NEEDS_QUOTES & set(value):
-        return arg
-    # Hydra unescapes backslashes only before a quote or at the end of the string.
-    body = value.replace("'", "\\'")
-    tail = len(body) - len(body.rstrip("\\"))
-    return key + "='" + body + "\\" * tail + "'"
-
-
-HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
-                     "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
-
-
-def positional_to_overrides(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """`pull gemma3-270m force=true` -> `action=pull target="gemma3-270m" force=true`."""
-    import json
-
-    if not names:
-        return list(argv)
-    out, words, takes_value = [], 0, False
-    for arg in argv:
-        if takes_value or arg.startswith("-") or "=" in arg:
-            # Hydra flags whose next word is their value (`--cfg job`, `-p pkg`, ...).
-            takes_value = arg in HYDRA_VALUE_FLAGS
-            out.append(arg)
-            continue
-        if words >= len(names):
-            raise UserError(f"unexpected argument {arg!r}")
-        # Quoted, so Hydra's override grammar takes paths and names verbatim.
-        out.append(f"{names[words]}={json.dumps(arg)}")
-        words += 1
-    return out
-
-
-def run_hydra(name: str, argv: list[str], task, positional: tuple[str, ...] = ()) -> None:
-    """Run `task(dataclass)` under Hydra's CLI (overrides, --cfg job, --help, multirun).
-
-    Leading bare words fill the `positional` fields in order (`models pull NAME`).
-    """
-    import hydra
-
-    register_schemas()
-    try:
-        argv = positional_to_overrides(argv, positional)
-    except UserError as e:
-        print(f"mlxlab {name}: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    sys.argv = [f"mlxlab {name}", *(quote_free_text(a) for a in argv)]
-
-    @hydra.main(config_path=str(config_dir()), config_name=name, version_base=None)
-    def _main(cfg):
-        try:
-            return task(to_dataclass(cfg, SCHEMAS[name]))
-        except UserError as e:
-            print(f"mlxlab {name}: error: {e}", file=sys.stderr)
-            sys.exit(1)
-
-    _main()

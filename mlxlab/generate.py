@@ -11,10 +11,14 @@ tokens/s and peak memory.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 
-from mlxlab.config import GenerateConfig, run_hydra
+from mlxlab.cli import run_hydra
+from mlxlab.config import GenerateConfig
+
+log = logging.getLogger(__name__)
 
 
 def build_prompt(tokenizer, cfg: GenerateConfig) -> str:
@@ -22,7 +26,7 @@ def build_prompt(tokenizer, cfg: GenerateConfig) -> str:
     if not cfg.chat:
         return cfg.prompt
     if not getattr(tokenizer, "chat_template", None):
-        from mlxlab.config import UserError
+        from mlxlab.errors import UserError
 
         raise UserError("chat=true but the model's tokenizer has no chat template")
     messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [
@@ -68,11 +72,10 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
         "finish_reason": last.finish_reason,
     }
     out.write("\n")
-    print(
+    log.info(
         f"[prompt: {stats['prompt_tokens']} tokens, {stats['prompt_tps']:.1f} tok/s | "
         f"decode: {stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s | "
-        f"peak memory: {stats['peak_memory_gb']:.2f} GB]",
-        file=sys.stderr,
+        f"peak memory: {stats['peak_memory_gb']:.2f} GB]"
     )
     return stats
 

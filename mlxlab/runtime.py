@@ -22,6 +22,8 @@ import time
 import warnings
 from pathlib import Path
 
+from mlxlab.errors import UserError
+
 _loaded: str | None = None  # path of the BLAS we loaded, if any
 _reason: str = "not attempted"  # why nothing was loaded, for `blas_report()`
 
@@ -253,6 +255,10 @@ def on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
+class DtypeError(UserError, ValueError):
+    """An unknown dtype name: a one-line error on the command line, a ValueError to callers."""
+
+
 def resolve_dtype(name: str):
     """`auto` -> float32 on the CPU (bf16 matmuls skip BLAS there), bfloat16 on a GPU."""
     import mlx.core as mx
@@ -261,5 +267,5 @@ def resolve_dtype(name: str):
         return mx.bfloat16 if on_gpu() else mx.float32
     dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
     if name not in dtypes:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(dtypes)}")
+        raise DtypeError(f"unknown dtype {name!r}; choose one of auto, {', '.join(dtypes)}")
     return dtypes[name]

@@ -129,7 +129,7 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
 
 @pytest.mark.slow  # end to end: data, base eval, training, tuned eval, report
 def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
-    from mlxlab.config import compose
+    from mlxlab.cli import compose
     from mlxlab.lora import io as lora_io
     from mlxlab.train import cli
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mlxlab import config
+from mlxlab import cli, config
 
 
 @pytest.mark.parametrize("name", sorted(config.SCHEMAS))
 def test_every_entry_config_composes(name):
-    cfg = config.compose(name)
+    cfg = cli.compose(name)
     assert isinstance(cfg, config.SCHEMAS[name])
 
 
@@ -19,10 +19,10 @@ def test_every_yaml_is_an_entry_or_a_known_fragment():
 
 
 def test_overrides_apply_and_validate():
-    cfg = config.compose("generate", ["max_tokens=5", "model=tiny-llama"])
+    cfg = cli.compose("generate", ["max_tokens=5", "model=tiny-llama"])
     assert (cfg.max_tokens, cfg.model) == (5, "tiny-llama")
     with pytest.raises(config.UserError, match="temperature"):
-        config.compose("generate", ["temperature=-1"])
+        cli.compose("generate", ["temperature=-1"])
 
 
 def test_config_dir_is_absolute_and_independent_of_cwd(tmp_path, monkeypatch):
@@ -33,7 +33,7 @@ def test_config_dir_is_absolute_and_independent_of_cwd(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("exp", sorted(p.stem for p in (config.config_dir() / "exp").glob("*.yaml")))
 def test_every_experiment_composes(exp):
-    cfg = config.compose("train", [f"+exp={exp}"])
+    cfg = cli.compose("train", [f"+exp={exp}"])
     assert cfg.name == exp
     text = (config.config_dir() / "exp" / f"{exp}.yaml").read_text()
     assert text.startswith("# @package _global_")
@@ -43,7 +43,26 @@ def test_every_experiment_composes(exp):
 def test_quickstart_points_at_the_bundled_data():
     from pathlib import Path
 
-    cfg = config.compose("train", ["+exp=quickstart"])
+    cfg = cli.compose("train", ["+exp=quickstart"])
     assert (Path(cfg.data.train) / "train.jsonl").is_file()
     with pytest.raises(config.UserError, match="unknown TrainConfig keys: bogus"):
         config.from_dict(config.TrainConfig, {"bogus": 1})
+
+
+def test_the_task_is_a_config_group_not_trainer_fields():
+    import dataclasses
+
+    from mlxlab import tasks
+
+    assert "task" not in {f.name for f in dataclasses.fields(config.TrainConfig)}
+    assert cli.compose("train", ["+exp=quickstart"]).task is None
+    seg4 = cli.compose("train", ["+exp=chunk_seg4", "task.eval.cases=2", "iters=3"])
+    assert seg4.task["name"] == "chunk" and seg4.task["eval"]["cases"] == 2 and seg4.iters == 3
+    assert seg4.task["report"] == "experiments/chunk_seg4/README.md"
+    assert type(seg4.train_config()) is config.TrainConfig
+    hooks = tasks.hooks_for(seg4.task)
+    assert hooks.cfg.eval.max_tokens == 384 and hooks.config()["name"] == "chunk"
+    assert cli.compose("train", ["task.name=chunk"]).task["name"] == "chunk"  # the old path
+    off = cli.compose("train", ["+exp=chunk_seg4", "task=null"])
+    assert tasks.hooks_for(off.task) is None
+    assert cli.compose("eval", ["task=chunk"]).task == "chunk"  # a plain field there, not the group

@@ -77,12 +77,12 @@ def test_datasets_directory_is_accepted(tmp_path):
     assert [r["text"] for r in D.read_records(tmp_path / "ds")] == ["one", "two"]
 
 
-def test_truncation_is_counted_or_rejected(tmp_path, tokenizer, capsys):
+def test_truncation_is_counted_or_rejected(tmp_path, tokenizer, caplog):
     long = {"prompt": "x", "completion": "word " * 200}
     path = _write(tmp_path / "t.jsonl", [long, long, {"prompt": "q", "completion": "a"}])
     split = D.load_split(path, tokenizer, DataConfig(max_seq_length=64))
     assert split.num_truncated == 2 and all(len(e.ids) <= 64 for e in split.examples)
-    assert "2 of 3 examples" in capsys.readouterr().err
+    assert "2 of 3 examples" in caplog.text
     with pytest.raises(UserError, match="2 examples exceed max_seq_length=64"):
         D.load_split(path, tokenizer, DataConfig(max_seq_length=64, on_too_long="error"))
 

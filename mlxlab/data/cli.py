@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlxlab.config import DataBuildConfig, UserError, run_hydra
+from mlxlab.cli import run_hydra
+from mlxlab.config import DataBuildConfig
+from mlxlab.errors import UserError
 
 
 def run(cfg: DataBuildConfig) -> Path:

@@ -12,12 +12,15 @@ CompletionsDataset do, so the two train on the same tokens.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxlab.config import DataConfig, UserError
+from mlxlab.config import DataConfig
+from mlxlab.errors import UserError
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("chat", "completions", "text")
 
@@ -180,11 +183,11 @@ def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
         raise UserError(f"{path}: {len(too_long)} examples exceed max_seq_length="
                         f"{cfg.max_seq_length} (data.on_too_long=error): " + "; ".join(too_long[:5]))
     if truncated:
-        print(f"warning: {truncated} of {len(examples)} examples in {path} were truncated to "
-              f"max_seq_length={cfg.max_seq_length}", file=sys.stderr)
+        log.warning(f"warning: {truncated} of {len(examples)} examples in {path} were truncated to "
+                    f"max_seq_length={cfg.max_seq_length}")
     if dropped:
-        print(f"warning: {dropped} examples in {path} have no response tokens within "
-              f"max_seq_length={cfg.max_seq_length} and were skipped", file=sys.stderr)
+        log.warning(f"warning: {dropped} examples in {path} have no response tokens within "
+                    f"max_seq_length={cfg.max_seq_length} and were skipped")
     if not examples:
         raise UserError(f"{path}: no example has a response token left to train on")
     return TokenizedSet(examples, str(path), truncated)

@@ -14,7 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from mlxlab.config import DiagConfig, run_hydra
+from mlxlab.cli import run_hydra
+from mlxlab.config import DiagConfig
 
 
 def _write(report: dict, out: str, action: str) -> Path:

@@ -14,20 +14,20 @@ warm-up step, so peaks never mix. Modes:
 from __future__ import annotations
 
 import json
-import re
+import logging
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-MODES_HELP = "full checkpoint seg<N> auto mlx_lm mlx_lm_gc"
+log = logging.getLogger(__name__)
 
 
 def _check_mode(mode: str) -> None:
-    from mlxlab.config import UserError
+    from mlxlab.config import MEMORY_MODES, check_choice, is_memory_mode
 
-    if mode not in ("full", "checkpoint", "auto", "mlx_lm", "mlx_lm_gc") and not re.fullmatch(r"seg\d+", mode):
-        raise UserError(f"unknown memory mode {mode!r}; choose from {MODES_HELP}")
+    if not is_memory_mode(mode):
+        check_choice("modes", mode, MEMORY_MODES, "memory mode")
 
 
 def worker(model_name: str, mode: str, length: int, steps: int, dtype: str, target_gb: float) -> dict:
@@ -87,7 +87,7 @@ def measure(model: str, mode: str, length: int, steps: int = 1, dtype: str = "au
 
 
 def sweep(model: str, lengths: list[int], modes: list[str], steps: int = 1, dtype: str = "auto",
-          target_gb: float = 1.6, progress=print) -> dict:
+          target_gb: float = 1.6, progress=log.info) -> dict:
     for mode in modes:
         _check_mode(mode)
     results: dict[str, dict] = {m: {} for m in modes}

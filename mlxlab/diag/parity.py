@@ -14,7 +14,7 @@ mask is `steps <= length`); the report shows that count beside ours.
 
 from __future__ import annotations
 
-import sys
+import logging
 import tempfile
 from pathlib import Path
 
@@ -25,6 +25,8 @@ from mlx.utils import tree_flatten
 from mlxlab.config import DiagConfig
 from mlxlab.diag.compare import Comparison, compare
 from mlxlab.diag.workload import attach_lora, text_ids
+
+log = logging.getLogger(__name__)
 
 
 def _random_adapter(model, out: Path, seed: int = 0) -> Path:
@@ -137,4 +139,4 @@ def print_table(report: dict) -> None:
     tc = report["token_counts"]
     print("trained tokens (ours / mlx-lm unpadded / mlx-lm padded batch): " +
           ", ".join(f"{k}: {v['ours']}/{v['mlx_lm_unpadded']}/{v['mlx_lm_padded_batch']}" for k, v in tc.items()))
-    print("PASS" if report["passed"] else "FAIL", file=sys.stderr)
+    log.info("PASS" if report["passed"] else "FAIL")

@@ -14,14 +14,20 @@ Per case, from the model's raw text and the conversation's message uuids:
 - nonempty: at least one chunk.
 
 Accuracy against the gold chunks: boundary F1 (chunk starts after the first message) and the
-rate of gold chunks reproduced exactly.
+rate of gold chunks reproduced exactly. `evaluate_model` runs a whole split and writes per-case
+results (what `eval chunk` and the chunk task's base/tuned evaluations call).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 GENERIC = {"chunk", "chunks", "topic", "topics", "misc", "miscellaneous", "other", "others",
            "general", "discussion", "conversation", "part", "section", "summary", "untitled",
@@ -181,7 +187,7 @@ def read_split(data_dir, settings) -> list[dict]:
     """The records of `settings.split` (the first `settings.cases` when set)."""
     from pathlib import Path
 
-    from mlxlab.config import UserError
+    from mlxlab.errors import UserError
 
     path = Path(data_dir) / f"{settings.split}.jsonl"
     if not path.is_file():
@@ -232,3 +238,18 @@ def evaluate(model, tokenizer, records: list[dict], max_tokens: int = 256, batch
         model.train(was_training)
     return [{"case": i, "output": text, "prompt_tokens": len(p), **score_case(text, uuids, gold).to_dict()}
             for i, (text, p, (_, uuids, gold)) in enumerate(zip(texts, prompts, cases, strict=True))]
+
+
+def evaluate_model(model, tokenizer, records: list[dict], settings, out: Path, label: str) -> dict:
+    """Evaluate `records` (read_split) with `settings` (EvalSettings: max_tokens, batch_size),
+    write per-case JSONL to `out`; return the summary (+ seconds, results path)."""
+    from mlxlab.fsutil import atomic_write_text
+
+    t0 = time.perf_counter()
+
+    def progress(done, total):
+        log.info(f"[{label}] {done}/{total} cases")
+
+    rows = evaluate(model, tokenizer, records, settings.max_tokens, settings.batch_size, progress)
+    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
+    return {**summarize(rows), "seconds": round(time.perf_counter() - t0, 1), "results": str(out)}

@@ -11,30 +11,14 @@ one `train +exp=chunk_seg4` trains and tests on).
 
 from __future__ import annotations
 
-import sys
+import logging
 import tempfile
-import time
 from pathlib import Path
 
-from mlxlab.config import EvalConfig, EvalSettings, run_hydra
+from mlxlab.cli import run_hydra
+from mlxlab.config import EvalConfig
 
-
-def evaluate_model(model, tokenizer, records: list[dict], settings: EvalSettings, out: Path, label: str) -> dict:
-    """Run the chunk evaluation on `records` (ev.read_split), write per-case JSONL to `out`;
-    return the summary (+ seconds)."""
-    import json
-
-    from mlxlab.eval import chunk as ev
-    from mlxlab.fsutil import atomic_write_text
-
-    t0 = time.perf_counter()
-
-    def progress(done, total):
-        print(f"\r[{label}] {done}/{total} cases", end="\n" if done == total else "", file=sys.stderr)
-
-    rows = ev.evaluate(model, tokenizer, records, settings.max_tokens, settings.batch_size, progress)
-    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
-    return {**ev.summarize(rows), "seconds": round(time.perf_counter() - t0, 1), "results": str(out)}
+log = logging.getLogger(__name__)
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -53,9 +37,9 @@ def run(cfg: EvalConfig) -> dict:
         lora_io.load(model, cfg.adapter)
         name += f" + {lora_io.resolve_dir(cfg.adapter)}"
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
-    summary = evaluate_model(model, tokenizer, records, cfg, out, cfg.task)
+    summary = ev.evaluate_model(model, tokenizer, records, cfg, out, cfg.task)
     print(ev.table({name: summary}))
-    print(f"per-case results: {out} ({summary['seconds']:.0f} s)", file=sys.stderr)
+    log.info(f"per-case results: {out} ({summary['seconds']:.0f} s)")
     return summary
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlxlab.config import LoraToolConfig, UserError, run_hydra
-
-ACTIONS = ("check", "fuse")
+from mlxlab.cli import run_hydra
+from mlxlab.config import LoraToolConfig
+from mlxlab.errors import UserError
 
 
 def fuse_to_dir(cfg: LoraToolConfig) -> Path:
@@ -37,8 +37,6 @@ def fuse_to_dir(cfg: LoraToolConfig) -> Path:
 
 
 def run(cfg: LoraToolConfig) -> None:
-    if cfg.action not in ACTIONS:
-        raise UserError(f"unknown lora action {cfg.action!r}; choose one of {', '.join(ACTIONS)}")
     if not cfg.adapter:
         raise UserError("adapter=DIR is required")
     if cfg.action == "check":

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import time
 
-from mlxlab.config import ModelsConfig, UserError, run_hydra
-
-ACTIONS = ("list", "pull", "convert", "info")
+from mlxlab.cli import run_hydra
+from mlxlab.config import ModelsConfig
+from mlxlab.errors import UserError
 
 
 def run(cfg: ModelsConfig) -> None:
@@ -37,15 +37,13 @@ def run(cfg: ModelsConfig) -> None:
         else:
             path = zoo.convert_gguf(cfg.target, cfg.out, dtype=cfg.dtype, force=cfg.force)
         print(f"{path}  ({time.perf_counter() - t:.1f} s)")
-    elif cfg.action == "info":
+    else:  # info (ModelsConfig checks the action)
         from mlxlab import runtime
 
         report = runtime.blas_report()
         report["default_dtype"] = str(runtime.resolve_dtype("auto"))
         report["mlxlab_home"] = str(runtime.home())
         print(json.dumps(report, indent=2))
-    else:
-        raise UserError(f"unknown models action {cfg.action!r}; choose one of {', '.join(ACTIONS)}")
 
 
 def main(argv: list[str]) -> None:

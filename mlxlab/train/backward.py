@@ -11,15 +11,18 @@ cotangents from every sharer are summed before the donor's segment is differenti
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxlab.config import UserError
+from mlxlab.errors import UserError
 from mlxlab.models.runners import Runner, runner_for
 from mlxlab.train.losses import lm_head
+
+log = logging.getLogger(__name__)
 
 MODES = ("full", "checkpoint", "segmented")
 
@@ -114,11 +117,9 @@ def make_plan(model, cfg, batch_shape: tuple[int, int]) -> Plan:
     mx.clear_cache()
     budget = cfg.memory_target_gb * 1e9 - mx.get_active_memory()
     if budget < costs["sliding"]:
-        import sys
-
-        print(f"warning: memory_target_gb={cfg.memory_target_gb} leaves {budget / 1e9:.2f} GB for "
-              f"activations, less than one layer needs ({costs['sliding'] / 1e9:.2f} GB); "
-              "using one layer per segment", file=sys.stderr)
+        log.warning(f"warning: memory_target_gb={cfg.memory_target_gb} leaves {budget / 1e9:.2f} GB "
+                    f"for activations, less than one layer needs ({costs['sliding'] / 1e9:.2f} GB); "
+                    "using one layer per segment")
     return plan_auto(runner, costs, budget)
 
 

@@ -11,6 +11,7 @@ saving: a resumed step draws the same numbers as the uninterrupted one.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import sys
@@ -24,12 +25,15 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from mlxlab.config import OptimConfig, TrainConfig, UserError
+from mlxlab.config import OptimConfig, TrainConfig
 from mlxlab.data.batches import Batch, BatchSampler
+from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir, atomic_write_text
 from mlxlab.lora import io as lora_io
 from mlxlab.lora.apply import LoraPlan
 from mlxlab.train.losses import response_ce
+
+log = logging.getLogger(__name__)
 
 GradFn = Callable[[nn.Module, Batch], tuple[mx.array, mx.array, dict]]
 
@@ -216,7 +220,7 @@ class RunLog:
             if "val_loss" in record:
                 self._bar.write(f"step {record['step']}: {text}")
         elif show:
-            print(f"step {record['step']:>5}/{self.iters} | {text}", file=sys.stderr, flush=True)
+            log.info(f"step {record['step']:>5}/{self.iters} | {text}")
 
     def close(self) -> None:
         if self._bar is not None:
@@ -237,7 +241,7 @@ def _fmt(key: str, value) -> str:
 
 def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: BatchSampler | None,
           cfg: TrainConfig, run_dir: Path, grad_fn: GradFn | None = None,
-          log: RunLog | None = None, meta: dict | None = None) -> dict:
+          run_log: RunLog | None = None, meta: dict | None = None) -> dict:
     """Train `model`'s LoRA parameters for cfg.iters steps; return a summary.
 
     Resumes from the newest checkpoint in `run_dir` when cfg.resume is set.
@@ -252,8 +256,8 @@ def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: Bat
             raise UserError(f"resume=true but {run_dir} has no checkpoints")
         start = restore_checkpoint(found[-1], model, optimizer, train_sampler)
         _truncate_metrics(run_dir / "metrics.jsonl", start)
-        print(f"resumed from {found[-1]} (step {start})", file=sys.stderr)
-    log = log or RunLog(run_dir, cfg.iters)
+        log.info(f"resumed from {found[-1]} (step {start})")
+    run_log = run_log or RunLog(run_dir, cfg.iters)
     model.train()
     mx.reset_peak_memory()
     summary = {"start_step": start, "val_loss": None}
@@ -261,7 +265,7 @@ def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: Bat
     try:
         if valid_sampler is not None and start == 0 and cfg.val_every:
             val = evaluate(model, valid_sampler, cfg.val_batches)
-            log.metrics({"step": 0, "val_loss": val}, show=True)
+            run_log.metrics({"step": 0, "val_loss": val}, show=True)
             summary["initial_val_loss"] = val
         for step in range(start + 1, cfg.iters + 1):
             batches = [train_sampler.next() for _ in range(cfg.grad_accum)]
@@ -278,13 +282,13 @@ def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: Bat
                 tokens, since = 0, now
             if valid_sampler is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.iters):
                 record["val_loss"] = summary["val_loss"] = evaluate(model, valid_sampler, cfg.val_batches)
-            log.metrics(record, show="tok_per_s" in record or "val_loss" in record)
+            run_log.metrics(record, show="tok_per_s" in record or "val_loss" in record)
             summary["loss"] = loss
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
                 save_checkpoint(run_dir, step, model, plan, optimizer, train_sampler, meta or {},
                                 cfg.keep_last)
     finally:
-        log.close()
+        run_log.close()
     summary.update(steps=cfg.iters, seconds=time.perf_counter() - t0,
                    peak_mem_gb=mx.get_peak_memory() / 1e9)
     return summary

@@ -1,0 +1,213 @@
+"""Hydra CLI glue: compose/run a command's config.
+
+Each command's schema is its dataclass in `mlxlab/config.py`, stored in Hydra's ConfigStore as
+`<command>_schema`; `configs/<command>.yaml` composes it. `run_hydra` is what every command's
+`main(argv)` calls: positional words become overrides, free text needs no Hydra quoting, and a
+bad value (UserError, or a ValueError while the config is built) is one line on stderr and exit 1.
+Tests and notebooks use `compose(name, overrides)`. Only this module touches Hydra/OmegaConf.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib import resources
+from pathlib import Path
+
+from mlxlab.config import SCHEMAS, check_choice, config_dir, from_dict
+from mlxlab.errors import UserError
+
+
+def packaged_data(name: str) -> str:
+    """Absolute path of a dataset shipped in mlxlab/data/<name> (`${mlxlab_data:name}` in YAML)."""
+    path = Path(str(resources.files("mlxlab.data"))) / name
+    if not path.exists():
+        raise UserError(f"no bundled dataset {name!r} in {path.parent}")
+    return str(path.resolve())
+
+
+def command_groups(name: str | None) -> dict[str, dict[str, type]]:
+    """The config groups of a command's schema: group -> option name -> its config dataclass.
+
+    Only `train` has one (`task`, options from mlxlab/tasks/). Groups are process-wide in Hydra
+    and a group shadows a plain field of the same name (`eval task=chunk`), so each command sees
+    its own groups only.
+    """
+    if name == "train":
+        from mlxlab import tasks
+
+        return {"task": tasks.configs()}
+    return {}
+
+
+GROUPS = ("task",)
+"""Every group some command has (see command_groups)."""
+
+
+def register_schemas(name: str | None = None) -> None:
+    """Put the dataclasses in Hydra's ConfigStore, for `defaults: [<name>_schema, _self_]`, and
+    the config groups of command `name`."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mlxlab_data"):
+        OmegaConf.register_new_resolver("mlxlab_data", packaged_data)
+
+    cs = ConfigStore.instance()
+    for schema, cls in SCHEMAS.items():
+        cs.store(name=f"{schema}_schema", node=cls)
+    for group in GROUPS:
+        cs.repo.pop(group, None)
+    for group, options in command_groups(name).items():
+        for option, cls in options.items():
+            cs.store(group=group, name=option, node=cls)
+
+
+def to_dataclass(cfg, cls):
+    """Resolved OmegaConf node -> the typed dataclass (runs every __post_init__ check)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data = {k: v for k, v in data.items() if k != "hydra"}
+    return from_dict(cls, data)
+
+
+def select_named_groups(name: str, overrides: list[str]) -> list[str]:
+    """Check and normalize the overrides that pick a config group's option.
+
+    `task.name=chunk` is `task=chunk` (the override path from before `task` was a group);
+    `task=null` (or `task.name=null`) means no task, even when an experiment picked one; an
+    unknown option is a UserError naming the choices. Other overrides pass unchanged.
+    """
+    groups = command_groups(name)
+    out = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        group = key.lstrip("+").removesuffix(".name")
+        if not sep or group not in groups or key.lstrip("+") not in (group, f"{group}.name"):
+            out.append(override)
+            continue
+        value = value.strip().strip("'\"")
+        if value.lower() in ("null", "none", "~", ""):
+            out.append(f"~{group}")
+        else:
+            check_choice(group, value, groups[group], group)
+            out.append(f"{group}={value}")
+    return out
+
+
+def compose(name: str, overrides: list[str] | None = None):
+    """Compose a config without the CLI (tests, notebooks) and return its dataclass."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_schemas(name)
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        cfg = hydra_compose(config_name=name, overrides=select_named_groups(name, overrides or []))
+    return to_dataclass(cfg, SCHEMAS[name])
+
+
+_NEEDS_QUOTES = set(" \t\n(),[]{}'\"\\")
+
+
+def quote_free_text(arg: str) -> str:
+    """`prompt=def f(n): ...` -> `prompt='def f(n): ...'` so Hydra's grammar takes it verbatim.
+
+    Values that already use Hydra syntax (quotes, lists, dicts, ${...}) are left alone.
+    """
+    key, sep, value = arg.partition("=")
+    if not sep or key.startswith("-") or not value or value[0] in "[{'\"" or "${" in value:
+        return arg
+    if not _NEEDS_QUOTES & set(value):
+        return arg
+    # Hydra unescapes backslashes only before a quote or at the end of the string.
+    body = value.replace("'", "\\'")
+    tail = len(body) - len(body.rstrip("\\"))
+    return key + "='" + body + "\\" * tail + "'"
+
+
+HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
+                     "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+
+
+def positional_to_overrides(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """`pull gemma3-270m force=true` -> `action=pull target="gemma3-270m" force=true`."""
+    import json
+
+    if not names:
+        return list(argv)
+    out, words, takes_value = [], 0, False
+    for arg in argv:
+        if takes_value or arg.startswith("-") or "=" in arg:
+            # Hydra flags whose next word is their value (`--cfg job`, `-p pkg`, ...).
+            takes_value = arg in HYDRA_VALUE_FLAGS
+            out.append(arg)
+            continue
+        if words >= len(names):
+            raise UserError(f"unexpected argument {arg!r}")
+        # Quoted, so Hydra's override grammar takes paths and names verbatim.
+        out.append(f"{names[words]}={json.dumps(arg)}")
+        words += 1
+    return out
+
+
+def command_overrides(argv: list[str]) -> str:
+    """The overrides of a command line as typed, without Hydra's flags and `hydra.*` settings
+    (what a run's report shows after `python -m mlxlab <command>`)."""
+    out, takes_value = [], False
+    for arg in argv:
+        if takes_value:
+            takes_value = False
+        elif arg.startswith("-"):
+            takes_value = arg in HYDRA_VALUE_FLAGS
+        elif not arg.lstrip("+~").startswith("hydra."):
+            out.append(arg)
+    return " ".join(out)
+
+
+def one_line(error: Exception) -> str:
+    """The message of `error` on one line; OmegaConf's (an interpolation that fails to resolve)
+    become `<key>: <the cause>` instead of their multi-line report."""
+    key, text = getattr(error, "full_key", None), str(getattr(error, "msg", None) or error)
+    text = re.sub(r"^\w+ raised while resolving interpolation: ", "", text.strip())
+    lines = text.splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return f"{key}: {text}" if key else text
+
+
+def fail(name: str, error: Exception) -> None:
+    """The one-line error of `mlxlab <name>`, exit code 1."""
+    print(f"mlxlab {name}: error: {one_line(error)}", file=sys.stderr)
+    sys.exit(1)
+
+
+def run_hydra(name: str, argv: list[str], task, positional: tuple[str, ...] = ()) -> None:
+    """Run `task(dataclass)` under Hydra's CLI (overrides, --cfg job, --help, multirun).
+
+    Leading bare words fill the `positional` fields in order (`models pull NAME`). The command's
+    log handler (mlxlab/log.py) is installed first.
+    """
+    import hydra
+
+    from mlxlab import log
+
+    log.setup()
+    register_schemas(name)
+    try:
+        argv = select_named_groups(name, positional_to_overrides(argv, positional))
+    except UserError as e:
+        fail(name, e)
+    sys.argv = [f"mlxlab {name}", *(quote_free_text(a) for a in argv)]
+
+    @hydra.main(config_path=str(config_dir()), config_name=name, version_base=None)
+    def _main(cfg):
+        try:
+            typed = to_dataclass(cfg, SCHEMAS[name])
+        except (UserError, ValueError, TypeError) as e:  # a bad value; nothing has run yet
+            fail(name, e)
+        try:
+            return task(typed)
+        except UserError as e:
+            fail(name, e)
+
+    _main()

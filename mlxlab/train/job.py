@@ -1,0 +1,147 @@
+"""One training job, as a library call: run directory, model, data, LoRA, the loop, the adapter.
+
+`run(cfg, hooks)` is what `python -m mlxlab train` runs. What a task adds around the loop (build
+its dataset, evaluate the base and the tuned model, write a report: mlxlab/tasks/) comes in as a
+`Hooks` object; this module knows no task, no evaluation and no Hydra.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxlab.config import DataConfig, TrainConfig, to_dict
+from mlxlab.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """What the hooks see of a job in progress."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    data: DataConfig
+    """The data config trained on (after `Hooks.prepare_data`)."""
+    model: object = None
+    tokenizer: object = None
+
+
+class Hooks:
+    """What a task adds around the training loop; every method may be left as it is (no-op)."""
+
+    def config(self) -> dict | None:
+        """Saved as `task` in the run's config.yaml (and checked on resume)."""
+        return None
+
+    def prepare_data(self, data: DataConfig, run_dir: Path) -> DataConfig:
+        """The data config to train on (a task builds its dataset into the run directory)."""
+        return data
+
+    def before_lora(self, run: Run) -> None:
+        """The base model is loaded, no LoRA attached yet."""
+
+    def after_training(self, run: Run, summary: dict) -> None:
+        """The final adapter is saved; anything added to `summary` goes into summary.json."""
+
+    def finish(self, run: Run, summary: dict) -> None:
+        """summary.json is written (with `wall_s` and `gradients`)."""
+
+
+def run_dir_for(cfg: TrainConfig) -> Path:
+    if cfg.out_dir:
+        return Path(cfg.out_dir).expanduser().absolute()
+    return Path("outputs", cfg.name, time.strftime("%Y%m%d-%H%M%S")).absolute()
+
+
+# Settings that do not change the training trajectory (iters does, through the cosine schedule,
+# but extending a run is the point of changing it).
+RESUME_MAY_CHANGE = ("resume", "iters", "save_every", "keep_last", "log_every", "val_every",
+                     "val_batches", "wandb", "wandb_project")
+
+
+def _check_resume_config(run_dir: Path, now: dict) -> None:
+    """A resumed run must be the same run: only the length and bookkeeping may differ."""
+    import yaml
+
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        raise UserError(f"resume=true but {saved_path} is missing; is {run_dir} a run directory?")
+    saved = yaml.safe_load(saved_path.read_text())
+    if isinstance(saved.get("task"), dict) and saved["task"].get("name") is None:
+        saved.pop("task")  # written before tasks were their own configs: no task
+    differ = sorted(k for k in set(saved) | set(now)
+                    if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
+    if differ:
+        raise UserError(f"resume=true with a different config than {saved_path}: {', '.join(differ)}")
+
+
+def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
+    """Train a LoRA adapter as `cfg` says; return the summary (also in <run>/summary.json)."""
+    import yaml
+
+    from mlxlab.data.batches import BatchSampler
+    from mlxlab.data.datasets import load_split, resolve_paths
+    from mlxlab.fsutil import atomic_write_text, writable_dir
+    from mlxlab.lora import apply as lora_apply
+    from mlxlab.lora import io as lora_io
+    from mlxlab.models.zoo import load
+    from mlxlab.train import trainer
+    from mlxlab.train.backward import make_grad_fn
+
+    hooks = hooks or Hooks()
+    run_dir = run_dir_for(cfg)
+    config_dict = to_dict(cfg)
+    task_config = hooks.config()
+    if task_config is not None:
+        config_dict["task"] = task_config
+    if cfg.resume:
+        _check_resume_config(run_dir, config_dict)
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it")
+    t_start = time.perf_counter()
+    data_cfg = hooks.prepare_data(cfg.data, run_dir)
+    train_path, valid_path = resolve_paths(data_cfg)
+    model, tokenizer = load(cfg.model, cfg.dtype)
+    train_set = load_split(train_path, tokenizer, data_cfg)
+    valid_set = load_split(valid_path, tokenizer, data_cfg) if valid_path else None
+    job = Run(cfg, run_dir, data_cfg, model, tokenizer)
+    hooks.before_lora(job)
+
+    plan = lora_apply.plan(model, cfg.lora)
+    lora_apply.apply(model, plan, seed=cfg.seed)
+    train_sampler = BatchSampler(train_set.examples, cfg.batch_size, cfg.seed)
+    valid_sampler = (BatchSampler(valid_set.examples, min(cfg.batch_size, len(valid_set.examples)),
+                                  cfg.seed, shuffle=False) if valid_set else None)
+
+    writable_dir(run_dir)
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
+    n_params = sum(v.size for v in lora_apply.adapter_parameters(model).values())
+    log.info(f"run dir: {run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
+             f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
+             f"data: {len(train_set.examples)} train / {len(valid_set.examples) if valid_set else 0} "
+             "valid examples")
+    grad_fn, how = make_grad_fn(model, cfg.backward, (cfg.batch_size, cfg.data.max_seq_length),
+                                compile=cfg.compile)
+    log.info(f"gradients: {how}")
+    meta = {"base_model": cfg.model, "run_dir": str(run_dir)}
+    run_log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, config_dict)
+    summary = trainer.train(model, plan, train_sampler, valid_sampler, cfg, run_dir,
+                            grad_fn=grad_fn, run_log=run_log, meta=meta)
+    adapter_dir = lora_io.save(model, plan, run_dir / "adapter", meta=meta)
+    summary["adapter"] = str(adapter_dir)
+    hooks.after_training(job, summary)
+    summary["wall_s"] = round(time.perf_counter() - t_start, 1)
+    summary["gradients"] = how
+    trainer.write_summary(run_dir, summary)
+    hooks.finish(job, summary)
+    val = summary.get("val_loss")
+    first = summary.get("initial_val_loss")
+    if val is not None:
+        change = f" (from {first:.4f})" if first is not None else ""
+        log.info(f"final val loss {val:.4f}{change}")
+    log.info(f"done in {summary['seconds']:.0f} s, peak memory {summary['peak_mem_gb']:.2f} GB")
+    return summary

@@ -1,0 +1,164 @@
+"""A bad value of any enum-like config field, on any command, is a one-line UserError at config
+time that names the field and the allowed values (no traceback on the command line)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from mlxlab import config, tasks
+from mlxlab.errors import UserError
+from tests.helpers.cli import run_cli
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _optimizers() -> tuple[str, ...]:
+    import mlx.optimizers as optim
+
+    return tuple(n.lower() for n, c in vars(optim).items() if isinstance(c, type)
+                 and issubclass(c, optim.Optimizer) and c not in (optim.Optimizer, optim.MultiOptimizer))
+
+
+# command -> {field path: the values it allows}; "modes" is a list field (each entry is checked).
+ENUMS = {
+    "generate": {"dtype": DTYPES},
+    "models": {"action": ("list", "pull", "convert", "info"), "dtype": ("float32", "bfloat16", "float16")},
+    "lora": {"action": ("check", "fuse"), "dtype": DTYPES},
+    "train": {"dtype": DTYPES, "wandb": ("offline", "online", "disabled"),
+              "data.on_too_long": ("truncate", "error"), "optim.name": _optimizers(),
+              "optim.schedule": ("cosine", "constant"), "backward.mode": ("full", "checkpoint", "segmented"),
+              "backward.plan": ("size", "auto")},
+    "diag": {"action": ("parity", "leak", "memory"), "dtype": DTYPES,
+             "mode": ("full", "checkpoint", "segmented"),
+             "modes": ("full", "checkpoint", "seg1", "seg12", "auto", "mlx_lm", "mlx_lm_gc")},
+    "data": {"task": ("chunk",)},
+    "eval": {"task": ("chunk",), "split": ("train", "valid", "test"), "dtype": DTYPES},
+    "serve": {"dtype": DTYPES, "kv_quant": ("off", "4", "8", "config", "plan.json")},
+}
+# Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
+TASK_ENUMS = {"chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")}}
+
+# String fields that take free text (paths, names, prompts): everything else string-typed is an enum.
+FREE = {
+    "generate": {"model", "prompt", "system", "adapter"},
+    "models": {"target", "out"},
+    "lora": {"model", "adapter", "out"},
+    "train": {"name", "model", "out_dir", "wandb_project", "data.train", "data.valid", "lora.targets"},
+    "diag": {"model", "adapter", "out"},
+    "data": {"out"},
+    "eval": {"model", "adapter", "data", "out"},
+    "serve": {"model", "host", "adapter_root"},
+}
+TASK_FREE = {"chunk": {"report"}}
+
+
+def string_fields(cls, prefix: str = "") -> set[str]:
+    """Dotted paths of every str / str | None / list[str] field, nested dataclasses included."""
+    out = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out |= string_fields(hint, f"{prefix}{f.name}.")
+        elif hint in (str, str | None, list[str]):
+            out.add(prefix + f.name)
+    return out
+
+
+def nested(path: str, value) -> dict:
+    head, _, rest = path.partition(".")
+    return {head: nested(rest, value) if rest else value}
+
+
+def bad_value(path: str):
+    return ["seg1", "bogus"] if path.endswith("modes") else "bogus"
+
+
+@pytest.mark.parametrize("command", sorted(config.SCHEMAS))
+def test_every_string_field_is_an_enum_or_free_text(command):
+    """A new string field has to be sorted here, so an enum-like one cannot go unchecked."""
+    fields = string_fields(config.SCHEMAS[command])
+    assert fields == set(ENUMS[command]) | FREE[command]
+
+
+@pytest.mark.parametrize("task", sorted(tasks.TASKS))
+def test_every_task_string_field_is_an_enum_or_free_text(task):
+    assert string_fields(tasks.module(task).CONFIG) == set(TASK_ENUMS[task]) | TASK_FREE[task]
+
+
+CASES = [(c, p, v) for c, fields in ENUMS.items() for p, v in fields.items()]
+
+
+@pytest.mark.parametrize("command,path,allowed", CASES, ids=[f"{c}-{p}" for c, p, _ in CASES])
+def test_bad_enum_value_is_a_user_error_naming_field_and_choices(command, path, allowed):
+    schema = config.SCHEMAS[command]
+    with pytest.raises(UserError) as e:
+        config.from_dict(schema, nested(path, bad_value(path)))
+    message = str(e.value)
+    assert "\n" not in message and "'bogus'" in message
+    assert path in message, message
+    shown = [a for a in allowed if a not in ("seg1", "seg12", "plan.json")]
+    assert all(a in message for a in shown), message
+    for value in allowed:  # and every allowed value is accepted
+        data = nested(path, [value] if path.endswith("modes") else value)
+        if path == "backward.plan" and value == "auto":
+            data["backward"]["memory_target_gb"] = 2.0
+        config.from_dict(schema, data)
+
+
+TASK_CASES = [(t, p, v) for t, fields in TASK_ENUMS.items() for p, v in fields.items()]
+
+
+@pytest.mark.parametrize("task,path,allowed", TASK_CASES, ids=[f"{t}-{p}" for t, p, _ in TASK_CASES])
+def test_bad_task_value_is_a_user_error(task, path, allowed):
+    cls = tasks.module(task).CONFIG
+    with pytest.raises(UserError) as e:
+        config.from_dict(cls, nested(path, "bogus"))
+    message = str(e.value)
+    assert "\n" not in message and path.rpartition(".")[2] in message
+    assert all(a in message for a in allowed), message
+    for value in allowed:
+        config.from_dict(cls, nested(path, value))
+
+
+def test_task_group_options_are_checked_before_hydra():
+    from mlxlab.cli import select_named_groups
+
+    with pytest.raises(UserError, match="unknown task 'bogus': task must be one of chunk"):
+        select_named_groups("train", ["task.name=bogus"])
+    assert select_named_groups("train", ["task.name=chunk", "+task=chunk", "task=null", "task.eval.cases=2"]) == [
+        "task=chunk", "task=chunk", "~task", "task.eval.cases=2"]
+    assert select_named_groups("eval", ["task=chunk"]) == ["task=chunk"]  # a plain field there
+
+
+def test_unknown_dtype_at_run_time_is_a_user_error_too():
+    from mlxlab import runtime
+
+    with pytest.raises(UserError, match="unknown dtype 'int8'"):
+        runtime.resolve_dtype("int8")
+    with pytest.raises(ValueError):
+        runtime.resolve_dtype("int8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [
+    ("generate", "model=tiny-llama", "dtype=foo"),
+    ("models", "list", "dtype=foo"),
+    ("train", "optim.name=adamz"),
+    ("train", "task=bogus"),
+    ("lora", "explode"),
+    ("diag", "memory", "modes=[full,seg0]"),
+    ("data", "bogus"),
+    ("eval", "chunk", "split=bogus"),
+    ("serve", "kv_quant=bogus"),
+    ("train", "data.train=${mlxlab_data:nope}"),  # fails while OmegaConf resolves it
+], ids=lambda a: "-".join(a).replace("=", "_"))
+def test_bad_value_on_the_command_line_is_one_line(args):
+    r = run_cli(*args, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1, r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"mlxlab {args[0]}: error:"), r.stderr
+    assert "Traceback" not in r.stderr
