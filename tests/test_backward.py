@@ -93,7 +93,7 @@ def test_auto_plan_measures_layer_costs():
     assert [s for s in plan.segments if len(s) == 1 and runners.runner_for(model).is_global(s[0])]
 
 
-@pytest.mark.slow  # a soak: 120 optimizer steps per mode (~20-60 s each here)
+@pytest.mark.slow  # a soak: 120 optimizer steps per mode (12-15 s each here, idle; 40-110 s under load)
 @pytest.mark.parametrize("mode", ["segmented", "checkpoint", "full"])
 def test_active_memory_is_flat_over_many_steps(mode):
     """120 optimizer steps; active memory after warm-up must not grow (the predecessor's first
