@@ -6,8 +6,8 @@
   chat-template form, or a completion prompt; the sampling fields the client gave; stops, tools,
   limits; the adapter spec already parsed). Nothing below re-parses a request.
 - `make_job` renders the prompt, resolves sampling defaults (request > serve flag > the model's
-  generation_config.json > fallback), applies memory admission and checks the adapters are
-  mounted; every refusal is a 4xx `APIError` before anything is queued.
+  generation_config.json > fallback), applies memory admission, builds the grammar a structured
+  answer or a forced tool call needs (`structured.py`) and checks the adapters are mounted; every refusal is a 4xx `APIError` before anything is queued.
 - `run` submits the job and yields its events; `pump` is the one Delta/Done/Failed dispatch,
   feeding a protocol's `Encoder` (its stream chunks), or the `Collector` for a response that is
   not streamed.
@@ -41,6 +41,7 @@ from mlxlab.serve.engine.jobs import (
 )
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.http import SSE_HEADERS, APIError
+from mlxlab.serve.structured import Shape, grammar_for
 
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
@@ -82,6 +83,7 @@ class Ask:
     logprobs: bool = False
     top_logprobs: int = 0
     adapter: AdapterSpec = ()
+    shape: Shape = field(default_factory=Shape)  # structured output, forced tool calls
 
 
 def adapter_spec(spec: str | None) -> AdapterSpec:
@@ -243,13 +245,14 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         prompt = render_text(loaded, ask.prompt)
     limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
     sampling = resolve_sampling(ask.sampling, cfg, loaded)
+    grammar = grammar_for(ask.shape, ask.tools, loaded)
     try:
         loaded.adapters.check(ask.adapter)
     except KeyError as e:
         raise APIError(400, str(e).strip("'\""), param="adapter", code="unknown_adapter") from None
     return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=sampling, stops=ask.stops,
                tools=ask.tools, reasoning=reasoning, logprobs=ask.logprobs, top_logprobs=ask.top_logprobs,
-               checkpoint=checkpoint, adapter=ask.adapter)
+               checkpoint=checkpoint, adapter=ask.adapter, grammar=grammar)
 
 
 # --- Job -> events -> encoders -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, text_of
+from mlxlab.serve.structured import Shape, named
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -36,13 +37,21 @@ class Message(_Base):
     content: str | list[dict[str, Any]]
 
 
+class ToolChoice(_Base):
+    """auto (the model decides), any (it must call a tool), tool (it must call `name`), none."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, min_length=1)
+    disable_parallel_tool_use: bool = False
+
+
 class MessagesRequest(_Base):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     stop_sequences: list[str] | None = Field(None, max_length=16)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -58,7 +67,7 @@ class CountRequest(_Base):
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
 
 
@@ -119,7 +128,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None]:
             raise APIError(400, f"tools[{i}]: a tool needs a string name and an object input_schema")
         tools.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                        "parameters": t.get("input_schema", {})}})
-    if (body.tool_choice or {}).get("type") == "none":
+    if body.tool_choice is not None and body.tool_choice.type == "none":
         tools = []
     return messages, tools or None
 
@@ -130,7 +139,18 @@ def template_kwargs(body) -> dict | None:
     return None
 
 
+def shape_of(choice: ToolChoice | None) -> Shape:
+    """tool_choice any / tool force a call (one unless parallel use is allowed)."""
+    if choice is None or choice.type in ("auto", "none"):
+        return Shape(parallel=not (choice and choice.disable_parallel_tool_use))
+    if choice.type == "tool" and not choice.name:
+        raise APIError(400, "tool_choice: type tool needs a name", param="tool_choice")
+    return Shape(tool_choice=named(choice.name) if choice.type == "tool" else "required",
+                 parallel=not choice.disable_parallel_tool_use)
+
+
 def to_ask(body: MessagesRequest) -> Ask:
     messages, tools = to_chat(body)
     return Ask(messages=messages, tools=tools, template_kwargs=template_kwargs(body), max_tokens=body.max_tokens,
-               stops=list(body.stop_sequences or []), sampling=SamplingAsk.of(body), adapter=adapter_spec(body.adapter))
+               stops=list(body.stop_sequences or []), sampling=SamplingAsk.of(body), adapter=adapter_spec(body.adapter),
+               shape=shape_of(body.tool_choice))

@@ -115,7 +115,7 @@ class BatchLane:
         ids = claim_adapters(m, job)
         row = Row(self._uid, job, ids, RowOutput(m, job), None)
         self._uid += 1
-        row.sampler, row.processors = make_sampling(job.sampling)
+        row.sampler, row.processors = make_sampling(m, job)
         # Rows with the same sampling share one sampler object: mlx-lm then samples the whole batch
         # in one call instead of one call per row.
         key = (job.sampling.temperature, job.sampling.top_p, job.sampling.top_k, job.sampling.min_p)

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlxlab.grammar import Grammar
+
 AdapterSpec = tuple[str, ...]  # () is the base model; ("a", "b") stacks a then b
 
 
@@ -70,6 +72,7 @@ class Job:
     top_logprobs: int = 0
     adapter: AdapterSpec = ()
     checkpoint: int = 0  # store a prompt-cache checkpoint at this prefix length (end of the system prompt)
+    grammar: Grammar | None = None  # the output must match it (structured output, forced tool calls)
     id: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -26,6 +26,8 @@ class Loaded:
         self.model, self.tokenizer = load(str(self.model_dir), cfg.dtype)
         self.model_id = cfg.model
         self.eos = set(self.tokenizer.eos_token_ids)
+        # The width of the logits (embedding rows; may exceed the tokenizer's vocabulary).
+        self.n_vocab = int(getattr(self.model.args, "vocab_size", 0) or len(self.tokenizer._tokenizer))
         self.tool = tool_syntax(self.tokenizer)
         self.think = think_markers(self.tokenizer)
         self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from mlxlab.serve.engine.jobs import AdapterSpec, Delta, Done, Job, JobError, Sampling, spec_name
+from mlxlab.grammar import constrain
+from mlxlab.serve.engine.jobs import AdapterSpec, Delta, Done, Job, JobError, spec_name
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.output import OutputParser
 
@@ -27,14 +28,18 @@ def cache_namespace(m: Loaded, ids: AdapterSpec) -> tuple[str, str]:
     return (m.model_id, spec_name(ids))
 
 
-def make_sampling(s: Sampling):
-    """(sampler, logits processors) for one row, built by mlx-lm."""
+def make_sampling(m: Loaded, job: Job):
+    """(sampler, logits processors) for one row: mlx-lm's, then the job's grammar constraint
+    (its own matcher state) last, so it masks what the others produced."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+    s = job.sampling
     sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
                            min_p=s.min_p, top_k=s.top_k)
     processors = make_logits_processors(s.logit_bias, s.repetition_penalty, 64,
                                         s.presence_penalty, 64, s.frequency_penalty, 64)
+    if job.grammar is not None:
+        processors.append(constrain(job.grammar, m.tokenizer, m.n_vocab))
     return sampler, processors
 
 

@@ -62,7 +62,7 @@ class SerialLane:
             m.cache.insert(namespace, job.prompt[:stop], cache, kind=kind)
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
-        sampler, processors = make_sampling(job.sampling)
+        sampler, processors = make_sampling(m, job)
         steps = generate_step(mx.array(job.prompt[end:]), m.model, max_tokens=job.max_tokens,
                               sampler=sampler, logits_processors=processors, prompt_cache=cache,
                               prefill_step_size=self.cfg.prefill_step)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages
+from mlxlab.serve.structured import Shape, named
 
 
 def error_shape(err: APIError) -> tuple[int, dict]:
@@ -96,6 +97,49 @@ class Tool(_Base):
     function: FunctionDef
 
 
+class JSONSchemaFormat(_Base):
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def shape(self, field: str = "response_format") -> Shape:
+        if self.type == "text":
+            return Shape()
+        if self.type == "json_object":
+            return Shape(schema={"type": "object"}, schema_field=field)
+        if self.json_schema is None:
+            raise APIError(400, f"{field}.json_schema is required when type is json_schema", param=f"{field}.json_schema")
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
+        return Shape(schema=schema, schema_field=f"{field}.json_schema.schema")
+
+
+class NamedFunction(_Base):
+    name: str = Field(min_length=1)
+
+
+class ToolChoiceFunction(_Base):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def choice_shape(choice, parallel: bool, shape: Shape) -> Shape:
+    """`tool_choice` ("auto", "required", or a named function) onto `shape`."""
+    if isinstance(choice, ToolChoiceFunction):
+        shape.tool_choice = named(choice.function.name)
+    elif choice == "required":
+        shape.tool_choice = "required"
+    shape.parallel = parallel
+    return shape
+
+
 class ChatRequest(Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -103,22 +147,30 @@ class ChatRequest(Sampled):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tool_choice")
     @classmethod
     def _choice(cls, v):
-        if isinstance(v, str) and v not in ("auto", "none", "required"):
-            raise ValueError("tool_choice must be auto, none, required or {type: function, function: {name}}")
-        return v
+        if isinstance(v, dict):
+            try:
+                return ToolChoiceFunction.model_validate(v)
+            except ValueError:
+                pass
+        elif v is None or v in ("auto", "none", "required"):
+            return v
+        raise ValueError("tool_choice must be auto, none, required or {type: function, function: {name}}")
 
     def to_ask(self) -> Ask:
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        shape = self.response_format.shape() if self.response_format else Shape()
         return Ask(messages=normalize_messages([m.model_dump(exclude_none=True) for m in self.messages]),
                    tools=None if self.tool_choice == "none" else tools, template_kwargs=self.chat_template_kwargs,
                    max_tokens=self.max_completion_tokens or self.max_tokens, stops=self.stop_list(),
                    sampling=SamplingAsk.of(self), logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
-                   adapter=adapter_spec(self.adapter))
+                   adapter=adapter_spec(self.adapter), shape=choice_shape(self.tool_choice, self.parallel_tool_calls, shape))
 
 
 class CompletionRequest(Sampled):
@@ -126,6 +178,7 @@ class CompletionRequest(Sampled):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -143,4 +196,5 @@ class CompletionRequest(Sampled):
         prompt = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
         return Ask(prompt=prompt, max_tokens=self.max_tokens, stops=self.stop_list(), sampling=SamplingAsk.of(self),
                    logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0,
-                   adapter=adapter_spec(self.adapter))
+                   adapter=adapter_spec(self.adapter),
+                   shape=self.response_format.shape() if self.response_format else Shape())

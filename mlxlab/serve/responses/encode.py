@@ -31,8 +31,10 @@ class Draft:
                 "model": self.model, "output": [], "error": None, "incomplete_details": None,
                 "instructions": self.instructions, "max_output_tokens": b.max_output_tokens,
                 "previous_response_id": b.previous_response_id, "temperature": b.temperature, "top_p": b.top_p,
-                "parallel_tool_calls": True, "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
-                "store": b.store, "text": {"format": {"type": "text"}}, "metadata": b.metadata or {}, "usage": None}
+                "parallel_tool_calls": b.parallel_tool_calls, "tool_choice": b.tool_choice or "auto",
+                "tools": b.tools or [], "store": b.store,
+                "text": {"format": b.text.format.echo() if b.text and b.text.format else {"type": "text"}},
+                "metadata": b.metadata or {}, "usage": None}
 
     def final(self, done: Done, reasoning: str, text: str) -> dict:
         output = []

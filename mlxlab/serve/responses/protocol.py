@@ -10,12 +10,34 @@ instructions carrying forward when the new request gives none.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages, text_of
+from mlxlab.serve.structured import Shape, named
+
+
+class TextFormat(BaseModel):
+    """`text.format`: text, json_object, or json_schema with its name, schema and strict flag."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, min_length=1, max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    def echo(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    format: TextFormat | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -31,6 +53,8 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
     stream: bool = False
     store: bool = True
     metadata: dict[str, Any] | None = None
@@ -112,8 +136,30 @@ def function_tools(body: ResponsesRequest) -> list[dict] | None:
     return out or None
 
 
+def shape_of(body: ResponsesRequest) -> Shape:
+    """`text.format` and `tool_choice` ("required" or {"type": "function", "name"}) as a Shape."""
+    fmt = body.text.format if body.text else None
+    shape = Shape(schema_field="text.format.schema", choice_field="tool_choice", parallel=body.parallel_tool_calls)
+    if fmt is not None and fmt.type == "json_object":
+        shape.schema = {"type": "object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format.schema is required when type is json_schema", param="text.format.schema")
+        shape.schema = fmt.schema_
+    choice = body.tool_choice
+    if choice == "required":
+        shape.tool_choice = "required"
+    elif isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
+            raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
+        shape.tool_choice = named(choice["name"])
+    elif choice not in (None, "auto", "none"):
+        raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
+    return shape
+
+
 def to_ask(body: ResponsesRequest, messages: list[dict], instructions: str | None) -> Ask:
     """The generation request: the instructions as a leading system message, then the conversation."""
     chat = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     return Ask(messages=normalize_messages(chat), tools=function_tools(body), max_tokens=body.max_output_tokens,
-               sampling=SamplingAsk.of(body), adapter=adapter_spec(body.adapter))
+               sampling=SamplingAsk.of(body), adapter=adapter_spec(body.adapter), shape=shape_of(body))

@@ -1,0 +1,117 @@
+"""Structured output on every protocol: what a request asks of the shape of its answer (`Shape`,
+filled in at the edge of its protocol) and the grammar that enforces it (`grammar_for`, built
+when the job is made, so a schema that cannot compile is a 400 before any generation).
+
+- A JSON answer (OpenAI `response_format` json_object / json_schema, Responses `text.format`):
+  the output is produced under the schema, so it always parses and validates (unless max_tokens
+  cuts it: then the text is a valid prefix).
+- A forced tool call (OpenAI `tool_choice` "required" or a named function, Anthropic `any` /
+  `tool`, Responses likewise): the output is the family's tool-call markup around JSON whose
+  `arguments` follow the tool's parameter schema, so the call parses and its arguments validate;
+  `parallel` false allows exactly one call.
+- Both together with tool_choice "auto": the model may call a tool or answer with the JSON.
+
+Tool-call grammars exist for the Hermes JSON form (`<tool_call>{"name", "arguments"}</tool_call>`:
+Gemma 3 through mlxlab's template, Qwen, and every family mlx-lm parses with `json_tools`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxlab import grammar as G
+from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.http import APIError
+
+ENFORCEABLE_TOOL_FAMILIES = ("json_tools",)
+
+
+@dataclass
+class Shape:
+    """The answer's required shape; the defaults ask for nothing."""
+
+    schema: dict | None = None
+    """The answer is JSON valid against this schema (json_object: `{"type": "object"}`)."""
+    schema_field: str = "response_format"
+    """The request field that asked for it, for error messages."""
+    tool_choice: str = "auto"
+    """auto | required (some offered tool must be called) | the one tool's name (prefixed "=")."""
+    parallel: bool = True
+    """More than one call allowed (when a call is forced)."""
+    choice_field: str = "tool_choice"
+
+    @property
+    def forced_tool(self) -> str | None:
+        return self.tool_choice[1:] if self.tool_choice.startswith("=") else None
+
+    @property
+    def constrained(self) -> bool:
+        return self.schema is not None or self.tool_choice != "auto"
+
+
+def named(name: str) -> str:
+    """The tool_choice value that forces tool `name`."""
+    return "=" + name
+
+
+def _tool_specs(tools: list[dict]) -> list[tuple[str, dict]]:
+    out = []
+    for t in tools:
+        fn = t.get("function", t)
+        params = fn.get("parameters") or {"type": "object"}
+        out.append((fn["name"], params))
+    return out
+
+
+def _call_schema(name: str, params: dict) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def grammar_for(shape: Shape, tools: list[dict] | None, loaded: Loaded) -> G.Grammar | None:
+    """The grammar for `shape` given the offered `tools`; None when nothing is asked. A 400
+    naming the field for anything that cannot be enforced."""
+    if not shape.constrained:
+        return None
+    if shape.tool_choice != "auto" or (shape.schema is not None and tools):
+        return _with_tools(shape, tools or [], loaded)
+    try:
+        return G.json_schema(shape.schema, f"{shape.schema_field}: the JSON schema")
+    except G.GrammarError as e:
+        raise APIError(400, str(e), param=shape.schema_field, code="invalid_schema") from None
+
+
+def _with_tools(shape: Shape, tools: list[dict], loaded: Loaded) -> G.Grammar:
+    where = shape.choice_field
+    forcing = shape.tool_choice != "auto"
+    specs = _tool_specs(tools)
+    if forcing and not specs:
+        raise APIError(400, f"{where}: {shape.tool_choice.lstrip('=')!r} needs at least one function tool",
+                       param=where)
+    if shape.forced_tool is not None:
+        specs = [s for s in specs if s[0] == shape.forced_tool]
+        if not specs:
+            offered = ", ".join(n for n, _ in _tool_specs(tools)) or "none"
+            raise APIError(400, f"{where}: no offered tool is named {shape.forced_tool!r} (offered: {offered})",
+                           param=where)
+    syntax = loaded.tool
+    if syntax is None or syntax.family not in ENFORCEABLE_TOOL_FAMILIES:
+        family = syntax.family if syntax else "none"
+        raise APIError(400, f"{where}: this model's tool-call format ({family}) cannot be enforced by a grammar "
+                            "here; use tool_choice auto", param=where, code="tool_choice_not_enforceable")
+    tok = loaded.tokenizer
+    bodies = [_call_schema(n, p) for n, p in specs]
+    body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+    calls = 'call (NL? call)*' if shape.parallel else "call"
+    rules = [f"calls: {calls}",
+             f"call: {G.literal(syntax.start, tok)} NL? body NL? {G.literal(syntax.end, tok)}",
+             f"body: {G.embedded_json(body)}", 'NL: "\\n"']
+    if shape.schema is not None and not forcing:  # auto: a call or the JSON answer
+        rules = ["start: calls | answer", f"answer: {G.embedded_json(shape.schema)}", *rules]
+    else:
+        rules = ["start: calls", *rules]
+    try:
+        return G.lark("\n".join(rules) + "\n", f"{where}: the tool-call grammar")
+    except G.GrammarError as e:
+        field = shape.schema_field if "answer" in str(e) else where
+        raise APIError(400, str(e), param=field, code="invalid_schema") from None
