@@ -320,3 +320,56 @@ def test_port_taken_and_sigterm_drain(served, real_model_dir):
     t.join(120)
     assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] in ("length", "stop")
     assert proc.wait(60) == 0
+
+
+def test_structured_output_and_forced_tools_with_the_sdks(served):
+    """On the base model: json_schema output that validates (openai SDK's parse() too), a tool call
+    forced where the model answers in text, through the openai, anthropic and Responses SDKs."""
+    import anthropic
+    import jsonschema
+    import pydantic
+
+    url, _, client = served
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                               "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+                                               "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "sci-fi"]},
+                                                          "minItems": 1, "maxItems": 2}},
+              "required": ["name", "year", "genres"], "additionalProperties": False}
+    question = [{"role": "user", "content": "Describe a film you like."}]
+    r = client.chat.completions.create(model="x", messages=question, temperature=0, max_tokens=64, response_format={
+        "type": "json_schema", "json_schema": {"name": "film", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+    class Film(pydantic.BaseModel):
+        name: str
+        year: int
+
+    parsed = client.beta.chat.completions.parse(model="x", messages=question, temperature=0, max_tokens=64,
+                                                response_format=Film)
+    assert isinstance(parsed.choices[0].message.parsed, Film)
+    # Unforced, the base model answers this in text; forced, it calls the tool with valid arguments.
+    chitchat = [{"role": "user", "content": "Hello! How are you today?"}]
+    free = client.chat.completions.create(model="x", messages=chitchat, tools=TOOLS, temperature=0, max_tokens=32)
+    assert free.choices[0].finish_reason != "tool_calls"
+    forced = client.chat.completions.create(model="x", messages=chitchat, tools=TOOLS, temperature=0, max_tokens=48,
+                                            tool_choice="required")
+    call = forced.choices[0].message.tool_calls[0].function
+    assert forced.choices[0].finish_reason == "tool_calls" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
+    claude = anthropic.Anthropic(base_url=url, api_key="sk-ant-anything", max_retries=0)
+    tools = [{"name": "get_weather", "description": "Current weather for a city",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    msg = claude.messages.create(model="x", max_tokens=48, extra_body={"temperature": 0}, tools=tools,
+                                 tool_choice={"type": "any"}, messages=chitchat)
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and uses[0].name == "get_weather" and "city" in uses[0].input
+    resp = client.responses.create(model="x", input="Hello! How are you today?", max_output_tokens=48, temperature=0,
+                                   tools=[{"type": "function", "name": "get_weather",
+                                           "parameters": TOOLS[0]["function"]["parameters"]}],
+                                   tool_choice="required")
+    assert [i.type for i in resp.output] == ["function_call"] and resp.output[0].name == "get_weather"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=question, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema"

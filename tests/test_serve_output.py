@@ -99,3 +99,16 @@ def test_reasoning_is_split_out():
     # The prompt already opened the block (enable_thinking templates): starts in reasoning.
     events, _ = run(OutputParser(think=("<think>", "</think>"), reasoning=True), ["a", "b</thi", "nk>c"])
     assert text(events, "reasoning") == "ab" and text(events) == "c"
+
+
+def test_whitespace_between_and_after_tool_calls_is_not_content():
+    tool = ToolSyntax("<tool_call>", "</tool_call>", lambda text, tools: json.loads(text))
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    p = OutputParser(tool=tool, tools=tools)
+    out = p.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')
+    out += p.feed('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n ')
+    out += p.finish()
+    assert out == [] and [c["arguments"] for c in p.calls] == ["{}", '{"a": 1}']
+    q = OutputParser(tool=tool, tools=tools)
+    out = q.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone.') + q.finish()
+    assert out == [("content", "\nDone.")]

@@ -11,7 +11,8 @@ incomplete UTF-8 never reaches it) and returns `(kind, text)` deltas, kind "cont
   parsed into `calls` by mlx-lm's parser for that family (Gemma 4 `<|tool_call>call:f{...}
   <tool_call|>`, Qwen/Hermes `<tool_call>{json}</tool_call>`, MiniCPM `<function name=...>`).
   Markup that does not parse, or names a tool the request did not offer, is released as plain
-  content instead, so a malformed call is never an error;
+  content instead, so a malformed call is never an error; whitespace between or after calls
+  is not content;
 - the reasoning markers: text between think-start and think-end is "reasoning".
 
 Stop sequences are matched on decoded text (so one spanning tokens fires) in content and
@@ -111,6 +112,8 @@ class OutputParser:
                 if self.state == "tool":
                     return out  # markup is withheld until its end marker (or the end)
                 keep = _holdback(self.pending, [m for m, _ in markers])
+                if self.calls and not self.pending.strip():
+                    keep = len(self.pending)  # whitespace after a call waits: another call may follow
                 emit = self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(emit):]
                 if emit:
@@ -121,8 +124,8 @@ class OutputParser:
             if action == "tool_end":
                 self._close_tool(before, out, marker)
                 continue
-            if before:
-                out.append((self.state, before))
+            if before and not (action == "tool_start" and self.calls and not before.strip()):
+                out.append((self.state, before))  # (whitespace between two calls is not content)
             if action == "stop":
                 self.stopped, self.pending = marker, ""
                 return out
@@ -156,7 +159,7 @@ class OutputParser:
             return out
         if self.state == "tool":
             self._close_tool(self.pending, out, "")
-        elif self.pending:
+        elif self.pending and not (self.calls and not self.pending.strip()):
             out.append((self.state, self.pending))
         self.pending = ""
         return out
