@@ -11,8 +11,8 @@ when the job is made, so a schema that cannot compile is a 400 before any genera
   `parallel` false allows exactly one call.
 - Both together with tool_choice "auto": the model may call a tool or answer with the JSON.
 
-Tool-call grammars exist for the Hermes JSON form (`<tool_call>{"name", "arguments"}</tool_call>`:
-Gemma 3 through mlxlab's template, Qwen, and every family mlx-lm parses with `json_tools`).
+Tool calls are written in the family's own markup (`tool_grammar.py`): the Hermes JSON form
+(Gemma 3 through mlxlab's template, Qwen, ...), Gemma 4's native calls, MiniCPM's XML.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxlab import grammar as G
+from mlxlab.serve import tool_grammar
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.http import APIError
 
-ENFORCEABLE_TOOL_FAMILIES = ("json_tools",)
+ENFORCEABLE_TOOL_FAMILIES = tuple(tool_grammar.BUILDERS)
 
 
 @dataclass
@@ -63,11 +64,6 @@ def _tool_specs(tools: list[dict]) -> list[tuple[str, dict]]:
     return out
 
 
-def _call_schema(name: str, params: dict) -> dict:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
 def grammar_for(shape: Shape, tools: list[dict] | None, loaded: Loaded) -> G.Grammar | None:
     """The grammar for `shape` given the offered `tools`; None when nothing is asked. A 400
     naming the field for anything that cannot be enforced."""
@@ -99,13 +95,10 @@ def _with_tools(shape: Shape, tools: list[dict], loaded: Loaded) -> G.Grammar:
         family = syntax.family if syntax else "none"
         raise APIError(400, f"{where}: this model's tool-call format ({family}) cannot be enforced by a grammar "
                             "here; use tool_choice auto", param=where, code="tool_choice_not_enforceable")
-    tok = loaded.tokenizer
-    bodies = [_call_schema(n, p) for n, p in specs]
-    body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+    rules = tool_grammar.Rules()
+    tool_grammar.BUILDERS[syntax.family](rules, syntax, [(n, G.closed(p)) for n, p in specs], loaded.tokenizer)
     calls = 'call (NL? call)*' if shape.parallel else "call"
-    rules = [f"calls: {calls}",
-             f"call: {G.literal(syntax.start, tok)} NL? body NL? {G.literal(syntax.end, tok)}",
-             f"body: {G.embedded_json(body)}", 'NL: "\\n"']
+    rules = [f"calls: {calls}", *rules.lines, 'NL: "\\n"']
     if shape.schema is not None and not forcing:  # auto: a call or the JSON answer
         rules = ["start: calls | answer", f"answer: {G.embedded_json(shape.schema)}", *rules]
     else:
