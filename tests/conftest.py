@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 import mlxlab  # noqa: F401  (BLAS before MLX, as in every entry point)
-from tests.helpers.cli import REPO, run_cli  # noqa: F401  (re-export until tests/test_serve*.py import tests.helpers.cli)
 
 
 @pytest.fixture(scope="session")
