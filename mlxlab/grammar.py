@@ -1,5 +1,5 @@
-"""Grammar-constrained decoding on llguidance: the output must match a JSON schema, a Lark
-grammar or a regex, token by token.
+"""Grammar-constrained decoding on llguidance: the output must match a JSON schema or a Lark
+grammar, token by token.
 
     grammar = json_schema({"type": "object", ...})        # GrammarError (one line) if it cannot compile
     processor = constrain(grammar, tokenizer, n_vocab)    # an mlx-lm logits processor with state
@@ -9,13 +9,15 @@ grammar or a regex, token by token.
 sampling step it advances its matcher over the tokens sampled since its last call and sets every
 token the grammar does not allow to -inf (the mask is computed on the CPU by llguidance and
 applied with `mx.where`, so it works on CPU and Metal alike). Once the grammar is complete only
-the end-of-sequence tokens stay allowed, so generation stops there; if max_tokens ends it first,
-the text is a valid prefix.
+the end-of-sequence tokens stay allowed, so generation stops there; if max_tokens (or a stop
+string) ends it first, the text is a valid prefix.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import numpy as np
 
 from mlxlab.errors import UserError
 
+log = logging.getLogger(__name__)
 
 class GrammarError(UserError, ValueError):
     """A schema or grammar llguidance cannot compile; the message names the problem."""
@@ -36,13 +39,24 @@ class Grammar:
     what: str
 
 
-def _checked(text: str, what: str) -> Grammar:
+@functools.lru_cache(maxsize=256)
+def _problem(text: str) -> str | None:
+    """Why llguidance cannot compile `text` (one line), or None; cached, so a repeated schema is
+    checked once."""
     import llguidance
 
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
-    if is_error:
-        first = messages[0].strip().splitlines() if messages else ["invalid grammar"]
-        raise GrammarError(f"{what}: " + " ".join(line.strip() for line in first if line.strip()))
+    if not is_error:
+        return None
+    lines = [line.strip() for line in (messages[0] if messages else "invalid grammar").splitlines() if line.strip()]
+    message = " ".join(lines)
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
+def _checked(text: str, what: str) -> Grammar:
+    problem = _problem(text)
+    if problem:
+        raise GrammarError(f"{what}: {problem}")
     return Grammar(text, what)
 
 
@@ -51,26 +65,45 @@ def _checked(text: str, what: str) -> Grammar:
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Where closing objects could change what is valid (an allOf branch closed against its sibling's
+# properties, a negation, a conditional, a reference from such a place): leave the schema as is.
+_NO_CLOSING = ("allOf", "not", "if", "then", "else", "$ref", "dependentSchemas", "unevaluatedProperties")
+
+
+def _mentions(schema, keys) -> bool:
+    if isinstance(schema, dict):
+        return any(k in schema for k in keys) or any(_mentions(v, keys) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_mentions(v, keys) for v in schema)
+    return False
+
+
 def closed(schema):
     """`schema` with `additionalProperties: false` wherever an object declares `properties` and
     says nothing about others: what is generated is then the declared properties only (still
-    valid against the original schema), so a model cannot wander into unbounded extra keys."""
+    valid against the original schema), so a model cannot wander into unbounded extra keys.
+    Schemas using allOf, not, if/then/else or $ref are returned as they are."""
+    if _mentions(schema, _NO_CLOSING):
+        return schema
+    return _close(schema)
+
+
+def _close(schema):
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [_close(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (closed(v) if k in _NESTED else v) for k, v in schema.items()}
-    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+    out = {k: (_close(v) if k in _NESTED else v) for k, v in schema.items()}
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed(s) for name, s in out[key].items()}
+            out[key] = {name: _close(s) for name, s in out[key].items()}
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
             and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
 
 
-_NESTED = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not", "if", "then",
-           "else", "contains")
+_NESTED = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "contains")
 
 
 def json_schema(schema: dict, what: str = "json schema") -> Grammar:
@@ -85,11 +118,6 @@ def json_schema(schema: dict, what: str = "json schema") -> Grammar:
     except (ValueError, TypeError) as e:
         raise GrammarError(f"{what}: {e}") from None
     return _checked(text, what)
-
-
-def json_object() -> Grammar:
-    """Any JSON object."""
-    return json_schema({"type": "object"}, "json object")
 
 
 def lark(text: str, what: str = "grammar") -> Grammar:
@@ -141,11 +169,12 @@ class Constraint:
     def __init__(self, grammar: Grammar, vocab, n_vocab: int):
         import llguidance
 
-        self.grammar, self.n_vocab = grammar, n_vocab
-        self.matcher = llguidance.LLMatcher(vocab, grammar.text)
+        self.n_vocab = n_vocab
+        self.matcher = llguidance.LLMatcher(vocab, grammar.text, log_level=0)
+        if self.matcher.is_error():  # checked grammars compile; this would allow only end-of-sequence
+            log.warning("mlxlab: %s did not compile for this tokenizer: %s", grammar.what, self.matcher.get_error())
         self.mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self.seen: int | None = None  # tokens of the context already accounted for
-        self.steps = 0
 
     def advance(self, tokens: list[int]) -> None:
         """Consume tokens sampled under this constraint."""
@@ -166,16 +195,11 @@ class Constraint:
         if self.seen is not None and n > self.seen:
             self.advance(tokens.reshape(-1)[self.seen:].tolist())
         self.seen = n
-        self.steps += 1
-        allowed = mx.array(self.allowed())
+        allowed = self.allowed()
         width = logits.shape[-1]
         if width > self.n_vocab:  # padded embedding rows are never allowed
-            allowed = mx.concatenate([allowed, mx.zeros((width - self.n_vocab,), dtype=mx.bool_)])
-        return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
-
-    @property
-    def complete(self) -> bool:
-        return self.matcher.is_accepting()
+            allowed = np.concatenate([allowed, np.zeros(width - self.n_vocab, dtype=bool)])
+        return mx.where(mx.array(allowed[:width]), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
 def constrain(grammar: Grammar, tokenizer, n_vocab: int) -> Constraint:

@@ -1,5 +1,6 @@
-"""The package's import graph: no cycles (function-level imports included, so none can hide one),
-and the serving engine imports nothing above it."""
+"""The package's import graph: no cycles (function-level imports included, so none can hide one;
+modules loaded by name with importlib, as the task registry does, are not edges here), and the
+layers import only downwards."""
 
 from __future__ import annotations
 

@@ -5,12 +5,17 @@ batched lane's per-row constraints."""
 from __future__ import annotations
 
 import json
+import threading
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from mlxlab import grammar as G
+from mlxlab.serve import structured
 from mlxlab.serve.engine.jobs import Done, Job, Sampling
+from mlxlab.serve.engine.output import ToolSyntax
+from mlxlab.serve.http import APIError
 from tests.helpers.serve import make_client, named_events, sse_events, streamed_content
 
 SCHEMA = {"type": "object", "properties": {
@@ -61,7 +66,7 @@ def test_json_schema_output_parses_validates_and_streams_the_same(client):
 
 def test_sampled_json_object_and_text(client):
     texts = set()
-    for seed in (1, 2, 3):  # sampled, on the batched path's sampler too: every draw validates
+    for seed in (1, 2, 3):  # sampled: every draw validates
         out = chat(client, temperature=1.0, seed=seed, response_format=fmt(SCHEMA))["choices"][0]
         assert out["finish_reason"] == "stop"
         jsonschema.validate(json.loads(out["message"]["content"]), SCHEMA)
@@ -180,9 +185,7 @@ def test_batched_rows_with_and_without_constraints_equal_each_alone(tiny_dir):
                     for i, (p, g) in enumerate(zip(prompts, grammars, strict=True))]
 
         def run(batch):
-            done, events = {}, []
-            import threading
-            left = threading.Semaphore(0)
+            done, left = {}, threading.Semaphore(0)
             for j in batch:
                 j.sink = lambda ev, j=j: (done.__setitem__(j.id, ev), left.release()) if isinstance(ev, Done) else None
                 gateway.submit(j)
@@ -200,3 +203,85 @@ def test_batched_rows_with_and_without_constraints_equal_each_alone(tiny_dir):
             jsonschema.validate(json.loads(tok.decode(together[str(i)].tokens[:-1])), SCHEMA)
     finally:
         gateway.stop()
+
+
+def test_logprobs_under_a_constraint_are_finite(client):
+    body = chat(client, response_format=fmt(SCHEMA), logprobs=True, top_logprobs=20, max_tokens=24)
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert entries and all(e["logprob"] > -1e4 for e in entries)
+    assert all(t["logprob"] > -float("inf") for e in entries for t in e["top_logprobs"])
+    assert any(len(e["top_logprobs"]) < 20 for e in entries)  # ruled-out tokens are no alternatives
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, "temperature": 0, "logprobs": 5,
+                                             "response_format": fmt(SCHEMA), "stream": True})
+    assert r.status_code == 200 and "Infinity" not in r.text
+
+
+def test_schemas_that_closing_could_break_still_compile():
+    combined = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                          {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert G.closed(combined) == combined
+    G.json_schema(combined)
+    assert G.closed(SCHEMA) == SCHEMA  # already closed
+    opened = {"type": "object", "properties": {"x": {"type": "object", "properties": {"y": {}}}}}
+    assert G.closed(opened)["additionalProperties"] is False
+    assert G.closed(opened)["properties"]["x"]["additionalProperties"] is False
+
+
+def fake_loaded(tiny_tokenizer, family: str | None):
+    markers = {"gemma4": ("<|tool_call>", "<tool_call|>"), "json_tools": ("<tool_call>", "</tool_call>"),
+               "pythonic": ("[", "]")}
+    tool = ToolSyntax(*markers[family], lambda text, tools: None, family) if family else None
+    return SimpleNamespace(tool=tool, tokenizer=tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(client):
+    return client.app.state.gateway.loaded.tokenizer
+
+
+@pytest.mark.parametrize("params,fragment", [
+    ({"type": "object", "required": 5}, "tools[0]"), ({"type": "object", "properties": [1]}, "tools[0]"),
+    ({"type": "string", "minLength": "a"}, "tools[0]"), ("a string", "must be a JSON schema object")])
+def test_malformed_tool_schemas_are_400_on_every_family(tokenizer, params, fragment):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    for family in ("gemma4", "json_tools"):
+        with pytest.raises(APIError) as e:
+            structured.grammar_for(structured.Shape(tool_choice="required"), tools, fake_loaded(tokenizer, family))
+        assert e.value.status == 400 and fragment in e.value.message and e.value.param == "tools[0]"
+
+
+def test_unforced_tools_on_a_family_without_a_grammar_keep_the_schema(tokenizer):
+    shape = structured.Shape(schema=SCHEMA)
+    g = structured.grammar_for(shape, TOOLS, fake_loaded(tokenizer, "pythonic"))
+    assert g is not None and "tool" not in g.what
+    with pytest.raises(APIError) as e:
+        structured.grammar_for(structured.Shape(tool_choice="required"), TOOLS, fake_loaded(tokenizer, "pythonic"))
+    assert e.value.code == "tool_choice_not_enforceable"
+    with pytest.raises(APIError) as e:
+        structured.grammar_for(shape, None, fake_loaded(tokenizer, None), reasoning=True)
+    assert e.value.code == "constraint_with_reasoning"
+    huge = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "xs": {"type": "array", "items": {"type": "integer"}, "minItems": 100000}}, "required": ["xs"]}}}]
+    g = structured.grammar_for(structured.Shape(tool_choice="required"), huge, fake_loaded(tokenizer, "gemma4"))
+    assert len(g.text) < 20000  # not unrolled
+
+
+def test_allowed_tools_limit_the_choice(client):
+    only_time = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    c = chat(client, tools=TOOLS, tool_choice=only_time)["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and {t["function"]["name"] for t in c["message"]["tool_calls"]} == {
+        "get_time"}
+    assert chat(client, tools=TOOLS, tool_choice={"type": "custom", "custom": {"name": "x"}}, max_tokens=4)
+
+
+def test_odd_bodies_are_4xx_in_the_right_shape(client):
+    r = client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\xff"}]}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = client.post("/v1/chat/completions", content=b'\xff\xfe{}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert client.get("/v1/messages").json()["type"] == "error"  # 405, Anthropic shape
+    assert client.post("/v1/messages/nope", json={}).json()["error"]["type"] == "not_found_error"
+    r = client.post("/v1/responses", json={"input": [{"role": "user", "content": ["x"]}]})
+    assert r.status_code == 400 and "part" in r.json()["error"]["message"]

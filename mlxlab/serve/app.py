@@ -8,7 +8,7 @@
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`). Every response carries `X-Request-ID` (the client's, or a new one); each router
 answers its errors in its own protocol's shape (`http.protocol_route`); paths no router has get
-404/405 in the OpenAI shape.
+404/405 in the OpenAI shape (the Anthropic one under /v1/messages).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mlxlab.config import ServeConfig
 from mlxlab.serve.admin import router as admin
 from mlxlab.serve.anthropic import router as anthropic
+from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.http import APIError, Exchanges, InFlight, respond
 from mlxlab.serve.openai import router as openai
@@ -38,13 +39,17 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
     for router in (admin.health_router, admin.router, openai.router, anthropic.router, responses.router):
         app.include_router(router)
 
+    def shape_for(request: Request):
+        """No router took the request: the Anthropic shape under its prefix, else OpenAI's."""
+        return anthropic_error_shape if request.url.path.startswith("/v1/messages") else error_shape
+
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
-        return respond(APIError(exc.status_code, str(exc.detail), type=kind), error_shape)
+        return respond(APIError(exc.status_code, str(exc.detail), type=kind), shape_for(request))
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
-        return respond(APIError(500, f"internal error: {exc}", type="server_error"), error_shape)
+        return respond(APIError(500, f"internal error: {exc}", type="server_error"), shape_for(request))
 
     return app

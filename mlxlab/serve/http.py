@@ -17,6 +17,7 @@ from collections.abc import Callable
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ def protocol_route(shape: Shape, drains: bool = True) -> type[APIRoute]:
                     return respond(e, shape)
                 except RequestValidationError as e:
                     return respond(validation_error(e), shape)
+                except StarletteHTTPException as e:  # e.g. a body that is not UTF-8
+                    return respond(APIError(e.status_code, str(e.detail)), shape)
                 except Exception as e:  # noqa: BLE001 - a bug answers 500, the server carries on
                     log.exception("mlxlab serve: %s %s failed", request.method, request.url.path)
                     return respond(APIError(500, f"internal error: {e}", type="server_error"), shape)
@@ -107,7 +110,6 @@ class Exchanges:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id", b"").decode("latin-1") or f"req_{uuid.uuid4().hex}"
-        scope.setdefault("state", {})["request_id"] = rid
 
         async def stamped(message):
             if message["type"] == "http.response.start":

@@ -103,6 +103,8 @@ def text_of(content, where: str, text_kinds=("text", "input_text", "output_text"
         return content
     parts = []
     for part in content:
+        if not isinstance(part, dict):
+            raise APIError(400, f"{where}: each content part must be an object", param=where)
         kind = part.get("type")
         if kind in text_kinds:
             if not isinstance(part.get("text"), str):
@@ -245,7 +247,7 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         prompt = render_text(loaded, ask.prompt)
     limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
     sampling = resolve_sampling(ask.sampling, cfg, loaded)
-    grammar = grammar_for(ask.shape, ask.tools, loaded)
+    grammar = grammar_for(ask.shape, ask.tools, loaded, reasoning)
     try:
         loaded.adapters.check(ask.adapter)
     except KeyError as e:

@@ -4,7 +4,7 @@ when the job is made, so a schema that cannot compile is a 400 before any genera
 
 - A JSON answer (OpenAI `response_format` json_object / json_schema, Responses `text.format`):
   the output is produced under the schema, so it always parses and validates (unless max_tokens
-  cuts it: then the text is a valid prefix).
+  or a stop sequence cuts it: then the text is a valid prefix).
 - A forced tool call (OpenAI `tool_choice` "required" or a named function, Anthropic `any` /
   `tool`, Responses likewise): the output is the family's tool-call markup around JSON whose
   `arguments` follow the tool's parameter schema, so the call parses and its arguments validate;
@@ -56,34 +56,57 @@ def named(name: str) -> str:
 
 
 def _tool_specs(tools: list[dict]) -> list[tuple[str, dict]]:
+    """(name, parameter schema) per offered function tool; a 400 naming the tool when its schema
+    is not one (checked by compiling it, so the markup builders only see valid schemas)."""
     out = []
-    for t in tools:
+    for i, t in enumerate(tools):
         fn = t.get("function", t)
         params = fn.get("parameters") or {"type": "object"}
-        out.append((fn["name"], params))
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}] ({fn['name']}): parameters must be a JSON schema object",
+                           param=f"tools[{i}]", code="invalid_schema")
+        try:
+            G.json_schema(params, f"tools[{i}] ({fn['name']}): parameters")
+        except G.GrammarError as e:
+            raise APIError(400, str(e), param=f"tools[{i}]", code="invalid_schema") from None
+        out.append((fn["name"], G.closed(params)))
     return out
 
 
-def grammar_for(shape: Shape, tools: list[dict] | None, loaded: Loaded) -> G.Grammar | None:
-    """The grammar for `shape` given the offered `tools`; None when nothing is asked. A 400
-    naming the field for anything that cannot be enforced."""
-    if not shape.constrained:
-        return None
-    if shape.tool_choice != "auto" or (shape.schema is not None and tools):
-        return _with_tools(shape, tools or [], loaded)
+def _schema_only(shape: Shape) -> G.Grammar:
     try:
         return G.json_schema(shape.schema, f"{shape.schema_field}: the JSON schema")
     except G.GrammarError as e:
         raise APIError(400, str(e), param=shape.schema_field, code="invalid_schema") from None
 
 
+def grammar_for(shape: Shape, tools: list[dict] | None, loaded: Loaded, reasoning: bool = False) -> G.Grammar | None:
+    """The grammar for `shape` given the offered `tools`; None when nothing is asked. A 400
+    naming the field for anything that cannot be enforced. `reasoning`: the prompt opens a
+    reasoning block, which a grammar from the first token would fill with the answer."""
+    if not shape.constrained:
+        return None
+    if reasoning:
+        field = shape.schema_field if shape.schema is not None else shape.choice_field
+        raise APIError(400, f"{field}: structured output and forced tool calls cannot start inside the model's "
+                            "reasoning; turn thinking off (chat_template_kwargs enable_thinking false)",
+                       param=field, code="constraint_with_reasoning")
+    forcing = shape.tool_choice != "auto"
+    if not forcing and not tools:
+        return _schema_only(shape)
+    syntax = loaded.tool
+    if not forcing and (syntax is None or syntax.family not in ENFORCEABLE_TOOL_FAMILIES):
+        return _schema_only(shape)  # calls cannot be grammar-shaped here: the answer is held to the schema
+    return _with_tools(shape, tools or [], loaded)
+
+
 def _with_tools(shape: Shape, tools: list[dict], loaded: Loaded) -> G.Grammar:
     where = shape.choice_field
     forcing = shape.tool_choice != "auto"
-    specs = _tool_specs(tools)
-    if forcing and not specs:
+    if forcing and not tools:
         raise APIError(400, f"{where}: {shape.tool_choice.lstrip('=')!r} needs at least one function tool",
                        param=where)
+    specs = _tool_specs(tools)
     if shape.forced_tool is not None:
         specs = [s for s in specs if s[0] == shape.forced_tool]
         if not specs:
@@ -93,18 +116,18 @@ def _with_tools(shape: Shape, tools: list[dict], loaded: Loaded) -> G.Grammar:
     syntax = loaded.tool
     if syntax is None or syntax.family not in ENFORCEABLE_TOOL_FAMILIES:
         family = syntax.family if syntax else "none"
-        raise APIError(400, f"{where}: this model's tool-call format ({family}) cannot be enforced by a grammar "
-                            "here; use tool_choice auto", param=where, code="tool_choice_not_enforceable")
+        raise APIError(400, f"{where}: this model's tool-call format ({family}) cannot be enforced by a grammar",
+                       param=where, code="tool_choice_not_enforceable")
     rules = tool_grammar.Rules()
-    tool_grammar.BUILDERS[syntax.family](rules, syntax, [(n, G.closed(p)) for n, p in specs], loaded.tokenizer)
+    tool_grammar.BUILDERS[syntax.family](rules, syntax, specs, loaded.tokenizer)
     calls = 'call (NL? call)*' if shape.parallel else "call"
     rules = [f"calls: {calls}", *rules.lines, 'NL: "\\n"']
     if shape.schema is not None and not forcing:  # auto: a call or the JSON answer
+        _schema_only(shape)  # names the schema field when the answer's schema is at fault
         rules = ["start: calls | answer", f"answer: {G.embedded_json(shape.schema)}", *rules]
     else:
         rules = ["start: calls", *rules]
     try:
         return G.lark("\n".join(rules) + "\n", f"{where}: the tool-call grammar")
     except G.GrammarError as e:
-        field = shape.schema_field if "answer" in str(e) else where
-        raise APIError(400, str(e), param=field, code="invalid_schema") from None
+        raise APIError(400, str(e), param=where, code="invalid_schema") from None

@@ -94,7 +94,8 @@ def _gemma4_value(rules: Rules, schema: dict, q: str) -> str:
         return rules.add(f"{q} {_text(schema)} {q}")
     if kind == "object" and schema.get("properties"):
         return _gemma4_object(rules, schema, q)
-    if kind == "array" and isinstance(schema.get("items"), dict):
+    if kind == "array" and isinstance(schema.get("items"), dict) \
+            and int(schema.get("minItems", 0)) <= MAX_UNROLLED_ITEMS:
         item = _gemma4_value(rules, schema["items"], q)
         inner = _repeat(rules, item, int(schema.get("minItems", 0)), schema.get("maxItems"))
         return rules.add(f'"[" {inner} "]"')

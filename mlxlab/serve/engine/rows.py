@@ -111,18 +111,22 @@ class RowOutput:
 
 
 def token_logprobs(tok, token: int, logprobs, top: int) -> list[dict]:
+    """The chosen token's logprob and the `top` most likely alternatives; tokens a grammar ruled
+    out (-inf) are not alternatives (JSON has no infinity)."""
+    import math
+
     import mlx.core as mx
 
     def entry(tid: int, lp: float) -> dict:
         text = tok.decode([tid])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": lp if math.isfinite(lp) else -9999.0, "bytes": list(text.encode("utf-8"))}
 
     e = entry(token, logprobs[token].item())
     if top:
         ids = mx.argpartition(-logprobs, top - 1)[:top]
         vals = logprobs[ids]
         pairs = sorted(zip(ids.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
-        e["top_logprobs"] = [entry(i, v) for i, v in pairs]
+        e["top_logprobs"] = [entry(i, v) for i, v in pairs if math.isfinite(v)]
     else:
         e["top_logprobs"] = []
     return [e]

@@ -154,11 +154,15 @@ class ChatRequest(Sampled):
     @field_validator("tool_choice")
     @classmethod
     def _choice(cls, v):
-        if isinstance(v, dict):
+        if isinstance(v, dict) and v.get("type") == "function":
             try:
                 return ToolChoiceFunction.model_validate(v)
             except ValueError:
                 pass
+        elif isinstance(v, dict) and v.get("type") == "allowed_tools":
+            return v  # {"type": "allowed_tools", "allowed_tools": {"mode", "tools": [...]}}: see to_ask
+        elif isinstance(v, dict) and isinstance(v.get("type"), str):
+            return "auto"  # a choice among tool kinds this server does not run (custom, built-in)
         elif v is None or v in ("auto", "none", "required"):
             return v
         raise ValueError("tool_choice must be auto, none, required or {type: function, function: {name}}")
@@ -166,11 +170,17 @@ class ChatRequest(Sampled):
     def to_ask(self) -> Ask:
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         shape = self.response_format.shape() if self.response_format else Shape()
+        choice = self.tool_choice
+        if isinstance(choice, dict):  # allowed_tools: only the listed functions are offered
+            spec = choice.get("allowed_tools") or choice
+            allowed = {(t.get("function") or t).get("name") for t in spec.get("tools") or [] if isinstance(t, dict)}
+            tools = [t for t in tools or [] if t["function"]["name"] in allowed] or None
+            choice = "required" if spec.get("mode") == "required" else "auto"
         return Ask(messages=normalize_messages([m.model_dump(exclude_none=True) for m in self.messages]),
                    tools=None if self.tool_choice == "none" else tools, template_kwargs=self.chat_template_kwargs,
                    max_tokens=self.max_completion_tokens or self.max_tokens, stops=self.stop_list(),
                    sampling=SamplingAsk.of(self), logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
-                   adapter=adapter_spec(self.adapter), shape=choice_shape(self.tool_choice, self.parallel_tool_calls, shape))
+                   adapter=adapter_spec(self.adapter), shape=choice_shape(choice, self.parallel_tool_calls, shape))
 
 
 class CompletionRequest(Sampled):

@@ -123,11 +123,15 @@ def to_chat(body: ResponsesRequest, previous: dict | None) -> tuple[list[dict], 
 
 
 def function_tools(body: ResponsesRequest) -> list[dict] | None:
+    """The function tools offered to the model (those tool_choice allowed_tools lists, if it does)."""
     if body.tool_choice == "none":
         return None
+    allowed = None
+    if isinstance(body.tool_choice, dict) and body.tool_choice.get("type") == "allowed_tools":
+        allowed = {t.get("name") for t in body.tool_choice.get("tools") or [] if isinstance(t, dict)}
     out = []
     for i, t in enumerate(body.tools or []):
-        if t.get("type") != "function":
+        if t.get("type") != "function" or (allowed is not None and t.get("name") not in allowed):
             continue  # built-in tools (web_search, file_search, ...) are not run here
         if not isinstance(t.get("name"), str):
             raise APIError(400, f"tools[{i}]: a function tool needs a string name", param=f"tools[{i}]")
@@ -149,10 +153,14 @@ def shape_of(body: ResponsesRequest) -> Shape:
     choice = body.tool_choice
     if choice == "required":
         shape.tool_choice = "required"
-    elif isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
-            raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str) or not choice["name"]:
+            raise APIError(400, "tool_choice: {type: function} needs a name", param="tool_choice")
         shape.tool_choice = named(choice["name"])
+    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        shape.tool_choice = "required" if choice.get("mode") == "required" else "auto"  # see function_tools
+    elif isinstance(choice, dict) and isinstance(choice.get("type"), str):
+        pass  # a built-in tool kind (web_search_preview, file_search, ...) this server does not run
     elif choice not in (None, "auto", "none"):
         raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
     return shape
