@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -148,18 +149,22 @@ def literal(text: str, tokenizer) -> str:
 
 
 _VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VOCABS_LOCK = threading.Lock()
 
 
 def vocab_for(tokenizer, n_vocab: int):
-    """llguidance's view of `tokenizer` (built once per tokenizer object: ~1 s on big vocabularies)."""
+    """llguidance's view of `tokenizer`, built once per tokenizer object (thread-safe; slow on big
+    vocabularies: 4-8 s for Gemma 3's 262k tokens on the 2-core CPU, so a server builds it while
+    it loads)."""
     import llguidance.hf
 
     key = getattr(tokenizer, "_tokenizer", tokenizer)
-    cached = _VOCABS.get(key)
-    if cached is None or cached[0] != n_vocab:
-        eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [key.eos_token_id])
-        cached = (n_vocab, llguidance.hf.from_tokenizer(key, n_vocab=n_vocab, eos_token=eos))
-        _VOCABS[key] = cached
+    with _VOCABS_LOCK:
+        cached = _VOCABS.get(key)
+        if cached is None or cached[0] != n_vocab:
+            eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [key.eos_token_id])
+            cached = (n_vocab, llguidance.hf.from_tokenizer(key, n_vocab=n_vocab, eos_token=eos))
+            _VOCABS[key] = cached
     return cached[1]
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
+from mlxlab import grammar
 from mlxlab.config import ServeConfig
 from mlxlab.models.zoo import load, resolve
 from mlxlab.serve.engine import admission, kv_quant
@@ -28,6 +30,11 @@ class Loaded:
         self.eos = set(self.tokenizer.eos_token_ids)
         # The width of the logits (embedding rows; may exceed the tokenizer's vocabulary).
         self.n_vocab = int(getattr(self.model.args, "vocab_size", 0) or len(self.tokenizer._tokenizer))
+        # The grammar engine's view of the vocabulary, for structured output: slow to build on a big
+        # vocabulary (~4 s for Gemma 3's), so it is built alongside the rest of loading and the
+        # server is ready only when it is (no request pays for it, nor shares the CPU with it).
+        vocab = threading.Thread(target=self._grammar_vocab, name="mlxlab-grammar-vocab", daemon=True)
+        vocab.start()
         self.tool = tool_syntax(self.tokenizer)
         self.think = think_markers(self.tokenizer)
         self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)
@@ -42,6 +49,14 @@ class Loaded:
             m = self.adapters.mount(adapter_id, path)
             log.info("mlxlab serve: mounted adapter %r from %s (rank %d, %d modules)", adapter_id, m.path,
                      m.rank, len(m.modules))
+        vocab.join()
+
+
+    def _grammar_vocab(self) -> None:
+        try:
+            grammar.vocab_for(self.tokenizer, self.n_vocab)
+        except Exception as e:  # noqa: BLE001 - structured output then fails per request, with this message
+            log.warning("mlxlab serve: the grammar engine cannot read this tokenizer (%s)", e)
 
 
 def hidden_token_ids(tokenizer, tool, think) -> set[int]:
