@@ -13,18 +13,28 @@ import mlxlab  # noqa: F401  (loads the optimized BLAS before anything imports M
 
 # command -> (module with main(argv), one-line summary). Only commands that work are listed.
 COMMANDS = {
-    "generate": ("mlxlab.generate", "stream text from a model (prompt=..., chat=true, max_tokens=...)"),
+    "generate": (
+        "mlxlab.generate",
+        "stream text from a model (prompt=..., chat=true, max_tokens=...)",
+    ),
     "models": ("mlxlab.models.cli", "the model zoo: list | pull NAME | convert FILE.gguf | info"),
-    "train": ("mlxlab.train.cli", "LoRA fine-tuning (+exp=quickstart, data.train=..., resume=true)"),
+    "train": (
+        "mlxlab.train.cli",
+        "LoRA fine-tuning (+exp=quickstart, data.train=..., resume=true)",
+    ),
     "lora": ("mlxlab.lora.cli", "adapters: check adapter=DIR | fuse adapter=DIR out=DIR"),
     "diag": ("mlxlab.diag.cli", "harnesses: parity (vs mlx-lm) | leak | memory"),
-    "serve": ("mlxlab.serve.cli", "OpenAI-compatible HTTP server (model=..., port=8090, memory_budget_gb=...)"),
+    "serve": (
+        "mlxlab.serve.cli",
+        "OpenAI-compatible HTTP server (model=..., port=8090, memory_budget_gb=...)",
+    ),
     "data": ("mlxlab.data.cli", "build a task dataset offline: chunk out=DIR"),
     "eval": ("mlxlab.eval.cli", "score a model/adapter on a task: chunk adapter=DIR"),
 }
 
-USAGE = "usage: python -m mlxlab <command> [key=value ...] [--cfg job] [--help]\n\ncommands:\n" + "".join(
-    f"  {name:<10} {summary}\n" for name, (_, summary) in COMMANDS.items()
+USAGE = (
+    "usage: python -m mlxlab <command> [key=value ...] [--cfg job] [--help]\n\ncommands:\n"
+    + "".join(f"  {name:<10} {summary}\n" for name, (_, summary) in COMMANDS.items())
 )
 
 

@@ -126,8 +126,21 @@ def quote_free_text(arg: str) -> str:
     return key + "='" + body + "\\" * tail + "'"
 
 
-HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
-                     "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+HYDRA_VALUE_FLAGS = {
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--info",
+    "-i",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+}
 
 
 def positional_to_overrides(argv: list[str], names: tuple[str, ...]) -> list[str]:

@@ -28,6 +28,7 @@ from mlxlab.errors import UserError
 
 log = logging.getLogger(__name__)
 
+
 class GrammarError(UserError, ValueError):
     """A schema or grammar llguidance cannot compile; the message names the problem."""
 
@@ -49,7 +50,11 @@ def _problem(text: str) -> str | None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if not is_error:
         return None
-    lines = [line.strip() for line in (messages[0] if messages else "invalid grammar").splitlines() if line.strip()]
+    lines = [
+        line.strip()
+        for line in (messages[0] if messages else "invalid grammar").splitlines()
+        if line.strip()
+    ]
     message = " ".join(lines)
     return message if len(message) <= 300 else message[:297] + "..."
 
@@ -68,7 +73,16 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 # Where closing objects could change what is valid (an allOf branch closed against its sibling's
 # properties, a negation, a conditional, a reference from such a place): leave the schema as is.
-_NO_CLOSING = ("allOf", "not", "if", "then", "else", "$ref", "dependentSchemas", "unevaluatedProperties")
+_NO_CLOSING = (
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "$ref",
+    "dependentSchemas",
+    "unevaluatedProperties",
+)
 
 
 def _mentions(schema, keys) -> bool:
@@ -98,8 +112,11 @@ def _close(schema):
     for key in ("properties", "patternProperties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
             out[key] = {name: _close(s) for name, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
-            and "patternProperties" not in out:
+    if (
+        isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -131,7 +148,9 @@ def lark(text: str, what: str = "grammar") -> Grammar:
 def embedded_json(schema: dict) -> str:
     """`schema` as a Lark rule body (`%json {...}`) in the same JSON style as `json_schema`."""
     schema = closed(schema)
-    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}})
+    return "%json " + json.dumps(
+        {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
+    )
 
 
 def literal(text: str, tokenizer) -> str:
@@ -176,8 +195,14 @@ class Constraint:
 
         self.n_vocab = n_vocab
         self.matcher = llguidance.LLMatcher(vocab, grammar.text, log_level=0)
-        if self.matcher.is_error():  # checked grammars compile; this would allow only end-of-sequence
-            log.warning("mlxlab: %s did not compile for this tokenizer: %s", grammar.what, self.matcher.get_error())
+        if (
+            self.matcher.is_error()
+        ):  # checked grammars compile; this would allow only end-of-sequence
+            log.warning(
+                "mlxlab: %s did not compile for this tokenizer: %s",
+                grammar.what,
+                self.matcher.get_error(),
+            )
         self.mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self.seen: int | None = None  # tokens of the context already accounted for
 
@@ -198,13 +223,15 @@ class Constraint:
 
         n = int(tokens.shape[-1]) if tokens is not None else 0
         if self.seen is not None and n > self.seen:
-            self.advance(tokens.reshape(-1)[self.seen:].tolist())
+            self.advance(tokens.reshape(-1)[self.seen :].tolist())
         self.seen = n
         allowed = self.allowed()
         width = logits.shape[-1]
         if width > self.n_vocab:  # padded embedding rows are never allowed
             allowed = np.concatenate([allowed, np.zeros(width - self.n_vocab, dtype=bool)])
-        return mx.where(mx.array(allowed[:width]), logits, mx.array(-float("inf"), dtype=logits.dtype))
+        return mx.where(
+            mx.array(allowed[:width]), logits, mx.array(-float("inf"), dtype=logits.dtype)
+        )
 
 
 def constrain(grammar: Grammar, tokenizer, n_vocab: int) -> Constraint:

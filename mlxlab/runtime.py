@@ -74,7 +74,9 @@ def _relinked_openblas(lib: Path) -> Path:
     if gfortran is None or patchelf is None:
         raise OSError("libgfortran.so.5 is missing and no bundled copy or patchelf was found")
     st = lib.stat()
-    key = hashlib.sha256(f"{lib}:{st.st_size}:{st.st_mtime_ns}:{gfortran}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{lib}:{st.st_size}:{st.st_mtime_ns}:{gfortran}".encode()).hexdigest()[
+        :16
+    ]
     out = home() / "blas" / f"libopenblas-{key}.so.0"
     if out.exists():
         return out
@@ -84,9 +86,18 @@ def _relinked_openblas(lib: Path) -> Path:
     try:
         shutil.copyfile(lib, tmp)
         subprocess.run(
-            [patchelf, "--replace-needed", "libgfortran.so.5", gfortran.name,
-             "--set-rpath", str(gfortran.parent), tmp],
-            check=True, capture_output=True, timeout=60,
+            [
+                patchelf,
+                "--replace-needed",
+                "libgfortran.so.5",
+                gfortran.name,
+                "--set-rpath",
+                str(gfortran.parent),
+                tmp,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
         )
         os.replace(tmp, out)
     finally:
@@ -126,12 +137,14 @@ def _cpu_flags() -> str:
 
 
 def _probe(lib: Path) -> str:
-    """"ok", or why `lib` cannot serve MLX here. Some OpenBLAS builds run AVX-512 kernels on CPUs
+    """ "ok", or why `lib` cannot serve MLX here. Some OpenBLAS builds run AVX-512 kernels on CPUs
     without AVX-512 (cmeel-openblas 0.3.31 and 0.3.23 on an AMD EPYC without it: SIGILL in
     sgemm_small_kernel), which would kill the process at its first matmul; a child process takes
     that risk instead. The verdict is cached per library and CPU under MLXLAB_HOME/blas."""
     st = lib.stat()
-    key = hashlib.sha256(f"{lib}:{st.st_size}:{st.st_mtime_ns}:{_cpu_flags()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{lib}:{st.st_size}:{st.st_mtime_ns}:{_cpu_flags()}".encode()
+    ).hexdigest()[:16]
     cached = home() / "blas" / f"probe-{key}.txt"
     try:
         return cached.read_text().strip()
@@ -139,8 +152,13 @@ def _probe(lib: Path) -> str:
         pass
     env = {k: v for k, v in os.environ.items() if k != "MLXLAB_BLAS"}
     try:
-        r = subprocess.run([sys.executable, "-c", _PROBE, str(lib)], capture_output=True, text=True,
-                           timeout=120, env=env)
+        r = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(lib)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return f"probe failed to run ({e})"
     if r.returncode == 0 and r.stdout.strip().endswith("ok"):

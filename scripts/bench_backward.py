@@ -24,8 +24,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    ap.add_argument("--modes", nargs="+", default=["full", "checkpoint", "mlx_lm_gc", "seg1", "seg2",
-                                                   "seg4", "auto"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["full", "checkpoint", "mlx_lm_gc", "seg1", "seg2", "seg4", "auto"],
+    )
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--target-gb", type=float, default=1.6)
     ap.add_argument("--out", default="bench_backward")
@@ -34,21 +37,34 @@ def main() -> None:
     import mlxlab  # noqa: F401
     from mlxlab.diag import memory
 
-    report = memory.sweep(args.model, args.lengths, args.modes, args.steps, target_gb=args.target_gb,
-                          progress=lambda line: print(line, flush=True))
+    report = memory.sweep(
+        args.model,
+        args.lengths,
+        args.modes,
+        args.steps,
+        target_gb=args.target_gb,
+        progress=lambda line: print(line, flush=True),
+    )
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [memory.table(report)]
     res = report["results"]
-    ok = [L for L in args.lengths if all("error" not in res.get(m, {}).get(str(L), {"error": 1})
-                                         for m in ("full", "mlx_lm_gc"))]
+    ok = [
+        L
+        for L in args.lengths
+        if all(
+            "error" not in res.get(m, {}).get(str(L), {"error": 1}) for m in ("full", "mlx_lm_gc")
+        )
+    ]
     if ok:
         L = str(max(ok))
         for mode in [m for m in args.modes if m.startswith("seg") or m == "auto"]:
             r = res[mode].get(L, {})
             if "peak_gb" in r:
-                lines.append(f"{mode} @ {L}: peak {r['peak_gb'] / res['mlx_lm_gc'][L]['peak_gb']:.2f}x mlx-lm "
-                             f"grad-checkpoint (target <= 0.5), time "
-                             f"{r['s_per_step'] / res['full'][L]['s_per_step']:.2f}x full backward (target <= 1.3)")
+                lines.append(
+                    f"{mode} @ {L}: peak {r['peak_gb'] / res['mlx_lm_gc'][L]['peak_gb']:.2f}x mlx-lm "
+                    f"grad-checkpoint (target <= 0.5), time "
+                    f"{r['s_per_step'] / res['full'][L]['s_per_step']:.2f}x full backward (target <= 1.3)"
+                )
     text = "\n".join(lines)
     print("\n" + text)
     Path(f"{args.out}.md").write_text("```\n" + text + "\n```\n")

@@ -41,8 +41,12 @@ print(json.dumps({"prompt_tps": r.prompt_tps, "decode_tps": r.generation_tps,
 
 
 def measure(side: str, model_dir: str, prompt_tokens: int, max_tokens: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", MEASURE, side, model_dir, str(prompt_tokens),
-                          str(max_tokens)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, side, model_dir, str(prompt_tokens), str(max_tokens)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -63,18 +67,29 @@ def main() -> None:
         for side in ("mlx-lm", "mlxlab"):
             r = measure(side, model_dir, args.prompt_tokens, args.max_tokens)
             runs[side].append(r)
-            print(f"round {i + 1} {side:<7} prompt {r['prompt_tps']:8.1f} tok/s  "
-                  f"decode {r['decode_tps']:6.2f} tok/s  peak {r['peak_gb']:.2f} GB", flush=True)
-    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("prompt_tps", "decode_tps", "peak_gb")}
-           for side, rs in runs.items()}
-    print(f"\nmodel {args.model}, prompt {args.prompt_tokens} tokens, decode {args.max_tokens} tokens, "
-          f"median of {args.rounds}")
+            print(
+                f"round {i + 1} {side:<7} prompt {r['prompt_tps']:8.1f} tok/s  "
+                f"decode {r['decode_tps']:6.2f} tok/s  peak {r['peak_gb']:.2f} GB",
+                flush=True,
+            )
+    med = {
+        side: {
+            k: statistics.median(r[k] for r in rs) for k in ("prompt_tps", "decode_tps", "peak_gb")
+        }
+        for side, rs in runs.items()
+    }
+    print(
+        f"\nmodel {args.model}, prompt {args.prompt_tokens} tokens, decode {args.max_tokens} tokens, "
+        f"median of {args.rounds}"
+    )
     print(f"{'':<8}{'prompt tok/s':>14}{'decode tok/s':>14}{'peak GB':>10}")
     for side, m in med.items():
         print(f"{side:<8}{m['prompt_tps']:>14.1f}{m['decode_tps']:>14.2f}{m['peak_gb']:>10.2f}")
     ratio_p = med["mlxlab"]["prompt_tps"] / med["mlx-lm"]["prompt_tps"]
     ratio_d = med["mlxlab"]["decode_tps"] / med["mlx-lm"]["decode_tps"]
-    print(f"ratio mlxlab/mlx-lm: prompt {ratio_p:.2f}x (target >= 8), decode {ratio_d:.2f}x (target >= 1.4)")
+    print(
+        f"ratio mlxlab/mlx-lm: prompt {ratio_p:.2f}x (target >= 8), decode {ratio_d:.2f}x (target >= 1.4)"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def document(records: int) -> str:
-    return " ".join(f"Record {i}: the parcel with id P-{i:04d} left depot {i % 7} on day {i % 30 + 1}."
-                    for i in range(records))
+    return " ".join(
+        f"Record {i}: the parcel with id P-{i:04d} left depot {i % 7} on day {i % 30 + 1}."
+        for i in range(records)
+    )
 
 
 def free_port() -> int:
@@ -45,7 +47,9 @@ def free_port() -> int:
 
 
 def start(cmd: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -63,8 +67,13 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
 
 def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
     """First-content time, last-content time, completion tokens and text of one streamed chat."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = last = None
     pieces, usage, chunks = [], None, 0
@@ -87,34 +96,64 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
                     chunks += 1
                     pieces.append(text)
     tokens = (usage or {}).get("completion_tokens") or chunks
-    return {"ttft": (first or time.perf_counter()) - t0, "decode_s": (last or 0) - (first or 0),
-            "tokens": tokens, "text": "".join(pieces), "usage": usage}
+    return {
+        "ttft": (first or time.perf_counter()) - t0,
+        "decode_s": (last or 0) - (first or 0),
+        "tokens": tokens,
+        "text": "".join(pieces),
+        "usage": usage,
+    }
 
 
 def measure(url: str, rounds: int, decode_tokens: int, doc: str) -> dict:
     stream_chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up
     decode, cold, warm = [], [], []
     for i in range(rounds):
-        story = stream_chat(url, [{"role": "user", "content": f"Tell a long story about robot number {i}."}],
-                            decode_tokens)
+        story = stream_chat(
+            url,
+            [{"role": "user", "content": f"Tell a long story about robot number {i}."}],
+            decode_tokens,
+        )
         if story["tokens"] > 8 and story["decode_s"] > 0:
             decode.append((story["tokens"] - 1) / story["decode_s"])
-        system = {"role": "system", "content": f"Session {i}-{time.time()}. Answer from these records.\n{doc}"}
+        system = {
+            "role": "system",
+            "content": f"Session {i}-{time.time()}. Answer from these records.\n{doc}",
+        }
         turn1 = [system, {"role": "user", "content": "Which depot did parcel P-0003 leave?"}]
         first = stream_chat(url, turn1, 16)
         cold.append(first["ttft"])
-        turn2 = turn1 + [{"role": "assistant", "content": first["text"]},
-                         {"role": "user", "content": "And on which day?"}]
+        turn2 = turn1 + [
+            {"role": "assistant", "content": first["text"]},
+            {"role": "user", "content": "And on which day?"},
+        ]
         warm.append(stream_chat(url, turn2, 16)["ttft"])
-    return {"decode_tok_s": statistics.median(decode) if decode else float("nan"),
-            "ttft_cold_s": statistics.median(cold), "ttft_second_turn_s": statistics.median(warm),
-            "rounds": rounds}
+    return {
+        "decode_tok_s": statistics.median(decode) if decode else float("nan"),
+        "ttft_cold_s": statistics.median(cold),
+        "ttft_second_turn_s": statistics.median(warm),
+        "rounds": rounds,
+    }
 
 
 def f32_copy(model_dir: Path, out: Path) -> Path:
     if not (out / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(model_dir), "--mlx-path",
-                        str(out), "--dtype", "float32"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlx_lm",
+                "convert",
+                "--hf-path",
+                str(model_dir),
+                "--mlx-path",
+                str(out),
+                "--dtype",
+                "float32",
+            ],
+            check=True,
+            capture_output=True,
+        )
     return out
 
 
@@ -123,9 +162,13 @@ def main() -> None:
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--doc-records", type=int, default=60, help="records in the shared document (~1,000 tokens)")
+    ap.add_argument(
+        "--doc-records", type=int, default=60, help="records in the shared document (~1,000 tokens)"
+    )
     ap.add_argument("--skip-matched", action="store_true", help="only mlx-lm with its defaults")
-    ap.add_argument("--skip-defaults", action="store_true", help="only mlx-lm at matched dtype and BLAS")
+    ap.add_argument(
+        "--skip-defaults", action="store_true", help="only mlx-lm at matched dtype and BLAS"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -137,15 +180,22 @@ def main() -> None:
     runs = {}
     port = free_port()
     print(f"mlxlab serve ({args.model}) ...", file=sys.stderr)
-    proc = start([sys.executable, "-m", "mlxlab", "serve", f"model={args.model}", f"port={port}"], port)
+    proc = start(
+        [sys.executable, "-m", "mlxlab", "serve", f"model={args.model}", f"port={port}"], port
+    )
     try:
-        runs["mlxlab"] = measure(f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens, document(args.doc_records))
+        runs["mlxlab"] = measure(
+            f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens, document(args.doc_records)
+        )
     finally:
         proc.terminate()
         proc.wait(60)
 
-    variants = {} if args.skip_defaults else {"mlx_lm (defaults)": ([sys.executable, "-m", "mlx_lm", "server"],
-                                                                    model_dir)}
+    variants = (
+        {}
+        if args.skip_defaults
+        else {"mlx_lm (defaults)": ([sys.executable, "-m", "mlx_lm", "server"], model_dir)}
+    )
     if not args.skip_matched:
         f32 = f32_copy(model_dir, home() / "bench" / f"{args.model}-f32")
         # Same BLAS as mlxlab: import mlxlab (which loads it) before mlx_lm's server starts.
@@ -156,27 +206,44 @@ def main() -> None:
         print(f"{name} ...", file=sys.stderr)
         proc = start([*cmd, "--model", str(path), "--port", str(port)], port)
         try:
-            runs[name] = measure(f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens, document(args.doc_records))
+            runs[name] = measure(
+                f"http://127.0.0.1:{port}",
+                args.rounds,
+                args.decode_tokens,
+                document(args.doc_records),
+            )
         finally:
             proc.terminate()
             proc.wait(60)
 
     ours = runs["mlxlab"]
-    print(f"\n{'server':<20} {'decode tok/s':>12} {'TTFT cold s':>12} {'TTFT 2nd turn s':>16} {'2nd/cold':>9}")
+    print(
+        f"\n{'server':<20} {'decode tok/s':>12} {'TTFT cold s':>12} {'TTFT 2nd turn s':>16} {'2nd/cold':>9}"
+    )
     for name, r in runs.items():
-        print(f"{name:<20} {r['decode_tok_s']:>12.2f} {r['ttft_cold_s']:>12.3f} {r['ttft_second_turn_s']:>16.3f} "
-              f"{r['ttft_second_turn_s'] / r['ttft_cold_s']:>9.3f}")
+        print(
+            f"{name:<20} {r['decode_tok_s']:>12.2f} {r['ttft_cold_s']:>12.3f} {r['ttft_second_turn_s']:>16.3f} "
+            f"{r['ttft_second_turn_s'] / r['ttft_cold_s']:>9.3f}"
+        )
     ratios = {}
     for name, r in runs.items():
         if name == "mlxlab":
             continue
-        ratios[name] = {"decode (target >= 1.0x)": ours["decode_tok_s"] / r["decode_tok_s"],
-                        "TTFT (target <= 1.0x)": ours["ttft_cold_s"] / r["ttft_cold_s"]}
+        ratios[name] = {
+            "decode (target >= 1.0x)": ours["decode_tok_s"] / r["decode_tok_s"],
+            "TTFT (target <= 1.0x)": ours["ttft_cold_s"] / r["ttft_cold_s"],
+        }
         print(f"\nmlxlab vs {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios[name].items()))
-    print(f"mlxlab second-turn TTFT vs cold (target <= 0.2x): {ours['ttft_second_turn_s'] / ours['ttft_cold_s']:.3f}x")
+    print(
+        f"mlxlab second-turn TTFT vs cold (target <= 0.2x): {ours['ttft_second_turn_s'] / ours['ttft_cold_s']:.3f}x"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "ratios": ratios, "model": args.model,
-                                               "pid": os.getpid()}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {"runs": runs, "ratios": ratios, "model": args.model, "pid": os.getpid()}, indent=2
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

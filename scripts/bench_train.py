@@ -52,30 +52,78 @@ lora.train_model(args, model, train_set, valid_set, Stamp())
 
 
 def run_mlx_lm(mode: str, model_dir: str, args, adapter_dir: Path) -> dict:
-    cmd = [sys.executable, "-c", MLX_LM, mode, "--model", model_dir, "--train", "--data", str(DATA),
-           "--iters", str(args.iters), "--batch-size", str(args.batch_size), "--num-layers", "-1",
-           "--mask-prompt", "--max-seq-length", str(args.max_seq_length), "--steps-per-report", "1",
-           "--steps-per-eval", str(10 * args.iters), "--val-batches", "1", "--learning-rate", "2e-4",
-           "--optimizer", "adamw", "--adapter-path", str(adapter_dir), "--save-every", str(10 * args.iters)]
+    cmd = [
+        sys.executable,
+        "-c",
+        MLX_LM,
+        mode,
+        "--model",
+        model_dir,
+        "--train",
+        "--data",
+        str(DATA),
+        "--iters",
+        str(args.iters),
+        "--batch-size",
+        str(args.batch_size),
+        "--num-layers",
+        "-1",
+        "--mask-prompt",
+        "--max-seq-length",
+        str(args.max_seq_length),
+        "--steps-per-report",
+        "1",
+        "--steps-per-eval",
+        str(10 * args.iters),
+        "--val-batches",
+        "1",
+        "--learning-rate",
+        "2e-4",
+        "--optimizer",
+        "adamw",
+        "--adapter-path",
+        str(adapter_dir),
+        "--save-every",
+        str(10 * args.iters),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     reports = [json.loads(x[7:]) for x in out.stdout.splitlines() if x.startswith("REPORT ")]
     if out.returncode != 0 or len(reports) < 2:
-        raise RuntimeError(f"mlx_lm.lora ({mode}) failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return {"s_per_step": (reports[-1]["t"] - reports[0]["t"]) / (len(reports) - 1),
-            "peak_gb": max(r["peak_memory"] for r in reports)}
+        raise RuntimeError(
+            f"mlx_lm.lora ({mode}) failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        )
+    return {
+        "s_per_step": (reports[-1]["t"] - reports[0]["t"]) / (len(reports) - 1),
+        "peak_gb": max(r["peak_memory"] for r in reports),
+    }
 
 
 def run_mlxlab(model: str, args, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "mlxlab", "train", "+exp=quickstart", f"model={model}",
-           f"out_dir={out}", f"iters={args.iters}", f"batch_size={args.batch_size}",
-           f"data.max_seq_length={args.max_seq_length}", "val_every=0", "save_every=0",
-           "log_every=1", "wandb=disabled", "optim.warmup=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxlab",
+        "train",
+        "+exp=quickstart",
+        f"model={model}",
+        f"out_dir={out}",
+        f"iters={args.iters}",
+        f"batch_size={args.batch_size}",
+        f"data.max_seq_length={args.max_seq_length}",
+        "val_every=0",
+        "save_every=0",
+        "log_every=1",
+        "wandb=disabled",
+        "optim.warmup=0",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     stamps = [r["elapsed_s"] for r in recs if "loss" in r]
     summary = json.loads((out / "summary.json").read_text())
-    return {"s_per_step": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
-            "peak_gb": summary["peak_mem_gb"]}
+    return {
+        "s_per_step": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+        "peak_gb": summary["peak_mem_gb"],
+    }
 
 
 def main() -> None:
@@ -111,8 +159,10 @@ def main() -> None:
     ours = results["mlxlab"]
     for ref in ("mlx_lm.lora (defaults)", "mlx_lm.lora (matched)"):
         r = results[ref]
-        print(f"mlxlab / {ref}: time {ours['s_per_step'] / r['s_per_step']:.2f}x, "
-              f"peak memory {ours['peak_gb'] / r['peak_gb']:.2f}x")
+        print(
+            f"mlxlab / {ref}: time {ours['s_per_step'] / r['s_per_step']:.2f}x, "
+            f"peak memory {ours['peak_gb'] / r['peak_gb']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

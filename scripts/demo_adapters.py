@@ -22,15 +22,27 @@ import httpx
 import mlxlab  # noqa: F401  (BLAS before MLX)
 
 REPO = Path(__file__).resolve().parents[1]
-QUESTIONS = ["What does `re.split` do?", "What does `time.sleep` do?", "What does `hashlib.sha256` do?"]
+QUESTIONS = [
+    "What does `re.split` do?",
+    "What does `time.sleep` do?",
+    "What does `hashlib.sha256` do?",
+]
 SYSTEM = "You are a concise Python reference. Answer in one sentence."
 
 
 def train(style: str, steps: int) -> Path:
     run = REPO / "outputs" / f"style_{style}" / "demo"
     if not (run / "adapter" / "adapters.safetensors").is_file():
-        cmd = [sys.executable, "-m", "mlxlab", "train", f"+exp=style_{style}", f"out_dir={run}", f"iters={steps}",
-               "wandb=disabled"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlxlab",
+            "train",
+            f"+exp=style_{style}",
+            f"out_dir={run}",
+            f"iters={steps}",
+            "wandb=disabled",
+        ]
         if run.exists():
             cmd.append("resume=true")
         subprocess.run(cmd, check=True, cwd=REPO)
@@ -47,9 +59,19 @@ def main() -> None:
     import openai
 
     url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "mlxlab", "serve", f"port={args.port}",
-                               f"adapters.upper={runs['upper']}", f"adapters.lower={runs['lower']}",
-                               f"adapter_root={REPO / 'outputs'}"], cwd=REPO)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxlab",
+            "serve",
+            f"port={args.port}",
+            f"adapters.upper={runs['upper']}",
+            f"adapters.lower={runs['lower']}",
+            f"adapter_root={REPO / 'outputs'}",
+        ],
+        cwd=REPO,
+    )
     try:
         for _ in range(600):
             try:
@@ -59,14 +81,24 @@ def main() -> None:
                 pass
             time.sleep(0.5)
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-demo")
-        print(client.models.list().data[0].id, [a["id"] for a in httpx.get(url + "/v1/adapters").json()["adapters"]])
+        print(
+            client.models.list().data[0].id,
+            [a["id"] for a in httpx.get(url + "/v1/adapters").json()["adapters"]],
+        )
         answers = {}
         print("\n| question | adapter | answer |\n|---|---|---|")
         for q in QUESTIONS:
             for spec in ("none", "upper", "lower", "upper+lower"):
                 r = client.chat.completions.create(
-                    model="gemma3-270m", temperature=0, max_tokens=40, extra_body={"adapter": spec},
-                    messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+                    model="gemma3-270m",
+                    temperature=0,
+                    max_tokens=40,
+                    extra_body={"adapter": spec},
+                    messages=[
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": q},
+                    ],
+                )
                 answers[q, spec] = r.choices[0].message.content
                 print(f"| {q} | {spec} | {answers[q, spec].strip()} |".replace("\n", " "))
         stats = httpx.get(url + "/stats").json()["adapters"]["mounted"]
@@ -83,11 +115,15 @@ def main() -> None:
     model, tok = load("gemma3-270m")
     lora_io.load(model, runs["upper"])
     q = QUESTIONS[0]
-    prompt = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+        add_generation_prompt=True,
+    )
     local = generate(model, tok, prompt, max_tokens=40)
     same = local == answers[q, "upper"]
-    print(f"\nround trip (served 'upper' == in-process load, greedy 40 tokens): {'yes' if same else 'NO'}")
+    print(
+        f"\nround trip (served 'upper' == in-process load, greedy 40 tokens): {'yes' if same else 'NO'}"
+    )
     if not same:
         print("in-process:", repr(local), "\nserved:    ", repr(answers[q, "upper"]))
         sys.exit(1)

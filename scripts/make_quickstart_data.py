@@ -16,10 +16,36 @@ import json
 import re
 from pathlib import Path
 
-TRAIN_MODULES = ["json", "os.path", "textwrap", "string", "random", "statistics", "shutil",
-                 "heapq", "bisect", "itertools", "functools", "math", "operator", "copy",
-                 "base64", "binascii", "zlib", "glob", "fnmatch", "calendar", "html",
-                 "urllib.parse", "difflib", "pprint", "struct", "secrets", "uuid", "gzip"]
+TRAIN_MODULES = [
+    "json",
+    "os.path",
+    "textwrap",
+    "string",
+    "random",
+    "statistics",
+    "shutil",
+    "heapq",
+    "bisect",
+    "itertools",
+    "functools",
+    "math",
+    "operator",
+    "copy",
+    "base64",
+    "binascii",
+    "zlib",
+    "glob",
+    "fnmatch",
+    "calendar",
+    "html",
+    "urllib.parse",
+    "difflib",
+    "pprint",
+    "struct",
+    "secrets",
+    "uuid",
+    "gzip",
+]
 VALID_MODULES = ["re", "time", "hashlib", "colorsys", "keyword", "locale", "shlex"]
 SYSTEM = "You are a concise Python reference. Answer in one sentence."
 OUT = Path(__file__).resolve().parents[1] / "mlxlab" / "data" / "quickstart"
@@ -45,11 +71,15 @@ def examples(modules: list[str]) -> list[dict]:
                 continue
             sentence = first_sentence(inspect.getdoc(obj) or "")
             if sentence:
-                rows.append({"messages": [
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"What does `{name}.{fname}` do?"},
-                    {"role": "assistant", "content": f"`{name}.{fname}`: {sentence}"},
-                ]})
+                rows.append(
+                    {
+                        "messages": [
+                            {"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": f"What does `{name}.{fname}` do?"},
+                            {"role": "assistant", "content": f"`{name}.{fname}`: {sentence}"},
+                        ]
+                    }
+                )
     return rows
 
 

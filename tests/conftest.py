@@ -37,4 +37,3 @@ def real_model_dir(session_home) -> Path:
     from mlxlab.models import zoo
 
     return zoo.pull("gemma3-270m")
-

@@ -27,8 +27,12 @@ def _setup(family, seed=0):
         m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
     rng = np.random.default_rng(seed)
     # 40 > the tiny sliding window (16): sliding layers get real window masks.
-    batch = B.collate([D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o)
-                       for n, o in [(40, 10), (30, 3), (12, 0)]])
+    batch = B.collate(
+        [
+            D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o)
+            for n, o in [(40, 10), (30, 3), (12, 0)]
+        ]
+    )
     return model, batch
 
 
@@ -67,7 +71,9 @@ def test_gemma4_cut_between_donor_and_sharers():
     # The donors' own k/v LoRA gradients depend on the sharers' cotangents: dropping the K/V
     # stream would change them, so the check above is a real one.
     names = [k for k, _ in tree_flatten(ref[2]) if "layers.3.self_attn.k_proj" in k]
-    assert names and all(float(np.abs(np.array(dict(tree_flatten(ref[2]))[n])).max()) > 0 for n in names)
+    assert names and all(
+        float(np.abs(np.array(dict(tree_flatten(ref[2]))[n])).max()) > 0 for n in names
+    )
 
 
 def test_plans():
@@ -89,7 +95,9 @@ def test_auto_plan_measures_layer_costs():
     model, _, _ = tiny.build("gemma3")
     costs = bw.measure_layer_costs(model, mx.zeros((2, 64), mx.int32))
     assert costs["sliding"] > 0 and costs["global"] > 0
-    plan = bw.make_plan(model, BackwardConfig(mode="segmented", plan="auto", memory_target_gb=100.0), (2, 64))
+    plan = bw.make_plan(
+        model, BackwardConfig(mode="segmented", plan="auto", memory_target_gb=100.0), (2, 64)
+    )
     assert [s for s in plan.segments if len(s) == 1 and runners.runner_for(model).is_global(s[0])]
 
 
@@ -103,7 +111,9 @@ def test_active_memory_is_flat_over_many_steps(mode):
     from mlxlab.config import OptimConfig
 
     model, batch = _setup("gemma3")
-    grad_fn, _ = bw.make_grad_fn(model, BackwardConfig(mode=mode, segment_size=2), (3, 64), compile=False)
+    grad_fn, _ = bw.make_grad_fn(
+        model, BackwardConfig(mode=mode, segment_size=2), (3, 64), compile=False
+    )
     optimizer = trainer.make_optimizer(OptimConfig(lr=1e-4), 120)
     active = []
     for step in range(1, 121):
@@ -134,7 +144,11 @@ def test_dropout_masks_match_between_forward_and_recompute(mode):
     # checkpoint mode seeds per layer: the same as segments of one layer
     plan = bw.plan_by_size(6, 2 if mode == "segmented" else 1)
     runner = runners.runner_for(model)
-    grad_fn = bw.segmented_backward(model, plan) if mode == "segmented" else bw.checkpointed_backward(model)
+    grad_fn = (
+        bw.segmented_backward(model, plan)
+        if mode == "segmented"
+        else bw.checkpointed_backward(model)
+    )
 
     mx.random.seed(7)
     loss, _, grads = grad_fn(model, batch)

@@ -51,16 +51,19 @@ def test_cfg_job_prints_the_resolved_config(env):
     assert "model: tiny-llama" in r.stdout and "max_tokens: 3" in r.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (("generate", "model=nope"), "unknown model 'nope'"),
-    (("generate", "model=tiny-llama", "max_tokens=0"), "max_tokens must be >= 1"),
-    (("generate", "model=tiny-llama", "top_p=1.5"), "top_p must be in (0, 1]"),
-    (("generate", "max_tokens=abc"), "could not be converted to Integer"),
-    (("models", "pull", "nope"), "unknown model 'nope'; known: gemma3-270m"),
-    (("models", "convert", "/nonexistent/x.gguf"), "no such GGUF file"),
-    (("models", "pull"), "needs a target"),
-    (("models", "explode"), "unknown models action"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("generate", "model=nope"), "unknown model 'nope'"),
+        (("generate", "model=tiny-llama", "max_tokens=0"), "max_tokens must be >= 1"),
+        (("generate", "model=tiny-llama", "top_p=1.5"), "top_p must be in (0, 1]"),
+        (("generate", "max_tokens=abc"), "could not be converted to Integer"),
+        (("models", "pull", "nope"), "unknown model 'nope'; known: gemma3-270m"),
+        (("models", "convert", "/nonexistent/x.gguf"), "no such GGUF file"),
+        (("models", "pull"), "needs a target"),
+        (("models", "explode"), "unknown models action"),
+    ],
+)
 def test_bad_input_is_a_one_line_error(env, args, message):
     r = run_cli(*args, env=env)
     assert r.returncode == 1
@@ -100,7 +103,9 @@ def test_gguf_path_works_wherever_a_model_is_named(env, session_home, tmp_path):
     assert r.returncode == 0, r.stderr
     cached = [p.name for p in (session_home / "models").iterdir() if p.name.startswith("small-")]
     assert len(cached) == 1 and len(cached[0]) == len("small-") + 12
-    r = run_cli("models", "convert", str(path), f"out={tmp_path / 'conv'}", "dtype=float32", env=env)
+    r = run_cli(
+        "models", "convert", str(path), f"out={tmp_path / 'conv'}", "dtype=float32", env=env
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "conv" / "config.json").is_file()
 
@@ -116,7 +121,9 @@ def test_models_info_reports_the_live_blas(env):
     assert report["default_dtype"] == "mlx.core.float32"
 
 
-@pytest.mark.parametrize("text", ["def fibonacci(n):", "it's a \\ test, [ok] {x}", "end\\", "a=b c"])
+@pytest.mark.parametrize(
+    "text", ["def fibonacci(n):", "it's a \\ test, [ok] {x}", "end\\", "a=b c"]
+)
 def test_free_text_values_need_no_hydra_quoting(env, text):
     r = run_cli("generate", "model=tiny-llama", f"prompt={text}", "--cfg", "job", env=env)
     assert r.returncode == 0, r.stderr

@@ -18,22 +18,38 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def _optimizers() -> tuple[str, ...]:
     import mlx.optimizers as optim
 
-    return tuple(n.lower() for n, c in vars(optim).items() if isinstance(c, type)
-                 and issubclass(c, optim.Optimizer) and c not in (optim.Optimizer, optim.MultiOptimizer))
+    return tuple(
+        n.lower()
+        for n, c in vars(optim).items()
+        if isinstance(c, type)
+        and issubclass(c, optim.Optimizer)
+        and c not in (optim.Optimizer, optim.MultiOptimizer)
+    )
 
 
 # command -> {field path: the values it allows}; "modes" is a list field (each entry is checked).
 ENUMS = {
     "generate": {"dtype": DTYPES},
-    "models": {"action": ("list", "pull", "convert", "info"), "dtype": ("float32", "bfloat16", "float16")},
+    "models": {
+        "action": ("list", "pull", "convert", "info"),
+        "dtype": ("float32", "bfloat16", "float16"),
+    },
     "lora": {"action": ("check", "fuse"), "dtype": DTYPES},
-    "train": {"dtype": DTYPES, "wandb": ("offline", "online", "disabled"),
-              "data.on_too_long": ("truncate", "error"), "optim.name": _optimizers(),
-              "optim.schedule": ("cosine", "constant"), "backward.mode": ("full", "checkpoint", "segmented"),
-              "backward.plan": ("size", "auto")},
-    "diag": {"action": ("parity", "leak", "memory"), "dtype": DTYPES,
-             "mode": ("full", "checkpoint", "segmented"),
-             "modes": ("full", "checkpoint", "seg1", "seg12", "auto", "mlx_lm", "mlx_lm_gc")},
+    "train": {
+        "dtype": DTYPES,
+        "wandb": ("offline", "online", "disabled"),
+        "data.on_too_long": ("truncate", "error"),
+        "optim.name": _optimizers(),
+        "optim.schedule": ("cosine", "constant"),
+        "backward.mode": ("full", "checkpoint", "segmented"),
+        "backward.plan": ("size", "auto"),
+    },
+    "diag": {
+        "action": ("parity", "leak", "memory"),
+        "dtype": DTYPES,
+        "mode": ("full", "checkpoint", "segmented"),
+        "modes": ("full", "checkpoint", "seg1", "seg12", "auto", "mlx_lm", "mlx_lm_gc"),
+    },
     "data": {"task": ("chunk",)},
     "eval": {"task": ("chunk",), "split": ("train", "valid", "test"), "dtype": DTYPES},
     "serve": {"dtype": DTYPES, "kv_quant": ("off", "4", "8", "config", "plan.json")},
@@ -46,7 +62,15 @@ FREE = {
     "generate": {"model", "prompt", "system", "adapter"},
     "models": {"target", "out"},
     "lora": {"model", "adapter", "out"},
-    "train": {"name", "model", "out_dir", "wandb_project", "data.train", "data.valid", "lora.targets"},
+    "train": {
+        "name",
+        "model",
+        "out_dir",
+        "wandb_project",
+        "data.train",
+        "data.valid",
+        "lora.targets",
+    },
     "diag": {"model", "adapter", "out"},
     "data": {"out"},
     "eval": {"model", "adapter", "data", "out"},
@@ -112,7 +136,9 @@ def test_bad_enum_value_is_a_user_error_naming_field_and_choices(command, path, 
 TASK_CASES = [(t, p, v) for t, fields in TASK_ENUMS.items() for p, v in fields.items()]
 
 
-@pytest.mark.parametrize("task,path,allowed", TASK_CASES, ids=[f"{t}-{p}" for t, p, _ in TASK_CASES])
+@pytest.mark.parametrize(
+    "task,path,allowed", TASK_CASES, ids=[f"{t}-{p}" for t, p, _ in TASK_CASES]
+)
 def test_bad_task_value_is_a_user_error(task, path, allowed):
     cls = tasks.module(task).CONFIG
     with pytest.raises(UserError) as e:
@@ -129,8 +155,9 @@ def test_task_group_options_are_checked_before_hydra():
 
     with pytest.raises(UserError, match="unknown task 'bogus': task must be one of chunk"):
         select_named_groups("train", ["task.name=bogus"])
-    assert select_named_groups("train", ["task.name=chunk", "+task=chunk", "task=null", "task.eval.cases=2"]) == [
-        "task=chunk", "task=chunk", "~task", "task.eval.cases=2"]
+    assert select_named_groups(
+        "train", ["task.name=chunk", "+task=chunk", "task=null", "task.eval.cases=2"]
+    ) == ["task=chunk", "task=chunk", "~task", "task.eval.cases=2"]
     assert select_named_groups("eval", ["task=chunk"]) == ["task=chunk"]  # a plain field there
 
 
@@ -144,18 +171,22 @@ def test_unknown_dtype_at_run_time_is_a_user_error_too():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ("generate", "model=tiny-llama", "dtype=foo"),
-    ("models", "list", "dtype=foo"),
-    ("train", "optim.name=adamz"),
-    ("train", "task=bogus"),
-    ("lora", "explode"),
-    ("diag", "memory", "modes=[full,seg0]"),
-    ("data", "bogus"),
-    ("eval", "chunk", "split=bogus"),
-    ("serve", "kv_quant=bogus"),
-    ("train", "data.train=${mlxlab_data:nope}"),  # fails while OmegaConf resolves it
-], ids=lambda a: "-".join(a).replace("=", "_"))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("generate", "model=tiny-llama", "dtype=foo"),
+        ("models", "list", "dtype=foo"),
+        ("train", "optim.name=adamz"),
+        ("train", "task=bogus"),
+        ("lora", "explode"),
+        ("diag", "memory", "modes=[full,seg0]"),
+        ("data", "bogus"),
+        ("eval", "chunk", "split=bogus"),
+        ("serve", "kv_quant=bogus"),
+        ("train", "data.train=${mlxlab_data:nope}"),  # fails while OmegaConf resolves it
+    ],
+    ids=lambda a: "-".join(a).replace("=", "_"),
+)
 def test_bad_value_on_the_command_line_is_one_line(args):
     r = run_cli(*args, timeout=120)
     lines = r.stderr.strip().splitlines()

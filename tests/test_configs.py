@@ -31,7 +31,9 @@ def test_config_dir_is_absolute_and_independent_of_cwd(tmp_path, monkeypatch):
     assert (config.config_dir() / "generate.yaml").is_file()
 
 
-@pytest.mark.parametrize("exp", sorted(p.stem for p in (config.config_dir() / "exp").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "exp", sorted(p.stem for p in (config.config_dir() / "exp").glob("*.yaml"))
+)
 def test_every_experiment_composes(exp):
     cfg = cli.compose("train", [f"+exp={exp}"])
     assert cfg.name == exp

@@ -12,9 +12,13 @@ from mlxlab.config import DataConfig, UserError
 from mlxlab.data import batches as B
 from mlxlab.data import datasets as D
 
-CHAT = {"messages": [{"role": "system", "content": "Be brief."},
-                     {"role": "user", "content": "What is 2+2?"},
-                     {"role": "assistant", "content": "Four."}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "Four."},
+    ]
+}
 
 
 def _write(path, rows):
@@ -39,7 +43,7 @@ def test_chat_and_completions_match_mlx_lm(tokenizer):
     ours = D.tokenize(comp, tokenizer, mask_prompt=True)
     theirs = CompletionsDataset([comp], tokenizer, "prompt", "completion", True).process(comp)
     assert (ours.ids, ours.offset) == (list(theirs[0]), theirs[1])
-    assert tokenizer.decode(ours.ids[ours.offset:]) == "Four.<end_of_turn>\n"
+    assert tokenizer.decode(ours.ids[ours.offset :]) == "Four.<end_of_turn>\n"
     assert D.tokenize(comp, tokenizer, mask_prompt=False).offset == 0
 
 
@@ -49,15 +53,27 @@ def test_text_gets_eos(tokenizer):
 
 
 def test_bad_lines_are_reported_with_file_and_line(tmp_path):
-    path = _write(tmp_path / "train.jsonl", [
-        CHAT, "{not json", {"foo": 1}, {"messages": []}, {"messages": [{"content": "x"}]},
-        {"prompt": 3, "completion": "x"},
-    ])
+    path = _write(
+        tmp_path / "train.jsonl",
+        [
+            CHAT,
+            "{not json",
+            {"foo": 1},
+            {"messages": []},
+            {"messages": [{"content": "x"}]},
+            {"prompt": 3, "completion": "x"},
+        ],
+    )
     with pytest.raises(UserError) as err:
         D.read_records(path)
     msg = str(err.value)
-    for line, text in [(2, "invalid JSON"), (3, "expected an object"), (4, "non-empty list"),
-                       (5, "messages[0] must be an object with a 'role'"), (6, "must be strings")]:
+    for line, text in [
+        (2, "invalid JSON"),
+        (3, "expected an object"),
+        (4, "non-empty list"),
+        (5, "messages[0] must be an object with a 'role'"),
+        (6, "must be strings"),
+    ]:
         row = next(x for x in msg.splitlines() if f"train.jsonl:{line}:" in x)
         assert text in row
     assert "mixes formats" in msg
@@ -73,7 +89,9 @@ def test_missing_and_empty_files(tmp_path):
 def test_datasets_directory_is_accepted(tmp_path):
     import datasets
 
-    datasets.Dataset.from_list([{"text": "one"}, {"text": "two"}]).save_to_disk(str(tmp_path / "ds"))
+    datasets.Dataset.from_list([{"text": "one"}, {"text": "two"}]).save_to_disk(
+        str(tmp_path / "ds")
+    )
     assert [r["text"] for r in D.read_records(tmp_path / "ds")] == ["one", "two"]
 
 
@@ -90,7 +108,10 @@ def test_truncation_is_counted_or_rejected(tmp_path, tokenizer, caplog):
 def test_resolve_paths(tmp_path):
     _write(tmp_path / "train.jsonl", [CHAT])
     _write(tmp_path / "valid.jsonl", [CHAT])
-    assert D.resolve_paths(DataConfig(train=str(tmp_path))) == (tmp_path / "train.jsonl", tmp_path / "valid.jsonl")
+    assert D.resolve_paths(DataConfig(train=str(tmp_path))) == (
+        tmp_path / "train.jsonl",
+        tmp_path / "valid.jsonl",
+    )
     with pytest.raises(UserError, match="data.train is not set"):
         D.resolve_paths(DataConfig())
 

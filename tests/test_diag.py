@@ -15,22 +15,35 @@ from tests.helpers.cli import run_cli
 # OpenBLAS's blocked kernels need not (mlx-lm takes the loss over all logits, mlxlab over the
 # trained positions only), so bit-exactness with mlx-lm is checked under the reference BLAS.
 REFERENCE_BLAS = {"MLXLAB_BLAS": "off"}
-INTERNAL = {"logits (base)", "logits (adapter)", "segmented size 1 vs full", "segmented size 3 vs full",
-            "checkpointed vs full"}
+INTERNAL = {
+    "logits (base)",
+    "logits (adapter)",
+    "segmented size 1 vs full",
+    "segmented size 3 vs full",
+    "checkpointed vs full",
+}
 
 
 @pytest.mark.slow  # a CLI subprocess (the BLAS is chosen when mlxlab is imported)
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4"])
 def test_parity_with_mlx_lm_is_bit_exact_on_tiny_models(tiny_dir, session_home, tmp_path, family):
     tiny_dir(family)
-    r = run_cli("diag", "parity", f"model=tiny-{family}", "segment_sizes=[1,3]", f"out={tmp_path / 'p'}",
-                env={"MLXLAB_HOME": str(session_home), **REFERENCE_BLAS})
+    r = run_cli(
+        "diag",
+        "parity",
+        f"model=tiny-{family}",
+        "segment_sizes=[1,3]",
+        f"out={tmp_path / 'p'}",
+        env={"MLXLAB_HOME": str(session_home), **REFERENCE_BLAS},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((tmp_path / "p_parity.json").read_text())
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert all(c["verdict"] == "BIT-EXACT" for c in report["checks"])
     names = [c["name"] for c in report["checks"]]
-    assert {"loss (prompt 0)", "loss (response 1)", "LoRA gradients vs mlx-lm"} | INTERNAL <= set(names)
+    assert {"loss (prompt 0)", "loss (response 1)", "LoRA gradients vs mlx-lm"} | INTERNAL <= set(
+        names
+    )
     # mlx-lm's padded batches count one pad position per sequence (see parity.py)
     counts = report["token_counts"]["response 1"]
     assert (counts["ours"], counts["mlx_lm_unpadded"], counts["mlx_lm_padded_batch"]) == (1, 1, 2)
@@ -41,8 +54,10 @@ def test_parity_with_mlx_lm_under_the_optimized_blas(tiny_dir, family):
     """In-process, with whatever BLAS is live: mlxlab's own modes agree bit for bit; against mlx-lm
     the loss is within a few ulp and the gradients within 1e-4 relative."""
     tiny_dir(family)
-    report = parity.run(DiagConfig(model=f"tiny-{family}", segment_sizes=[1, 3], max_ulp=64, max_rel=1e-4),
-                        verbose=False)
+    report = parity.run(
+        DiagConfig(model=f"tiny-{family}", segment_sizes=[1, 3], max_ulp=64, max_rel=1e-4),
+        verbose=False,
+    )
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     exact = {c["name"] for c in report["checks"] if c["verdict"] == "BIT-EXACT"}
     assert INTERNAL <= exact, exact
@@ -53,13 +68,22 @@ def test_perturbed_gradients_fail_the_gate(tiny_dir, session_home, tmp_path):
     tiny_dir("llama")
     env = {"MLXLAB_HOME": str(session_home)}
     env = {**env, **REFERENCE_BLAS}
-    r = run_cli("diag", "parity", "model=tiny-llama", "segment_sizes=[2]", "perturb_grads=1e-3",
-                f"out={tmp_path / 'bad'}", env=env)
+    r = run_cli(
+        "diag",
+        "parity",
+        "model=tiny-llama",
+        "segment_sizes=[2]",
+        "perturb_grads=1e-3",
+        f"out={tmp_path / 'bad'}",
+        env=env,
+    )
     assert r.returncode == 1
     assert "LoRA gradients vs mlx-lm" in r.stdout and "FAIL" in r.stdout
     report = json.loads((tmp_path / "bad_parity.json").read_text())
     assert not report["passed"]
-    r = run_cli("diag", "parity", "model=tiny-llama", "segment_sizes=[2]", f"out={tmp_path / 'ok'}", env=env)
+    r = run_cli(
+        "diag", "parity", "model=tiny-llama", "segment_sizes=[2]", f"out={tmp_path / 'ok'}", env=env
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((tmp_path / "ok_parity.json").read_text())["passed"]
 
@@ -81,7 +105,9 @@ def test_leak_harness_passes_and_can_fail(tiny_dir, tmp_path):
     import mlx.core as mx
 
     tiny_dir("gemma3")
-    report = leak.run(DiagConfig(action="leak", model="tiny-gemma3", steps=40, warmup=10), verbose=False)
+    report = leak.run(
+        DiagConfig(action="leak", model="tiny-gemma3", steps=40, warmup=10), verbose=False
+    )
     assert report["passed"] and abs(report["slope_mb_per_step"]) < 0.01
 
     from mlxlab.data.batches import collate
@@ -107,8 +133,12 @@ def test_leak_harness_passes_and_can_fail(tiny_dir, tmp_path):
 @pytest.mark.slow  # one subprocess per mode
 def test_memory_sweep_runs_each_mode_in_its_own_process(tiny_dir, tmp_path):
     tiny_dir("llama")
-    report = memory.sweep("tiny-llama", [64], ["full", "seg2", "checkpoint", "mlx_lm", "mlx_lm_gc"],
-                          progress=lambda _: None)
+    report = memory.sweep(
+        "tiny-llama",
+        [64],
+        ["full", "seg2", "checkpoint", "mlx_lm", "mlx_lm_gc"],
+        progress=lambda _: None,
+    )
     rows = report["results"]
     assert all("peak_gb" in rows[m]["64"] for m in rows), rows
     assert "full" in memory.table(report)

@@ -83,10 +83,15 @@ def test_k_quants_are_dequantized(qtype, tmp_path):
     # Keep the fp16 scales finite and small: patch every half-float in the block to 0.01.
     raw = raw.reshape(rows, cols // block_size, type_size)
     half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    offsets = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [type_size - 2], Q.Q2_K: [type_size - 4, type_size - 2],
-               Q.Q3_K: [type_size - 2]}[qtype]
+    offsets = {
+        Q.Q4_K: [0, 2],
+        Q.Q5_K: [0, 2],
+        Q.Q6_K: [type_size - 2],
+        Q.Q2_K: [type_size - 4, type_size - 2],
+        Q.Q3_K: [type_size - 2],
+    }[qtype]
     for off in offsets:
-        raw[..., off:off + 2] = half
+        raw[..., off : off + 2] = half
     raw = raw.reshape(rows, -1)
     expected = dequantize(raw, qtype)
     assert np.isfinite(expected).all()

@@ -33,7 +33,10 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*anchor, base] if base else anchor)
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
             else:
                 continue
             edges |= {t for t in targets if t in modules and t != name}
@@ -50,7 +53,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -75,18 +78,25 @@ def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-@pytest.mark.parametrize("below,above", [
-    ("mlxlab.serve.engine", ("mlxlab.serve.",)),  # the engine knows no protocol, router or HTTP
-    ("mlxlab.lora", ("mlxlab.serve", "mlxlab.train")),
-    ("mlxlab.models", ("mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
-    # the trainer knows no task, scorer or Hydra (its `train` command entry, train/cli.py, may)
-    ("mlxlab.train", ("mlxlab.tasks", "mlxlab.eval", "mlxlab.serve", "mlxlab.cli")),
-])
+@pytest.mark.parametrize(
+    "below,above",
+    [
+        ("mlxlab.serve.engine", ("mlxlab.serve.",)),  # the engine knows no protocol, router or HTTP
+        ("mlxlab.lora", ("mlxlab.serve", "mlxlab.train")),
+        ("mlxlab.models", ("mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
+        # the trainer knows no task, scorer or Hydra (its `train` command entry, train/cli.py, may)
+        ("mlxlab.train", ("mlxlab.tasks", "mlxlab.eval", "mlxlab.serve", "mlxlab.cli")),
+    ],
+)
 def test_layers_import_only_downwards(below, above):
     """Library modules under `below` import nothing under `above` (command entry modules, `*.cli`,
     sit at the top and are exempt)."""
     graph = import_graph()
-    bad = sorted((m, t) for m, targets in graph.items()
-                 if (m == below or m.startswith(below + ".")) and not m.endswith(".cli")
-                 for t in targets if t.startswith(above) and not t.startswith(below))
+    bad = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        if (m == below or m.startswith(below + ".")) and not m.endswith(".cli")
+        for t in targets
+        if t.startswith(above) and not t.startswith(below)
+    )
     assert not bad, bad

@@ -74,11 +74,19 @@ def test_mlx_lm_adapter_loads_in_mlxlab_with_the_same_logits(tiny_dir, tmp_path)
     _randomize_b(theirs, seed=1)
     out = tmp_path / "mlx_lm_adapter"
     out.mkdir()
-    mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(theirs.trainable_parameters())))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": 3, "model": "whatever",
-        "lora_parameters": {"rank": 4, "scale": 10.0, "dropout": 0.0},
-    }))
+    mx.save_safetensors(
+        str(out / "adapters.safetensors"), dict(tree_flatten(theirs.trainable_parameters()))
+    )
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "fine_tune_type": "lora",
+                "num_layers": 3,
+                "model": "whatever",
+                "lora_parameters": {"rank": 4, "scale": 10.0, "dropout": 0.0},
+            }
+        )
+    )
     ours, _ = load(str(tiny_dir("qwen3")))
     plan = lora_io.load(ours, out)
     assert plan.layers == (1, 2, 3)
@@ -161,8 +169,11 @@ def test_saving_over_an_adapter_replaces_files_atomically(tiny_dir, tmp_path):
     _randomize_b(model, seed=9)
     lora_io.save(model, plan, out)
     assert (out / "adapters.safetensors").read_bytes() != first
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapters.safetensors",
-                                                      "mlxlab_adapter.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapters.safetensors",
+        "mlxlab_adapter.json",
+    ]
 
 
 @pytest.mark.slow  # CLI subprocesses
@@ -183,14 +194,22 @@ def test_cli_check_and_fuse(tiny_dir, session_home, tmp_path):
     r = run_cli("lora", "check", "model=tiny-gemma3", f"adapter={tmp_path / 'adapter'}", env=env)
     assert r.returncode == 1 and "does not fit the model" in r.stderr
 
-    r = run_cli("lora", "fuse", "model=tiny-llama", f"adapter={tmp_path / 'adapter'}",
-                f"out={tmp_path / 'fused'}", "dtype=float32", env=env)
+    r = run_cli(
+        "lora",
+        "fuse",
+        "model=tiny-llama",
+        f"adapter={tmp_path / 'adapter'}",
+        f"out={tmp_path / 'fused'}",
+        "dtype=float32",
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     fused, _ = load(str(tmp_path / "fused"))
     np.testing.assert_allclose(_logits(fused, tokenizer), expected, atol=1e-4)
     assert not [n for n, _ in tree_flatten(fused.parameters()) if "lora" in n]
-    r = run_cli("generate", "model=tiny-llama", f"adapter={tmp_path / 'adapter'}", "max_tokens=3",
-                env=env)
+    r = run_cli(
+        "generate", "model=tiny-llama", f"adapter={tmp_path / 'adapter'}", "max_tokens=3", env=env
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -205,10 +224,33 @@ def test_adapter_trained_by_mlx_lm_lora_loads_in_mlxlab(tiny_dir, tmp_path):
     from tests.helpers.cli import REPO
 
     out = tmp_path / "mlx_lm_adapter"
-    cmd = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(tiny_dir("qwen3")), "--train",
-           "--data", str(REPO / "mlxlab" / "data" / "quickstart"), "--iters", "3", "--batch-size", "2",
-           "--num-layers", "2", "--learning-rate", "1e-2", "--max-seq-length", "96",
-           "--adapter-path", str(out), "--val-batches", "1", "--steps-per-eval", "100"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "lora",
+        "--model",
+        str(tiny_dir("qwen3")),
+        "--train",
+        "--data",
+        str(REPO / "mlxlab" / "data" / "quickstart"),
+        "--iters",
+        "3",
+        "--batch-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--max-seq-length",
+        "96",
+        "--adapter-path",
+        str(out),
+        "--val-batches",
+        "1",
+        "--steps-per-eval",
+        "100",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     theirs, tokenizer = load(str(tiny_dir("qwen3")), adapter_path=str(out))

@@ -20,8 +20,9 @@ def test_tiny_model_saves_and_loads_identically(family, tiny_dir):
     ids = tokenizer.encode("Simple is better than complex.")
     assert loaded_tok.encode("Simple is better than complex.") == ids
     assert ids[0] == 2  # BOS
-    np.testing.assert_array_equal(np.array(built(mx.array(ids)[None])),
-                                  np.array(loaded(mx.array(ids)[None])))
+    np.testing.assert_array_equal(
+        np.array(built(mx.array(ids)[None])), np.array(loaded(mx.array(ids)[None]))
+    )
 
 
 def test_tiny_models_are_seeded():
@@ -38,7 +39,9 @@ def test_tiny_models_are_seeded():
 def test_gemma4_tiny_has_kv_shared_layers_and_per_layer_inputs():
     model, _, config = tiny.build("gemma4")
     layers = model.model.layers
-    assert sum(1 for layer in layers if not layer.self_attn.has_kv) == config["num_kv_shared_layers"]
+    assert (
+        sum(1 for layer in layers if not layer.self_attn.has_kv) == config["num_kv_shared_layers"]
+    )
     assert model.model.embed_tokens_per_layer is not None
 
 
@@ -47,8 +50,9 @@ def test_tiny_tokenizer_is_deterministic_and_has_a_chat_template():
     text = "Readability counts, even in tests."
     assert a.encode(text) == b.encode(text)
     assert a.decode(a.encode(text), skip_special_tokens=True) == text
-    rendered = a.apply_chat_template([{"role": "user", "content": "hi"}],
-                                     add_generation_prompt=True, tokenize=False)
+    rendered = a.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert rendered == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -82,8 +86,12 @@ def test_generate_stream_honours_max_tokens_and_chat(tiny_dir):
 
     tiny_dir("gemma3")
     out = io.StringIO()
-    stats = generate.run(GenerateConfig(model="tiny-gemma3", max_tokens=5, chat=True,
-                                        system="Be brief.", prompt="hello"), out=out)
+    stats = generate.run(
+        GenerateConfig(
+            model="tiny-gemma3", max_tokens=5, chat=True, system="Be brief.", prompt="hello"
+        ),
+        out=out,
+    )
     assert stats["generation_tokens"] <= 5 and stats["prompt_tokens"] > 5
     assert stats["prompt_tps"] > 0 and stats["peak_memory_gb"] >= 0
     model, tokenizer = zoo.load("tiny-gemma3")

@@ -21,7 +21,9 @@ def _pyproject():
 
 def test_every_subpackage_is_listed():
     listed = set(_pyproject()["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "mlxlab").rglob("__init__.py")}
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "mlxlab").rglob("__init__.py")
+    }
     assert found | {"mlxlab.configs"} == listed
 
 
@@ -37,8 +39,12 @@ def test_ci_runs_the_readme_test_command():
 @pytest.mark.slow  # builds the wheel with pip in a subprocess
 def test_wheel_ships_configs_and_data(tmp_path):
     """A non-editable install must find its configs and the tiny tokenizer corpus."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     wheel = next(tmp_path.glob("mlxlab-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for yaml in (REPO / "configs").rglob("*.yaml"):

@@ -44,11 +44,20 @@ def _perplexity(model, tokenizer) -> float:
 
 def test_pulled_directory_is_complete(real_model_dir):
     names = {p.name for p in real_model_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
     config = json.loads((real_model_dir / "config.json").read_text())
     assert config["model_type"] == "gemma3_text"
-    assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (18, 640, 256)
+    assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (
+        18,
+        640,
+        256,
+    )
     assert config["eos_token_id"] == [1, 106]
     assert not [p for p in real_model_dir.parent.iterdir() if p.name.startswith(".tmp-")]
 
@@ -66,7 +75,8 @@ def test_tokenizer_adds_bos_and_knows_the_turn_markers(loaded):
     assert tokenizer.encode("Hello world") == [2, 9259, 1902]
     chat = tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert chat == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") == 106
@@ -85,15 +95,20 @@ def test_norms_off_by_one_would_fail_the_bound(real_model_dir):
     from mlxlab.models.zoo import load
 
     model, tokenizer = load(str(real_model_dir), dtype="float32")
-    shifted = [(k, v + 1.0) for k, v in tree_flatten(model.parameters()) if k.endswith("norm.weight")]
+    shifted = [
+        (k, v + 1.0) for k, v in tree_flatten(model.parameters()) if k.endswith("norm.weight")
+    ]
     model.load_weights(shifted, strict=False)
     assert _perplexity(model, tokenizer) > 100 * PPL_BOUND
 
 
-@pytest.mark.parametrize("prompt,expected", [
-    ("Monday, Tuesday, Wednesday,", " Thursday, Friday"),
-    ("The capital of France is Paris. The capital of Germany is", " Berlin"),
-])
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        ("Monday, Tuesday, Wednesday,", " Thursday, Friday"),
+        ("The capital of France is Paris. The capital of Germany is", " Berlin"),
+    ],
+)
 def test_greedy_continuations(loaded, prompt, expected):
     from mlx_lm import generate
 

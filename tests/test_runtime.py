@@ -24,23 +24,33 @@ def test_blas_is_loaded_and_mapped():
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
 
 
 @linux_only
 @pytest.mark.slow  # a fresh interpreter
 def test_disabled_blas_says_so():
-    r = _python("import mlxlab; from mlxlab import runtime; "
-                "print(runtime.blas_report(measure=False)['status'])", MLXLAB_BLAS="off")
+    r = _python(
+        "import mlxlab; from mlxlab import runtime; "
+        "print(runtime.blas_report(measure=False)['status'])",
+        MLXLAB_BLAS="off",
+    )
     assert r.returncode == 0 and r.stdout.strip() == "disabled by MLXLAB_BLAS"
 
 
 @linux_only
 @pytest.mark.slow  # a fresh interpreter
 def test_mlx_imported_first_warns_once_and_carries_on():
-    r = _python("import mlx.core as mx; import mlxlab; import mlxlab.runtime as rt; rt.load_blas(); "
-                "print((mx.ones(3) @ mx.ones(3)).item())")
+    r = _python(
+        "import mlx.core as mx; import mlxlab; import mlxlab.runtime as rt; rt.load_blas(); "
+        "print((mx.ones(3) @ mx.ones(3)).item())"
+    )
     assert r.returncode == 0 and r.stdout.strip() == "3.0"
     assert r.stderr.count("mlx.core was imported before mlxlab") == 1
 
@@ -50,8 +60,10 @@ def test_mlx_imported_first_warns_once_and_carries_on():
 def test_unloadable_blas_path_warns_and_carries_on(tmp_path):
     bogus = tmp_path / "libnot.so"
     bogus.write_text("not a library")
-    r = _python("import mlxlab, mlx.core as mx; print((mx.ones(2) @ mx.ones(2)).item())",
-                MLXLAB_BLAS=str(bogus))
+    r = _python(
+        "import mlxlab, mlx.core as mx; print((mx.ones(2) @ mx.ones(2)).item())",
+        MLXLAB_BLAS=str(bogus),
+    )
     assert r.returncode == 0 and r.stdout.strip() == "2.0"
     assert "no optimized BLAS loaded" in r.stderr
 

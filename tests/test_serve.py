@@ -22,15 +22,25 @@ def server(tiny_dir):
 
 
 def chat(user="What does zip do?", **kw):
-    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-            "temperature": 0, "max_tokens": 24, **kw}
+    return {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        "temperature": 0,
+        "max_tokens": 24,
+        **kw,
+    }
 
 
 def test_status_endpoints_and_request_ids(server):
     client, _ = server
     r = client.get("/health")
-    assert r.status_code == 200 and r.json()["status"] == "ok" and r.headers["x-request-id"].startswith("req_")
-    assert client.get("/health", headers={"X-Request-ID": "abc-1"}).headers["x-request-id"] == "abc-1"
+    assert (
+        r.status_code == 200
+        and r.json()["status"] == "ok"
+        and r.headers["x-request-id"].startswith("req_")
+    )
+    assert (
+        client.get("/health", headers={"X-Request-ID": "abc-1"}).headers["x-request-id"] == "abc-1"
+    )
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "tiny-gemma3" and models["data"][0]["context_length"] > 0
     assert client.get("/v1/models/tiny-gemma3").json()["id"] == "tiny-gemma3"
@@ -48,7 +58,10 @@ def test_stream_and_non_stream_are_identical_at_temperature_0(server):
     assert plain["model"] == "tiny-gemma3" and plain["object"] == "chat.completion"
     msg = plain["choices"][0]
     assert msg["finish_reason"] == "length" and plain["usage"]["completion_tokens"] == 24
-    r = client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -61,12 +74,19 @@ def test_stream_and_non_stream_are_identical_at_temperature_0(server):
 
 def test_stop_sequences_spanning_tokens(server):
     client, _ = server
-    full = client.post("/v1/chat/completions", json=chat(max_tokens=40)).json()["choices"][0]["message"]["content"]
+    full = client.post("/v1/chat/completions", json=chat(max_tokens=40)).json()["choices"][0][
+        "message"
+    ]["content"]
     assert len(full) > 12
     stop = full[5:9]  # likely spans a token boundary; matched on text either way
     cut = full.index(stop)
-    r = client.post("/v1/chat/completions", json=chat(max_tokens=40, stop=[stop, "\u2603never"])).json()
-    assert r["choices"][0]["message"]["content"] == full[:cut] and r["choices"][0]["finish_reason"] == "stop"
+    r = client.post(
+        "/v1/chat/completions", json=chat(max_tokens=40, stop=[stop, "\u2603never"])
+    ).json()
+    assert (
+        r["choices"][0]["message"]["content"] == full[:cut]
+        and r["choices"][0]["finish_reason"] == "stop"
+    )
     s = client.post("/v1/chat/completions", json=chat(max_tokens=40, stop=stop, stream=True))
     events = sse_events(s.text)
     assert streamed_content(events) == full[:cut]
@@ -83,8 +103,12 @@ def test_prompt_cache_reuses_the_system_prompt_and_changes_nothing(server):
     # The same request with the cache off gives the same tokens.
     cold_client, cold = make_client(prompt_cache_gb=0)
     try:
-        cold_first = cold_client.post("/v1/chat/completions", json=chat("Tell me about itertools.")).json()
-        cold_again = cold_client.post("/v1/chat/completions", json=chat("Tell me about functools.")).json()
+        cold_first = cold_client.post(
+            "/v1/chat/completions", json=chat("Tell me about itertools.")
+        ).json()
+        cold_again = cold_client.post(
+            "/v1/chat/completions", json=chat("Tell me about functools.")
+        ).json()
         assert cold_again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert cold_first["choices"][0]["message"] == first["choices"][0]["message"]
         assert cold_again["choices"][0]["message"] == again["choices"][0]["message"]
@@ -97,26 +121,48 @@ def test_second_turn_reuses_the_first(server):
     body = chat("List three builtins.", max_tokens=16)
     first = client.post("/v1/chat/completions", json=body).json()
     answer = first["choices"][0]["message"]["content"]
-    turn2 = {**body, "messages": body["messages"] + [{"role": "assistant", "content": answer},
-                                                     {"role": "user", "content": "And three more?"}]}
+    turn2 = {
+        **body,
+        "messages": body["messages"]
+        + [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And three more?"},
+        ],
+    }
     second = client.post("/v1/chat/completions", json=turn2).json()
     # The whole first prompt (and the answer, where it re-tokenizes the same) comes from the cache.
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    assert (
+        second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        >= first["usage"]["prompt_tokens"] - 1
+    )
 
 
 def test_completions_and_logprobs(server):
     client, _ = server
-    r = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "logprobs": 2})
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "logprobs": 2},
+    )
     c = r.json()["choices"][0]
     assert r.json()["object"] == "text_completion" and c["finish_reason"] == "length"
-    assert len(c["logprobs"]["tokens"]) == 6 and all(len(t) == 2 for t in c["logprobs"]["top_logprobs"])
+    assert len(c["logprobs"]["tokens"]) == 6 and all(
+        len(t) == 2 for t in c["logprobs"]["top_logprobs"]
+    )
     assert "".join(c["logprobs"]["tokens"]) == c["text"]
-    s = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "stream": True})
+    s = client.post(
+        "/v1/completions",
+        json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "stream": True},
+    )
     assert "".join(e["choices"][0]["text"] for e in sse_events(s.text) if e["choices"]) == c["text"]
-    lp = client.post("/v1/chat/completions", json=chat(logprobs=True, top_logprobs=3, max_tokens=5)).json()
+    lp = client.post(
+        "/v1/chat/completions", json=chat(logprobs=True, top_logprobs=3, max_tokens=5)
+    ).json()
     entries = lp["choices"][0]["logprobs"]["content"]
     assert len(entries) == 5 and all(len(e["top_logprobs"]) == 3 for e in entries)
-    assert all(e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6 for e in entries)
+    assert all(
+        e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+        for e in entries
+    )
 
 
 def test_seeded_sampling_is_reproducible(server):
@@ -124,7 +170,9 @@ def test_seeded_sampling_is_reproducible(server):
 
     def sample(seed):
         body = chat(temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=12)
-        return client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+        return client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"][
+            "content"
+        ]
 
     a = sample(7)
     assert sample(7) == a
@@ -134,27 +182,47 @@ def test_seeded_sampling_is_reproducible(server):
     assert len(others | {a}) >= 3
 
 
-@pytest.mark.parametrize("body,param", [
-    (b"{not json", None),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}]},
-     "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"messages": "hello"}, "messages"),
-    ([1, 2, 3], None),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (b"{not json", None),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]},
+            "stop",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, "logit_bias"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:x"}}],
+                    }
+                ]
+            },
+            "messages[0].content",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"},
+            "tool_choice",
+        ),
+        ({"messages": "hello"}, "messages"),
+        ([1, 2, 3], None),
+    ],
+)
 def test_bad_bodies_are_400_in_openai_shape(server, body, param):
     client, _ = server
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -165,7 +233,9 @@ def test_bad_bodies_are_400_in_openai_shape(server, body, param):
 
 def test_unknown_routes_and_methods(server):
     client, _ = server
-    assert client.get("/v1/nothing").status_code == 404 and "error" in client.get("/v1/nothing").json()
+    assert (
+        client.get("/v1/nothing").status_code == 404 and "error" in client.get("/v1/nothing").json()
+    )
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
     bad = client.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 2})
@@ -178,15 +248,22 @@ def test_memory_admission(server):
     from mlxlab.serve.engine.admission import RESERVE_BYTES
 
     adm = server[1].loaded.admission  # a budget that holds 600 tokens of this model
-    budget = (adm.weights_bytes + RESERVE_BYTES + 600 * (adm.full_kv_bytes_per_token + adm.score_bytes_per_token)
-              + adm.sliding_window * adm.sliding_kv_bytes_per_token)
+    budget = (
+        adm.weights_bytes
+        + RESERVE_BYTES
+        + 600 * (adm.full_kv_bytes_per_token + adm.score_bytes_per_token)
+        + adm.sliding_window * adm.sliding_kv_bytes_per_token
+    )
     client, gateway = make_client(memory_budget_gb=budget / 1e9)
     try:
         ceiling = gateway.loaded.admission.max_safe_context
         assert abs(ceiling - 600) <= 1
         r = client.post("/v1/chat/completions", json=chat(max_tokens=ceiling))
         assert r.status_code == 400
-        assert r.json()["error"]["type"] == "memory_admission" and r.json()["error"]["code"] == "context_over_budget"
+        assert (
+            r.json()["error"]["type"] == "memory_admission"
+            and r.json()["error"]["code"] == "context_over_budget"
+        )
         # Without max_tokens the default is clamped to what fits.
         ok = client.post("/v1/chat/completions", json={**chat(), "max_tokens": None})
         assert ok.status_code == 200
@@ -198,9 +275,14 @@ def test_memory_admission(server):
 def test_admission_counts_sliding_and_full_layers(server):
     _, gateway = server
     adm = gateway.loaded.admission
-    assert adm.full_kv_bytes_per_token > 0 and adm.sliding_kv_bytes_per_token > 0 and adm.sliding_window > 0
-    assert adm.bytes_for(10 * adm.sliding_window) - adm.bytes_for(9 * adm.sliding_window) == \
-        adm.sliding_window * (adm.full_kv_bytes_per_token + adm.score_bytes_per_token)
+    assert (
+        adm.full_kv_bytes_per_token > 0
+        and adm.sliding_kv_bytes_per_token > 0
+        and adm.sliding_window > 0
+    )
+    assert adm.bytes_for(10 * adm.sliding_window) - adm.bytes_for(
+        9 * adm.sliding_window
+    ) == adm.sliding_window * (adm.full_kv_bytes_per_token + adm.score_bytes_per_token)
 
 
 def test_full_queue_answers_503_with_retry_after(tiny_dir):
@@ -212,7 +294,11 @@ def test_full_queue_answers_503_with_retry_after(tiny_dir):
         with pytest.raises(QueueFull):
             gateway.submit(Job(prompt=[2, 5], max_tokens=1, sink=lambda ev: None))
         r = client.post("/v1/chat/completions", json=chat())
-        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
+        assert (
+            r.status_code == 503
+            and r.headers["retry-after"]
+            and r.json()["error"]["code"] == "queue_full"
+        )
         release.set()
         import time
 
@@ -228,8 +314,12 @@ def test_full_queue_answers_503_with_retry_after(tiny_dir):
 def test_cancelled_job_stops_within_a_step(server):
     _, gateway = server
     got, finished = [], threading.Event()
-    job = Job(prompt=gateway.loaded.tokenizer.encode("def f(x):"), max_tokens=500, sink=None,
-              sampling=Sampling(temperature=0.0))
+    job = Job(
+        prompt=gateway.loaded.tokenizer.encode("def f(x):"),
+        max_tokens=500,
+        sink=None,
+        sampling=Sampling(temperature=0.0),
+    )
 
     def sink(ev):
         got.append(ev)
@@ -255,8 +345,9 @@ def test_sampling_precedence(server):
     old = dict(loaded.generation_config)
     try:
         loaded.generation_config.update({"temperature": 0.6, "top_k": 64, "top_p": 0.95})
-        s = pipeline.resolve_sampling(pipeline.SamplingAsk.of(req), ServeConfig(model="tiny-gemma3", top_p=0.5),
-                                     loaded)
+        s = pipeline.resolve_sampling(
+            pipeline.SamplingAsk.of(req), ServeConfig(model="tiny-gemma3", top_p=0.5), loaded
+        )
         assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.6, 0.5, 5, 0.0)
     finally:
         loaded.generation_config.clear()

@@ -102,7 +102,10 @@ def test_mount_select_stack_unmount(served, root, tiny_dir):
     from mlxlab.lora.multi import MultiLoRA
 
     assert not any(isinstance(m, MultiLoRA) for _, m in loaded.model.named_modules())
-    assert logits(loaded.model, loaded.tokenizer).tobytes() == logits(load(str(tiny_dir("gemma3")))[0], tok).tobytes()
+    assert (
+        logits(loaded.model, loaded.tokenizer).tobytes()
+        == logits(load(str(tiny_dir("gemma3")))[0], tok).tobytes()
+    )
 
 
 def test_prompt_cache_is_namespaced_per_adapter(served):
@@ -113,8 +116,14 @@ def test_prompt_cache_is_namespaced_per_adapter(served):
         reply(client, "ns", messages=sys_msgs)
         again = reply(client, "ns", messages=sys_msgs)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        other = reply(client, "none", messages=[{"role": "system", "content": "You are terse. " * 8},
-                                                 {"role": "user", "content": "Something else entirely."}])
+        other = reply(
+            client,
+            "none",
+            messages=[
+                {"role": "system", "content": "You are terse. " * 8},
+                {"role": "user", "content": "Something else entirely."},
+            ],
+        )
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         client.delete("/v1/adapters/ns")
@@ -124,13 +133,19 @@ def test_validation_is_all_or_nothing_and_paths_are_confined(served, root, tmp_p
     client, gateway = served
     wrong = client.post("/v1/adapters", json={"id": "x", "path": "llama"})
     assert wrong.status_code == 400
-    assert "does not fit" in wrong.json()["error"]["message"] or "another base model" in wrong.json()["error"]["message"]
+    assert (
+        "does not fit" in wrong.json()["error"]["message"]
+        or "another base model" in wrong.json()["error"]["message"]
+    )
     broken = root / "broken"
     broken.mkdir(exist_ok=True)
     (broken / "adapter_config.json").write_text("{not json")
     r = client.post("/v1/adapters", json={"id": "x", "path": "broken"})
-    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"] \
-        and "adapters.safetensors" in r.json()["error"]["message"]  # every problem listed
+    assert (
+        r.status_code == 400
+        and "adapter_config.json" in r.json()["error"]["message"]
+        and "adapters.safetensors" in r.json()["error"]["message"]
+    )  # every problem listed
     assert client.post("/v1/adapters", json={"id": "x", "path": "nothing-here"}).status_code == 400
     for path in ("../outside", str(tmp_path), "/etc"):
         r = client.post("/v1/adapters", json={"id": "x", "path": path})
@@ -168,7 +183,9 @@ def test_mount_waits_for_the_running_generation(served, root):
     mounted = client.post("/v1/adapters", json={"id": "mid", "path": "b"})
     try:
         assert mounted.status_code == 200
-        assert isinstance(events[-1], Done) and len(events) > seen_before + 1  # it waited for the end
+        assert (
+            isinstance(events[-1], Done) and len(events) > seen_before + 1
+        )  # it waited for the end
         assert "".join(e.text for e in events if isinstance(e, Delta)) == reference
     finally:
         client.delete("/v1/adapters/mid")
@@ -195,7 +212,9 @@ def test_concurrent_requests_with_different_adapters_do_not_mix(served):
 
 @pytest.mark.slow  # a subprocess server
 def test_mount_switch_off_and_start_time_mounts(root, tiny_dir, tmp_path):
-    client, gateway = make_client(adapter_root=str(root), allow_adapter_mount=False, adapters={"a": str(root / "a")})
+    client, gateway = make_client(
+        adapter_root=str(root), allow_adapter_mount=False, adapters={"a": str(root / "a")}
+    )
     try:
         assert [a["id"] for a in client.get("/v1/adapters").json()["adapters"]] == ["a"]
         assert client.post("/v1/adapters", json={"id": "b", "path": "b"}).status_code == 403
@@ -207,8 +226,20 @@ def test_mount_switch_off_and_start_time_mounts(root, tiny_dir, tmp_path):
     make_adapter(tiny_dir("gemma3"), run / "adapter", seed=9)
     (run / "checkpoints" / "0000010").mkdir(parents=True)
     assert lora_io.resolve_dir(run) == run / "adapter"
-    r = subprocess.run([sys.executable, "-m", "mlxlab", "serve", "model=tiny-gemma3", "port=8731",
-                        f"+adapters.bad={root / 'llama'}"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxlab",
+            "serve",
+            "model=tiny-gemma3",
+            "port=8731",
+            f"+adapters.bad={root / 'llama'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and ("does not fit" in r.stderr or "another base model" in r.stderr)
     assert "Traceback" not in r.stderr
 
@@ -221,10 +252,33 @@ def test_mlx_lm_trained_adapter_mounts(served, tiny_dir, root):
     client, _ = served
     out = root / "from_mlx_lm"
     if not out.exists():
-        cmd = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(tiny_dir("gemma3")), "--train",
-               "--data", str(REPO / "mlxlab" / "data" / "quickstart"), "--iters", "2", "--batch-size", "2",
-               "--num-layers", "2", "--learning-rate", "5e-2", "--max-seq-length", "96",
-               "--adapter-path", str(out), "--val-batches", "1", "--steps-per-eval", "100"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "lora",
+            "--model",
+            str(tiny_dir("gemma3")),
+            "--train",
+            "--data",
+            str(REPO / "mlxlab" / "data" / "quickstart"),
+            "--iters",
+            "2",
+            "--batch-size",
+            "2",
+            "--num-layers",
+            "2",
+            "--learning-rate",
+            "5e-2",
+            "--max-seq-length",
+            "96",
+            "--adapter-path",
+            str(out),
+            "--val-batches",
+            "1",
+            "--steps-per-eval",
+            "100",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
     card = client.post("/v1/adapters", json={"id": "m", "path": "from_mlx_lm"}).json()

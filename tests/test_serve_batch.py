@@ -31,8 +31,13 @@ def batch_generator_tokens(model, eos, ps, max_tokens, join_at, size, prefill_st
     """mlx-lm's BatchGenerator on a schedule: row i is inserted before the join_at[i]-th next()."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, stop_tokens=[[e] for e in sorted(eos)], completion_batch_size=size,
-                         prefill_batch_size=size, prefill_step_size=prefill_step)
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[e] for e in sorted(eos)],
+        completion_batch_size=size,
+        prefill_batch_size=size,
+        prefill_step_size=prefill_step,
+    )
     out, uid_of, done, step = {}, {}, set(), 0
     while len(done) < len(ps):
         for i, at in enumerate(join_at):
@@ -55,8 +60,10 @@ def lane_tokens(loaded, cfg, ps, max_tokens, join_at, cancel=()):
     step) pairs, the row's client goes away before that step."""
     results = {}
     lane = BatchLane(loaded, cfg, lambda job, done, err: results.__setitem__(job.id, done or err))
-    jobs = [Job(p, m, lambda e: None, Sampling(temperature=0.0), id=str(i))
-            for i, (p, m) in enumerate(zip(ps, max_tokens, strict=True))]
+    jobs = [
+        Job(p, m, lambda e: None, Sampling(temperature=0.0), id=str(i))
+        for i, (p, m) in enumerate(zip(ps, max_tokens, strict=True))
+    ]
     step = 0
     while len(results) < len(ps):
         for i, at in enumerate(join_at):
@@ -76,14 +83,18 @@ def test_greedy_tokens_equal_mlx_lm_batch_generator(tiny_dir, family):
     """Different lengths (left padding), chunked prefill beside decoding, rows joining at steps 3
     and 7 and leaving at different max_tokens: the same token trajectories as BatchGenerator."""
     tiny_dir(family)
-    cfg = ServeConfig(model=f"tiny-{family}", memory_budget_gb=2, batch=8, prefill_step=16, prompt_cache_gb=0)
+    cfg = ServeConfig(
+        model=f"tiny-{family}", memory_budget_gb=2, batch=8, prefill_step=16, prompt_cache_gb=0
+    )
     loaded = Loaded(cfg)
     ps = prompts()
     ours, lane = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT)
     ref = batch_generator_tokens(loaded.model, loaded.eos, ps, MAX_TOKENS, JOIN_AT, 8, 16)
     assert [d.tokens for d in ours] == ref
     assert lane.peak_rows >= 4 and lane.rows_served == len(ps)
-    assert [d.finish_reason for d in ours] == ["stop" if t[-1] in loaded.eos else "length" for t in ref]
+    assert [d.finish_reason for d in ours] == [
+        "stop" if t[-1] in loaded.eos else "length" for t in ref
+    ]
 
 
 @pytest.mark.parametrize("batch", [8, 3])
@@ -91,7 +102,9 @@ def test_cancelled_rows_leave_and_the_others_are_unchanged(tiny_dir, batch):
     """Row 2 is cancelled while decoding, row 3 while its 90-token prompt is being prefilled (16
     per step); with batch=3, row 5 is cancelled while it waits for room."""
     tiny_dir("gemma3")
-    cfg = ServeConfig(model="tiny-gemma3", memory_budget_gb=2, batch=batch, prefill_step=16, prompt_cache_gb=0)
+    cfg = ServeConfig(
+        model="tiny-gemma3", memory_budget_gb=2, batch=batch, prefill_step=16, prompt_cache_gb=0
+    )
     loaded = Loaded(cfg)
     ps = prompts()
     plain, _ = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT)
@@ -102,7 +115,9 @@ def test_cancelled_rows_leave_and_the_others_are_unchanged(tiny_dir, batch):
     assert cut[3].finish_reason == "cancelled" and cut[3].completion_tokens == 0
     if batch == 3:
         assert cut[5].finish_reason == "cancelled" and cut[5].completion_tokens == 0
-    assert [d.tokens for i, d in enumerate(cut) if i not in gone] == [d.tokens for i, d in enumerate(plain) if i not in gone]
+    assert [d.tokens for i, d in enumerate(cut) if i not in gone] == [
+        d.tokens for i, d in enumerate(plain) if i not in gone
+    ]
     assert lane.peak_rows <= batch
 
 
@@ -139,6 +154,7 @@ def submit_all(gateway, jobs, timeout=300):
             else:
                 ends[jid] = e
                 events[jid].set()
+
         return sink
 
     for j in jobs:
@@ -162,8 +178,13 @@ def pair(tiny_dir):
 
 def test_batched_requests_equal_the_serial_lane(pair):
     (_, serial), (client, batched) = pair
-    jobs = lambda: [Job(p, m, None, Sampling(temperature=0.0), id=str(i))  # noqa: E731
-                    for i, (p, m) in enumerate(zip(prompts(seed=1), MAX_TOKENS, strict=True))]
+
+    def jobs():
+        return [
+            Job(p, m, None, Sampling(temperature=0.0), id=str(i))
+            for i, (p, m) in enumerate(zip(prompts(seed=1), MAX_TOKENS, strict=True))
+        ]
+
     solo, solo_text = submit_all(serial, jobs())
     ends, texts = submit_all(batched, jobs())
     assert all(isinstance(d, Done) for d in ends.values())
@@ -176,36 +197,71 @@ def test_batched_requests_equal_the_serial_lane(pair):
 
 def test_http_stream_and_stops_on_the_batched_lane(pair):
     (serial_client, _), (client, _) = pair
-    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does zip do?"}],
-            "temperature": 0, "max_tokens": 24}
+    body = {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What does zip do?"},
+        ],
+        "temperature": 0,
+        "max_tokens": 24,
+    }
     plain = client.post("/v1/chat/completions", json=body).json()
-    assert plain == {**plain, "choices": serial_client.post("/v1/chat/completions", json=body).json()["choices"]}
+    assert plain == {
+        **plain,
+        "choices": serial_client.post("/v1/chat/completions", json=body).json()["choices"],
+    }
     events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
     content = plain["choices"][0]["message"]["content"]
     assert streamed_content(events) == content
     stop = content[5:9]
-    stopped = client.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()["choices"][0]
-    assert stopped["finish_reason"] == "stop" and stopped["message"]["content"] == content[:content.index(stop)]
+    stopped = client.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()["choices"][
+        0
+    ]
+    assert (
+        stopped["finish_reason"] == "stop"
+        and stopped["message"]["content"] == content[: content.index(stop)]
+    )
     # The prompt cache serves batched rows: the same request again reuses its prompt.
     again = client.post("/v1/chat/completions", json=body).json()
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= plain["usage"]["prompt_tokens"] - 1
+    assert (
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        >= plain["usage"]["prompt_tokens"] - 1
+    )
     assert again["choices"][0]["message"]["content"] == content
     # A second turn reuses the first turn's prompt + answer, as the serial lane does, same answer.
-    turn2 = {**body, "messages": body["messages"] + [{"role": "assistant", "content": content},
-                                                     {"role": "user", "content": "And map?"}]}
+    turn2 = {
+        **body,
+        "messages": body["messages"]
+        + [{"role": "assistant", "content": content}, {"role": "user", "content": "And map?"}],
+    }
     second = client.post("/v1/chat/completions", json=turn2).json()
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= plain["usage"]["prompt_tokens"] - 1
-    assert second["choices"] == serial_client.post("/v1/chat/completions", json=turn2).json()["choices"]
+    assert (
+        second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        >= plain["usage"]["prompt_tokens"] - 1
+    )
+    assert (
+        second["choices"]
+        == serial_client.post("/v1/chat/completions", json=turn2).json()["choices"]
+    )
 
 
 def test_lane_picker_sends_seed_and_penalties_to_the_serial_lane(pair):
     _, (client, gateway) = pair
     before = client.get("/stats").json()["batch"]
     base = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    for extra in ({"seed": 7, "temperature": 0.8}, {"frequency_penalty": 0.5}, {"presence_penalty": 0.3}):
+    for extra in (
+        {"seed": 7, "temperature": 0.8},
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": 0.3},
+    ):
         assert client.post("/v1/chat/completions", json={**base, **extra}).status_code == 200
-    assert client.post("/v1/chat/completions", json={**base, "temperature": 0.7, "logprobs": True,
-                                                      "top_logprobs": 2}).status_code == 200
+    assert (
+        client.post(
+            "/v1/chat/completions",
+            json={**base, "temperature": 0.7, "logprobs": True, "top_logprobs": 2},
+        ).status_code
+        == 200
+    )
     after = client.get("/stats").json()["batch"]
     assert after["served_serial"] - before["served_serial"] == 3
     assert after["rows_served"] - before["rows_served"] == 1
@@ -217,16 +273,30 @@ def test_rows_with_different_adapters_decode_together(tiny_dir, tmp_path):
     """Each row's tokens equal that adapter served alone; the rows shared decode steps."""
     make_adapter(tiny_dir("gemma3"), tmp_path / "a", seed=1)
     make_adapter(tiny_dir("gemma3"), tmp_path / "b", seed=2, targets=("q", "o", "down"), layers=3)
-    _, gateway = make_client(batch=4, adapter_root=str(tmp_path), prompt_cache_gb=0,
-                             adapters={"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})
+    _, gateway = make_client(
+        batch=4,
+        adapter_root=str(tmp_path),
+        prompt_cache_gb=0,
+        adapters={"a": str(tmp_path / "a"), "b": str(tmp_path / "b")},
+    )
     try:
         specs = ["a", "b", "none", "a+b", "b+a", "a"]
         # different lengths: mixed-adapter prefill with padding, then mixed-adapter decoding
         ps = prompts((30, 12, 45, 30, 30, 7), seed=3)
 
         def jobs():
-            return [Job(ps[i], 24, None, Sampling(temperature=0.0), adapter=parse_adapter_spec(s), id=f"{i}:{s}")
-                    for i, s in enumerate(specs)]
+            return [
+                Job(
+                    ps[i],
+                    24,
+                    None,
+                    Sampling(temperature=0.0),
+                    adapter=parse_adapter_spec(s),
+                    id=f"{i}:{s}",
+                )
+                for i, s in enumerate(specs)
+            ]
+
         alone = {}
         for j in jobs():  # one at a time: a batch of one row, one spec, no masks
             alone.update(submit_all(gateway, [j])[0])
@@ -249,10 +319,15 @@ def test_aggregate_admission_makes_rows_wait_instead_of_overflowing(tiny_dir):
         longest = 35 + 1 + 40
         # Room for two rows of the longest length plus the copy of one being prefilled, never three
         # (the batch cache pads to the longest row).
-        adm.budget_bytes = (adm.bytes_for_rows([longest] * 2, 1) + adm.bytes_for_rows([longest] * 3, 1)) // 2
+        adm.budget_bytes = (
+            adm.bytes_for_rows([longest] * 2, 1) + adm.bytes_for_rows([longest] * 3, 1)
+        ) // 2
 
         def jobs():
-            return [Job(p, 40, None, Sampling(temperature=0.0), id=str(i)) for i, p in enumerate(ps)]
+            return [
+                Job(p, 40, None, Sampling(temperature=0.0), id=str(i)) for i, p in enumerate(ps)
+            ]
+
         ends, _ = submit_all(gateway, jobs())
         stats = gateway.batch_stats()
         assert stats["peak_rows"] == 2 and stats["memory_waits"] >= 1
@@ -274,8 +349,12 @@ def test_a_failing_forward_fails_the_batch_and_the_lane_recovers(tiny_dir, monke
 
         def broken():
             raise RuntimeError("boom")
+
         monkeypatch.setattr(lane, "_decode", broken)
-        ends, _ = submit_all(gateway, [Job(p, 6, None, Sampling(temperature=0.0), id=str(i)) for i, p in enumerate(ps)])
+        ends, _ = submit_all(
+            gateway,
+            [Job(p, 6, None, Sampling(temperature=0.0), id=str(i)) for i, p in enumerate(ps)],
+        )
         assert all(isinstance(e, Failed) and "boom" in e.message for e in ends.values())
         monkeypatch.setattr(lane, "_decode", real)
         again, _ = submit_all(gateway, [Job(ps[0], 6, None, Sampling(temperature=0.0), id="x")])
@@ -298,10 +377,19 @@ def test_kv_quant_plans_are_validated(tiny_dir, tmp_path):
     with pytest.raises(UserError, match="use off, 4, 8"):
         kv_quant.parse("16", model, tmp_path)
     plan = tmp_path / "kv_config.json"
-    plan.write_text(json.dumps([{"layer_idx": 0, "bits": 8, "group_size": 64},
-                                {"layer_idx": 99, "bits": 8}, {"layer_idx": 1, "bits": 7},
-                                {"layer_idx": 2, "bits": 4.0}, {"layer_idx": 3, "bits": 4, "group_size": 64.0},
-                                {"layer_idx": 4, "bits": None}, {"layer_idx": 4, "bits": 8}]))
+    plan.write_text(
+        json.dumps(
+            [
+                {"layer_idx": 0, "bits": 8, "group_size": 64},
+                {"layer_idx": 99, "bits": 8},
+                {"layer_idx": 1, "bits": 7},
+                {"layer_idx": 2, "bits": 4.0},
+                {"layer_idx": 3, "bits": 4, "group_size": 64.0},
+                {"layer_idx": 4, "bits": None},
+                {"layer_idx": 4, "bits": 8},
+            ]
+        )
+    )
     with pytest.raises(UserError) as e:
         kv_quant.parse("config", model, tmp_path)
     msg = str(e.value)
@@ -321,26 +409,55 @@ def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
     mx.set_memory_limit(limit)  # restored below: a 1.5 GB budget caps the allocator for the process
     off = Loaded(ServeConfig(model=str(real_model_dir), memory_budget_gb=1.5, prompt_cache_gb=0))
     plan = tmp_path / "kv_config.json"
-    plan.write_text(json.dumps([{"layer_idx": 5, "bits": 8, "group_size": 64},
-                                {"layer_idx": 11, "bits": 4, "group_size": 32}]))
-    cfg = ServeConfig(model=str(real_model_dir), memory_budget_gb=1.5, prompt_cache_gb=0, kv_quant=str(plan),
-                      batch=4)
-    client, gateway = make_client(**{k: getattr(cfg, k) for k in ("model", "memory_budget_gb", "prompt_cache_gb",
-                                                                   "kv_quant", "batch")})
+    plan.write_text(
+        json.dumps(
+            [
+                {"layer_idx": 5, "bits": 8, "group_size": 64},
+                {"layer_idx": 11, "bits": 4, "group_size": 32},
+            ]
+        )
+    )
+    cfg = ServeConfig(
+        model=str(real_model_dir),
+        memory_budget_gb=1.5,
+        prompt_cache_gb=0,
+        kv_quant=str(plan),
+        batch=4,
+    )
+    client, gateway = make_client(
+        **{
+            k: getattr(cfg, k)
+            for k in ("model", "memory_budget_gb", "prompt_cache_gb", "kv_quant", "batch")
+        }
+    )
     try:
         stats = client.get("/stats").json()
         kv = stats["kv_quant"]
-        assert kv["mode"] == "config" and kv["quantized_layers"] == [5, 11] and kv["bits_histogram"] == {"8": 1, "4": 1}
-        assert stats["batch"] == {**stats["batch"], "configured": 4, "batched": False, "reason": "kv_quant is on"}
+        assert (
+            kv["mode"] == "config"
+            and kv["quantized_layers"] == [5, 11]
+            and kv["bits_histogram"] == {"8": 1, "4": 1}
+        )
+        assert stats["batch"] == {
+            **stats["batch"],
+            "configured": 4,
+            "batched": False,
+            "reason": "kv_quant is on",
+        }
         # admission counts the quantized bytes: fewer bytes per token, a longer safe context
         adm = gateway.loaded.admission
         assert adm.full_kv_bytes_per_token < off.admission.full_kv_bytes_per_token
         assert adm.max_safe_context > off.admission.max_safe_context
-        body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12, "temperature": 0}
+        body = {
+            "messages": [{"role": "user", "content": "Name three colours."}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
         assert client.get("/stats").json()["batch"]["served_serial"] == 1
         from mlx_lm.models.cache import QuantizedKVCache
+
         cache = gateway.loaded.kv.make_cache(gateway.loaded.model)
         assert [i for i, c in enumerate(cache) if isinstance(c, QuantizedKVCache)] == [5, 11]
     finally:
@@ -351,12 +468,19 @@ def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_batched_lane_equals_batch_generator_on_gemma3_270m(real_model_dir):
-    cfg = ServeConfig(model=str(real_model_dir), memory_budget_gb=4, batch=4, prefill_step=32, prompt_cache_gb=0)
+    cfg = ServeConfig(
+        model=str(real_model_dir), memory_budget_gb=4, batch=4, prefill_step=32, prompt_cache_gb=0
+    )
     loaded = Loaded(cfg)
     tok = loaded.tokenizer
-    ps = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-          for q in ("What does the zip builtin do?", "Name a prime number.",
-                    "Write one sentence about the sea, in the style of a weather report.")]
+    ps = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in (
+            "What does the zip builtin do?",
+            "Name a prime number.",
+            "Write one sentence about the sea, in the style of a weather report.",
+        )
+    ]
     ours, _ = lane_tokens(loaded, cfg, ps, (12, 8, 12), (0, 0, 2))
     ref = batch_generator_tokens(loaded.model, loaded.eos, ps, (12, 8, 12), (0, 0, 2), 4, 32)
     assert [d.tokens for d in ours] == ref
@@ -364,15 +488,24 @@ def test_batched_lane_equals_batch_generator_on_gemma3_270m(real_model_dir):
 
 
 @pytest.mark.slow  # a subprocess
-@pytest.mark.parametrize("arg,message", [("kv_quant=16", "use off, 4, 8, config"),
-                                         ("kv_quant=8", "not divisible by the group size 64"),
-                                         ("batch=0", "batch and prefill_batch must be >= 1")])
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("kv_quant=16", "use off, 4, 8, config"),
+        ("kv_quant=8", "not divisible by the group size 64"),
+        ("batch=0", "batch and prefill_batch must be >= 1"),
+    ],
+)
 def test_bad_batch_or_kv_settings_stop_the_server_with_one_line(tiny_dir, arg, message):
     import subprocess
     import sys
 
     tiny_dir("gemma3")
-    r = subprocess.run([sys.executable, "-m", "mlxlab", "serve", "model=tiny-gemma3", "port=8732", arg],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxlab", "serve", "model=tiny-gemma3", "port=8732", arg],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr

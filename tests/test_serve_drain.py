@@ -46,8 +46,11 @@ class SlowClient(threading.Thread):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", self.port))
         payload = json.dumps(self.body).encode()
-        s.sendall(f"POST {self.path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        s.sendall(
+            f"POST {self.path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+            + payload
+        )
         s.settimeout(120)
         while chunk := s.recv(4096):
             self.raw += chunk
@@ -66,7 +69,7 @@ class SlowClient(threading.Thread):
                 n = int(size, 16)
                 if n == 0:
                     break
-                out, rest = out + rest[:n], rest[n + 2:]
+                out, rest = out + rest[:n], rest[n + 2 :]
             body = out
         return body.decode()
 
@@ -85,12 +88,20 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
 
     monkeypatch.setattr(pipeline, "collect", late_collect)
     port = free_port()
-    cfg = ServeConfig(model="tiny-gemma3", memory_budget_gb=2, port=port, drain_timeout_s=90, prompt_cache_gb=0)
+    cfg = ServeConfig(
+        model="tiny-gemma3", memory_budget_gb=2, port=port, drain_timeout_s=90, prompt_cache_gb=0
+    )
     gateway = Gateway(cfg).start()
     assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
     app = create_app(cfg, gateway)
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5), app, gateway, cfg.drain_timeout_s)
+    server = DrainingServer(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+        ),
+        app,
+        gateway,
+        cfg.drain_timeout_s,
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -99,13 +110,26 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
             time.sleep(0.05)
         # Large answers (20 top logprobs per token), no early end of sequence.
         no_eos = {str(t): -100 for t in gateway.loaded.eos}
-        base = {"prompt": "def f(x):", "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 20,
-                "logit_bias": no_eos}
-        chat = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": MAX_TOKENS, "temperature": 0,
-                "logprobs": True, "top_logprobs": 20, "logit_bias": no_eos}
-        clients = [SlowClient(port, "/v1/completions", {**base, "stream": True}),
-                   SlowClient(port, "/v1/chat/completions", {**chat, "stream": True}),
-                   SlowClient(port, "/v1/completions", base)]
+        base = {
+            "prompt": "def f(x):",
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 20,
+            "logit_bias": no_eos,
+        }
+        chat = {
+            "messages": [{"role": "user", "content": "Count."}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "logit_bias": no_eos,
+        }
+        clients = [
+            SlowClient(port, "/v1/completions", {**base, "stream": True}),
+            SlowClient(port, "/v1/chat/completions", {**chat, "stream": True}),
+            SlowClient(port, "/v1/completions", base),
+        ]
         for c in clients:
             c.start()
         assert clients[0].first_byte.wait(60) and clients[1].first_byte.wait(60)
@@ -113,9 +137,13 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
         while gateway.counters["requests"] < 3 and time.time() < deadline:  # all three are in
             time.sleep(0.02)
         server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
-        refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=10)
+        refused = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=10
+        )
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["status"] == "draining"
+        assert (
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["status"] == "draining"
+        )
         for c in clients:
             c.join(120)
         thread.join(60)
@@ -123,8 +151,11 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
         for c in clients[:2]:
             lines = [x for x in c.body_text().split("\n\n") if x.strip()]
             assert lines[-1] == "data: [DONE]", lines[-1][:200]
-            finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines[:-1]
-                      if json.loads(x[6:])["choices"]]
+            finish = [
+                json.loads(x[6:])["choices"][0]["finish_reason"]
+                for x in lines[:-1]
+                if json.loads(x[6:])["choices"]
+            ]
             assert finish[-1] == "length"
         whole = json.loads(clients[2].body_text())
         assert whole["usage"]["completion_tokens"] == MAX_TOKENS

@@ -9,8 +9,18 @@ import pytest
 
 from mlxlab.serve.engine.output import OutputParser, ToolSyntax
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
 
 
 def syntax(family: str) -> ToolSyntax:
@@ -51,15 +61,26 @@ def test_every_prefix_split_of_the_stream_gives_the_same_content():
         assert all("\n\nQ" not in t for _, t in events)
 
 
-@pytest.mark.parametrize("family,markup", [
-    ("json_tools", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'),
-    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'),
-    ("minicpm5", '<function name="get_weather"><param name="city"><![CDATA[Paris]]></param>'
-                 '<param name="days">2</param></function>'),
-])
+@pytest.mark.parametrize(
+    "family,markup",
+    [
+        (
+            "json_tools",
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>',
+        ),
+        ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'),
+        (
+            "minicpm5",
+            '<function name="get_weather"><param name="city"><![CDATA[Paris]]></param>'
+            '<param name="days">2</param></function>',
+        ),
+    ],
+)
 def test_tool_markup_of_each_family_becomes_a_call(family, markup):
     before = "Let me check. "
-    events, p = run(OutputParser(tool=syntax(family), tools=TOOLS), chars(before + markup + " Done."))
+    events, p = run(
+        OutputParser(tool=syntax(family), tools=TOOLS), chars(before + markup + " Done.")
+    )
     assert text(events) == before + " Done."
     assert all("<" not in t for _, t in events)  # the markup itself never streams
     assert len(p.calls) == 1 and p.calls[0]["name"] == "get_weather"
@@ -68,8 +89,18 @@ def test_tool_markup_of_each_family_becomes_a_call(family, markup):
 
 
 def test_minicpm_arguments_follow_the_schema():
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"code": {"type": "string"}, "n": {"type": "integer"}},
+                },
+            },
+        }
+    ]
     markup = '<function name="f"><param name="code"><![CDATA[if a < b: x = "1"]]></param><param name="n">7</param></function>'
     _, p = run(OutputParser(tool=syntax("minicpm5"), tools=tools), [markup])
     assert json.loads(p.calls[0]["arguments"]) == {"code": 'if a < b: x = "1"', "n": 7}
@@ -94,10 +125,14 @@ def test_markup_without_tools_is_plain_text():
 
 
 def test_reasoning_is_split_out():
-    events, _ = run(OutputParser(think=("<think>", "</think>")), chars("<think>hmm, 2+2</think>It is 4."))
+    events, _ = run(
+        OutputParser(think=("<think>", "</think>")), chars("<think>hmm, 2+2</think>It is 4.")
+    )
     assert text(events, "reasoning") == "hmm, 2+2" and text(events) == "It is 4."
     # The prompt already opened the block (enable_thinking templates): starts in reasoning.
-    events, _ = run(OutputParser(think=("<think>", "</think>"), reasoning=True), ["a", "b</thi", "nk>c"])
+    events, _ = run(
+        OutputParser(think=("<think>", "</think>"), reasoning=True), ["a", "b</thi", "nk>c"]
+    )
     assert text(events, "reasoning") == "ab" and text(events) == "c"
 
 

@@ -21,58 +21,170 @@ CONVO = [{"role": "user", "content": "Name a prime number."}]
 
 
 def test_same_text_on_all_three_surfaces(client):
-    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "Be brief."}, *CONVO],
-                                                     "max_tokens": 12, "temperature": 0}).json()
+    chat = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "system", "content": "Be brief."}, *CONVO],
+            "max_tokens": 12,
+            "temperature": 0,
+        },
+    ).json()
     text = chat["choices"][0]["message"]["content"]
-    msg = client.post("/v1/messages", json={"model": "claude-sonnet-4", "system": "Be brief.", "messages": CONVO,
-                                            "max_tokens": 12, "temperature": 0}).json()
+    msg = client.post(
+        "/v1/messages",
+        json={
+            "model": "claude-sonnet-4",
+            "system": "Be brief.",
+            "messages": CONVO,
+            "max_tokens": 12,
+            "temperature": 0,
+        },
+    ).json()
     assert msg["content"] == [{"type": "text", "text": text}] and msg["stop_reason"] == "max_tokens"
-    resp = client.post("/v1/responses", json={"instructions": "Be brief.", "input": CONVO[0]["content"],
-                                              "max_output_tokens": 12, "temperature": 0}).json()
+    resp = client.post(
+        "/v1/responses",
+        json={
+            "instructions": "Be brief.",
+            "input": CONVO[0]["content"],
+            "max_output_tokens": 12,
+            "temperature": 0,
+        },
+    ).json()
     assert resp["output"][0]["content"][0]["text"] == text and resp["status"] == "incomplete"
-    assert msg["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] == resp["usage"]["input_tokens"]
+    assert (
+        msg["usage"]["input_tokens"]
+        == chat["usage"]["prompt_tokens"]
+        == resp["usage"]["input_tokens"]
+    )
 
 
 def test_messages_stream_grammar_and_count_tokens(client):
-    body = {"model": "claude-x", "messages": CONVO, "max_tokens": 10, "temperature": 0, "stop_sequences": ["\u2603"]}
+    body = {
+        "model": "claude-x",
+        "messages": CONVO,
+        "max_tokens": 10,
+        "temperature": 0,
+        "stop_sequences": ["\u2603"],
+    }
     plain = client.post("/v1/messages", json=body).json()
-    r = client.post("/v1/messages?beta=true", json={**body, "stream": True},
-                    headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024", "x-api-key": "k"})
+    r = client.post(
+        "/v1/messages?beta=true",
+        json={**body, "stream": True},
+        headers={
+            "anthropic-version": "2023-06-01",
+            "anthropic-beta": "tools-2024",
+            "x-api-key": "k",
+        },
+    )
     ev = named_events(r.text)
     names = [e for e, _ in ev]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     assert names[1] == "content_block_start" and "content_block_stop" in names
     text = "".join(d["delta"]["text"] for e, d in ev if e == "content_block_delta")
     assert [{"type": "text", "text": text}] == plain["content"]
-    assert ev[-2][1]["delta"]["stop_reason"] == "max_tokens" and ev[-2][1]["usage"]["output_tokens"] == 10
+    assert (
+        ev[-2][1]["delta"]["stop_reason"] == "max_tokens"
+        and ev[-2][1]["usage"]["output_tokens"] == 10
+    )
     count = client.post("/v1/messages/count_tokens", json={"model": "x", "messages": CONVO}).json()
     assert count["input_tokens"] == plain["usage"]["input_tokens"]
 
 
 def test_messages_tool_blocks_map_onto_the_tool_path(client):
-    tools = [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {
-        "city": {"type": "string"}}}}, {"type": "web_search_20250305", "name": "web_search"}]
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
-                                                  {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                                   "input": {"city": "Paris"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}]
-    ok = client.post("/v1/messages", json={"model": "x", "messages": messages, "tools": tools, "max_tokens": 4})
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+        {"type": "web_search_20250305", "name": "web_search"},
+    ]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Checking."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}],
+        },
+    ]
+    ok = client.post(
+        "/v1/messages", json={"model": "x", "messages": messages, "tools": tools, "max_tokens": 4}
+    )
     assert ok.status_code == 200, ok.text
-    count = client.post("/v1/messages/count_tokens", json={"model": "x", "messages": messages, "tools": tools}).json()
-    without = client.post("/v1/messages/count_tokens", json={"model": "x", "messages": messages[:1]}).json()
-    assert count["input_tokens"] > without["input_tokens"] + 20  # tools, the call and the result are in the prompt
+    count = client.post(
+        "/v1/messages/count_tokens", json={"model": "x", "messages": messages, "tools": tools}
+    ).json()
+    without = client.post(
+        "/v1/messages/count_tokens", json={"model": "x", "messages": messages[:1]}
+    ).json()
+    assert (
+        count["input_tokens"] > without["input_tokens"] + 20
+    )  # tools, the call and the result are in the prompt
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ({"model": "x", "messages": CONVO}, "max_tokens"),
-    ({"model": "x", "messages": CONVO, "max_tokens": 5, "temperature": 1.5}, "temperature"),
-    ({"model": "x", "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}]}, "no matching tool_use"),
-    ({"model": "x", "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "vision"),
-    ({"model": "x", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "video"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"model": "x", "messages": CONVO}, "max_tokens"),
+        ({"model": "x", "messages": CONVO, "max_tokens": 5, "temperature": 1.5}, "temperature"),
+        (
+            {
+                "model": "x",
+                "max_tokens": 5,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}
+                        ],
+                    }
+                ],
+            },
+            "no matching tool_use",
+        ),
+        (
+            {
+                "model": "x",
+                "max_tokens": 5,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "AA==",
+                                },
+                            }
+                        ],
+                    }
+                ],
+            },
+            "vision",
+        ),
+        (
+            {
+                "model": "x",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": [{"type": "video"}]}],
+            },
+            "video",
+        ),
+    ],
+)
 def test_messages_errors_use_the_anthropic_shape(client, body, fragment):
     r = client.post("/v1/messages", json=body)
     assert r.status_code == 400
@@ -82,26 +194,56 @@ def test_messages_errors_use_the_anthropic_shape(client, body, fragment):
 
 
 def test_responses_chain_get_delete_and_stream(client):
-    first = client.post("/v1/responses", json={"instructions": "Be brief.", "input": "Say a colour.",
-                                               "max_output_tokens": 6, "temperature": 0}).json()
+    first = client.post(
+        "/v1/responses",
+        json={
+            "instructions": "Be brief.",
+            "input": "Say a colour.",
+            "max_output_tokens": 6,
+            "temperature": 0,
+        },
+    ).json()
     assert first["object"] == "response" and first["id"].startswith("resp_")
     assert client.get(f"/v1/responses/{first['id']}").json()["id"] == first["id"]
-    r = client.post("/v1/responses", json={"input": [{"type": "message", "role": "user", "content": "Another."}],
-                                           "previous_response_id": first["id"], "max_output_tokens": 6,
-                                           "temperature": 0, "stream": True})
+    r = client.post(
+        "/v1/responses",
+        json={
+            "input": [{"type": "message", "role": "user", "content": "Another."}],
+            "previous_response_id": first["id"],
+            "max_output_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
     ev = named_events(r.text)
     names = [e for e, _ in ev]
-    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"]
+    assert names[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert names[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert [d["sequence_number"] for _, d in ev] == list(range(len(ev)))
     final = ev[-1][1]["response"]
     # The chain carried the instructions and the first exchange: the cache reused it.
-    assert final["instructions"] == "Be brief." and final["usage"]["input_tokens"] > first["usage"]["input_tokens"]
-    assert final["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"] - 1
+    assert (
+        final["instructions"] == "Be brief."
+        and final["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+    )
+    assert (
+        final["usage"]["input_tokens_details"]["cached_tokens"]
+        >= first["usage"]["input_tokens"] - 1
+    )
     stats = client.get("/stats").json()["response_store"]
-    assert stats["entries"] >= 2 and stats["max_bytes"] == 32 * 2**20 and stats["ttl_ms"] == 3_600_000
+    assert (
+        stats["entries"] >= 2 and stats["max_bytes"] == 32 * 2**20 and stats["ttl_ms"] == 3_600_000
+    )
     assert client.delete(f"/v1/responses/{first['id']}").json()["deleted"] is True
     gone = client.post("/v1/responses", json={"input": "x", "previous_response_id": first["id"]})
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
@@ -109,13 +251,26 @@ def test_responses_chain_get_delete_and_stream(client):
     assert client.delete(f"/v1/responses/{first['id']}").status_code == 404
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ({"input": [{"type": "mystery"}]}, "unsupported item type"),
-    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "no matching function_call"),
-    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": 5}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "vision"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"input": [{"type": "mystery"}]}, "unsupported item type"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
+            "no matching function_call",
+        ),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": 5}, "input"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}
+                ]
+            },
+            "vision",
+        ),
+    ],
+)
 def test_responses_errors_use_the_openai_shape(client, body, fragment):
     r = client.post("/v1/responses", json=body)
     assert r.status_code == 400
@@ -123,12 +278,24 @@ def test_responses_errors_use_the_openai_shape(client, body, fragment):
 
 
 def test_responses_function_call_items_round_trip(client):
-    items = [{"role": "user", "content": "Weather in Paris?"},
-             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-             {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]
-    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
-             {"type": "web_search_preview"}]
-    r = client.post("/v1/responses", json={"input": items, "tools": tools, "max_output_tokens": 4, "store": False})
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+    ]
+    tools = [
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+        {"type": "web_search_preview"},
+    ]
+    r = client.post(
+        "/v1/responses",
+        json={"input": items, "tools": tools, "max_output_tokens": 4, "store": False},
+    )
     assert r.status_code == 200 and client.get(f"/v1/responses/{r.json()['id']}").status_code == 404
 
 
@@ -137,7 +304,12 @@ def test_response_store_ttl_and_byte_cap():
     assert store.put("a", {"x": "a" * 100}) and store.put("b", {"x": "b" * 100})
     assert store.get("a") is not None  # a is now the most recent
     store.put("c", {"x": "c" * 100})
-    assert store.get("b") is None and store.get("a") and store.get("c") and store.stats()["evicted"] == 1
+    assert (
+        store.get("b") is None
+        and store.get("a")
+        and store.get("c")
+        and store.stats()["evicted"] == 1
+    )
     assert not store.put("big", {"x": "z" * 400})
     store.ttl_s = -1
     assert store.get("a") is None and store.stats()["entries"] == 0
@@ -150,7 +322,9 @@ def test_oversized_store_entry_is_refused_before_generation(client):
     try:
         r = client.post("/v1/responses", json={"input": "x" * 400, "max_output_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["code"] == "store_entry_too_large"
-        ok = client.post("/v1/responses", json={"input": "x" * 400, "max_output_tokens": 2, "store": False})
+        ok = client.post(
+            "/v1/responses", json={"input": "x" * 400, "max_output_tokens": 2, "store": False}
+        )
         assert ok.status_code == 200
     finally:
         store.max_bytes = old

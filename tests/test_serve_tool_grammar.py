@@ -14,22 +14,51 @@ from mlxlab.serve import tool_grammar
 from mlxlab.serve.engine.output import ToolSyntax
 
 TOOLS = [
-    ("get_weather", {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 5},
-        "units": {"enum": ["metric", "imperial"]},
-        "hours": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 23}, "maxItems": 3},
-        "detail": {"type": "boolean"}},
-        "required": ["city", "days"], "additionalProperties": False}),
-    ("set_alarm", {"type": "object", "properties": {
-        "at": {"type": "object", "properties": {"h": {"type": "integer", "minimum": 0, "maximum": 23},
-                                                "m": {"type": "integer", "minimum": 0, "maximum": 59}},
-               "required": ["h", "m"], "additionalProperties": False},
-        "label": {"type": "string", "maxLength": 8}},
-        "required": ["at"], "additionalProperties": False}),
+    (
+        "get_weather",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 5},
+                "units": {"enum": ["metric", "imperial"]},
+                "hours": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": 23},
+                    "maxItems": 3,
+                },
+                "detail": {"type": "boolean"},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "set_alarm",
+        {
+            "type": "object",
+            "properties": {
+                "at": {
+                    "type": "object",
+                    "properties": {
+                        "h": {"type": "integer", "minimum": 0, "maximum": 23},
+                        "m": {"type": "integer", "minimum": 0, "maximum": 59},
+                    },
+                    "required": ["h", "m"],
+                    "additionalProperties": False,
+                },
+                "label": {"type": "string", "maxLength": 8},
+            },
+            "required": ["at"],
+            "additionalProperties": False,
+        },
+    ),
 ]
-MARKERS = {"json_tools": ("<tool_call>", "</tool_call>"), "gemma4": ("<|tool_call>", "<tool_call|>"),
-           "minicpm5": ("<function name=", "</function>")}
+MARKERS = {
+    "json_tools": ("<tool_call>", "</tool_call>"),
+    "gemma4": ("<|tool_call>", "<tool_call|>"),
+    "minicpm5": ("<function name=", "</function>"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +99,7 @@ def test_sampled_calls_parse_with_mlx_lm_and_validate(tokenizer, family):
     for seed in range(12):
         text = sample(grammar, tokenizer, seed)
         assert text.startswith(start) and text.endswith(end), text
-        call = parser.parse_tool_call(text[len(start):len(text) - len(end)], tools)
+        call = parser.parse_tool_call(text[len(start) : len(text) - len(end)], tools)
         jsonschema.validate(call["arguments"], schemas[call["name"]])
         names.add(call["name"])
     assert names == set(schemas)  # both tools come up

@@ -40,8 +40,10 @@ def test_response_ce_equals_masked_full_ce(family):
 
     model, tok, _ = tiny.build(family)
     rng = np.random.default_rng(0)
-    examples = [D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o)
-                for n, o in [(40, 10), (17, 0), (60, 59), (25, 1)]]
+    examples = [
+        D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o)
+        for n, o in [(40, 10), (17, 0), (60, 59), (25, 1)]
+    ]
     batch = B.collate(examples)
     loss, ntoks = losses.response_ce(model, *batch.arrays())
     targets, mask = B.dense_targets(batch)
@@ -52,8 +54,16 @@ def test_response_ce_equals_masked_full_ce(family):
 
 def _cfg(tmp_path: Path, **kw) -> TrainConfig:
     base = dict(
-        model="tiny-llama", out_dir=str(tmp_path / "run"), iters=6, batch_size=4, val_every=3,
-        save_every=2, keep_last=2, log_every=1, wandb="disabled", seed=3,
+        model="tiny-llama",
+        out_dir=str(tmp_path / "run"),
+        iters=6,
+        batch_size=4,
+        val_every=3,
+        save_every=2,
+        keep_last=2,
+        log_every=1,
+        wandb="disabled",
+        seed=3,
         data=DataConfig(train=str(QUICKSTART), max_seq_length=96),
         lora=LoraConfig(targets=["q", "v", "down"], rank=4, dropout=0.1),
         optim=OptimConfig(lr=1e-3, warmup=2),
@@ -79,11 +89,16 @@ def test_same_seed_gives_identical_losses_and_adapters(tiny_dir, tmp_path):
     b = run(_cfg(tmp_path / "b"))
     run_a, run_b = Path(a["adapter"]).parent, Path(b["adapter"]).parent
     assert _losses(run_a) == _losses(run_b) and len(_losses(run_a)) == 6
-    assert (run_a / "adapter" / "adapters.safetensors").read_bytes() == \
-        (run_b / "adapter" / "adapters.safetensors").read_bytes()
-    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
+    assert (run_a / "adapter" / "adapters.safetensors").read_bytes() == (
+        run_b / "adapter" / "adapters.safetensors"
+    ).read_bytes()
+    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == [
+        "step_0000002",
+        "step_0000004",
+    ]
     assert {"adapter", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json"} <= {
-        p.name for p in run_a.iterdir()}
+        p.name for p in run_a.iterdir()
+    }
     c = run(_cfg(tmp_path / "c", seed=4))
     assert _losses(Path(c["adapter"]).parent) != _losses(run_a)
 
@@ -96,8 +111,16 @@ def test_training_lowers_the_loss_and_the_adapter_loads_in_mlx_lm(tiny_dir, tmp_
     from mlxlab.train.cli import run
 
     tiny_dir("qwen3")
-    s = run(_cfg(tmp_path, model="tiny-qwen3", iters=30, val_every=30, save_every=0,
-                 optim=OptimConfig(lr=3e-3)))
+    s = run(
+        _cfg(
+            tmp_path,
+            model="tiny-qwen3",
+            iters=30,
+            val_every=30,
+            save_every=0,
+            optim=OptimConfig(lr=3e-3),
+        )
+    )
     assert s["val_loss"] < s["initial_val_loss"] - 0.5
     theirs, tok = load(str(tiny_dir("qwen3")), adapter_path=s["adapter"])
     ours, _ = load(str(tiny_dir("qwen3")))
@@ -135,16 +158,35 @@ def test_nan_loss_stops_without_touching_the_last_adapter(tiny_dir, tmp_path):
     assert [p.name for p in ckpts] == ["step_0000002", "step_0000004"]
     saved = mx.load(str(ckpts[-1] / "adapters.safetensors"))
     assert all(bool(mx.all(mx.isfinite(v)).item()) for v in saved.values())
-    assert all(bool(mx.all(mx.isfinite(v)).item())
-               for v in lora_apply.adapter_parameters(model).values())  # no NaN update applied
+    assert all(
+        bool(mx.all(mx.isfinite(v)).item()) for v in lora_apply.adapter_parameters(model).values()
+    )  # no NaN update applied
 
 
 def _train_cmd(out_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "mlxlab", "train", "model=tiny-llama", f"out_dir={out_dir}",
-            f"data.train={QUICKSTART}", "data.max_seq_length=96", "iters=240", "batch_size=4",
-            "save_every=20", "keep_last=3", "log_every=1", "val_every=0", "wandb=disabled",
-            "lora.rank=4", "lora.dropout=0.1", "optim.lr=1e-3", "optim.warmup=10",
-            "grad_accum=2", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "mlxlab",
+        "train",
+        "model=tiny-llama",
+        f"out_dir={out_dir}",
+        f"data.train={QUICKSTART}",
+        "data.max_seq_length=96",
+        "iters=240",
+        "batch_size=4",
+        "save_every=20",
+        "keep_last=3",
+        "log_every=1",
+        "val_every=0",
+        "wandb=disabled",
+        "lora.rank=4",
+        "lora.dropout=0.1",
+        "optim.lr=1e-3",
+        "optim.warmup=10",
+        "grad_accum=2",
+        *extra,
+    ]
 
 
 @pytest.mark.slow  # three training subprocesses, one killed
@@ -152,13 +194,20 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path)
     """SIGKILL mid-run, resume, and match an uninterrupted run step for step."""
     tiny_dir("llama")
     env = {**os.environ, "MLXLAB_HOME": str(session_home)}
-    ref = subprocess.run(_train_cmd(tmp_path / "ref"), env=env, capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
+    ref = subprocess.run(
+        _train_cmd(tmp_path / "ref"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert ref.returncode == 0, ref.stderr
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(out), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=tmp_path)
+    proc = subprocess.Popen(
+        _train_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path
+    )
     deadline = time.time() + 300
     while time.time() < deadline:
         metrics = out / "metrics.jsonl"
@@ -171,15 +220,22 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path)
     assert 120 < killed_at < 240, killed_at  # really killed mid-run
     assert not (out / "adapter").exists()
 
-    resumed = subprocess.run(_train_cmd(out, "resume=true"), env=env, capture_output=True,
-                             text=True, timeout=600, cwd=tmp_path)
+    resumed = subprocess.run(
+        _train_cmd(out, "resume=true"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
     assert _losses(out) == _losses(tmp_path / "ref")
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))  # the records after the checkpoint were dropped, not doubled
-    assert (out / "adapter" / "adapters.safetensors").read_bytes() == \
-        (tmp_path / "ref" / "adapter" / "adapters.safetensors").read_bytes()
+    assert (out / "adapter" / "adapters.safetensors").read_bytes() == (
+        tmp_path / "ref" / "adapter" / "adapters.safetensors"
+    ).read_bytes()
 
 
 def test_resume_refuses_a_different_run(tiny_dir, session_home, tmp_path):
@@ -230,10 +286,18 @@ def test_segmented_training_follows_the_full_backward_exactly(tiny_dir, tmp_path
     tiny_dir("gemma3")
     # No dropout: the modes draw their masks differently (segmented and checkpointed seed each
     # segment/layer so recomputation sees the same masks), so only dropout-free runs can match.
-    kw = dict(model="tiny-gemma3", compile=False, save_every=0, iters=4, val_every=0,
-              lora=LoraConfig(targets=["q", "v", "down"], rank=4, dropout=0.0))
+    kw = dict(
+        model="tiny-gemma3",
+        compile=False,
+        save_every=0,
+        iters=4,
+        val_every=0,
+        lora=LoraConfig(targets=["q", "v", "down"], rank=4, dropout=0.0),
+    )
     full = run(_cfg(tmp_path / "full", **kw))
-    seg = run(_cfg(tmp_path / "seg", backward=BackwardConfig(mode="segmented", segment_size=4), **kw))
+    seg = run(
+        _cfg(tmp_path / "seg", backward=BackwardConfig(mode="segmented", segment_size=4), **kw)
+    )
     ckpt = run(_cfg(tmp_path / "ckpt", backward=BackwardConfig(mode="checkpoint"), **kw))
     losses = [_losses(Path(s["adapter"]).parent) for s in (full, seg, ckpt)]
     assert losses[0] == losses[1] == losses[2]

@@ -82,11 +82,14 @@ class BatchSampler:
         from mlxlab.errors import UserError
 
         if len(examples) < batch_size:
-            raise UserError(f"the dataset has {len(examples)} examples, fewer than "
-                            f"batch_size={batch_size}")
+            raise UserError(
+                f"the dataset has {len(examples)} examples, fewer than batch_size={batch_size}"
+            )
         self.examples = examples
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
-        self.groups = [order[i: i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+        self.groups = [
+            order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)
+        ]
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0

@@ -20,10 +20,14 @@ from pathlib import Path
 from mlxlab.config import ChunkDataConfig
 from mlxlab.errors import UserError
 
-SYSTEM = ("You segment conversations into topical chunks. Answer with JSON only: "
-          '{"chunks":[{"start_message_uuid":"...","end_message_uuid":"...","label":"..."}]}.')
-INSTRUCTIONS = ("Split the conversation below into contiguous chunks, one per topic, covering every "
-                "message in order. Give each chunk a short, specific label (2-12 words).")
+SYSTEM = (
+    "You segment conversations into topical chunks. Answer with JSON only: "
+    '{"chunks":[{"start_message_uuid":"...","end_message_uuid":"...","label":"..."}]}.'
+)
+INSTRUCTIONS = (
+    "Split the conversation below into contiguous chunks, one per topic, covering every "
+    "message in order. Give each chunk a short, specific label (2-12 words)."
+)
 SENDERS = ["alice", "bob", "carol", "dave", "erin", "frank"]
 
 
@@ -60,8 +64,11 @@ def split_topics(topics: list[Topic], seed: int, fractions=(0.7, 0.15)) -> dict[
     random.Random(seed).shuffle(order)
     n_train = int(len(order) * fractions[0])
     n_valid = int(len(order) * fractions[1])
-    return {"train": order[:n_train], "valid": order[n_train:n_train + n_valid],
-            "test": order[n_train + n_valid:]}
+    return {
+        "train": order[:n_train],
+        "valid": order[n_train : n_train + n_valid],
+        "test": order[n_train + n_valid :],
+    }
 
 
 def make_conversation(topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig) -> dict:
@@ -69,16 +76,25 @@ def make_conversation(topics: list[Topic], rng: random.Random, cfg: ChunkDataCon
     chosen = rng.sample(topics, rng.randint(cfg.min_topics, min(cfg.max_topics, len(topics))))
     messages, chunks = [], []
     for topic in chosen:
-        n = rng.randint(min(cfg.min_messages, len(topic.paragraphs)),
-                        min(cfg.max_messages, len(topic.paragraphs)))
+        n = rng.randint(
+            min(cfg.min_messages, len(topic.paragraphs)),
+            min(cfg.max_messages, len(topic.paragraphs)),
+        )
         start = rng.randint(0, len(topic.paragraphs) - n)
         ids = []
-        for text in topic.paragraphs[start:start + n]:
+        for text in topic.paragraphs[start : start + n]:
             mid = str(uuid.UUID(int=rng.getrandbits(128), version=4))
-            messages.append({"sender": rng.choice(SENDERS), "uuid": mid,
-                             "text": text[:cfg.max_paragraph_chars]})
+            messages.append(
+                {
+                    "sender": rng.choice(SENDERS),
+                    "uuid": mid,
+                    "text": text[: cfg.max_paragraph_chars],
+                }
+            )
             ids.append(mid)
-        chunks.append({"start_message_uuid": ids[0], "end_message_uuid": ids[-1], "label": topic.label})
+        chunks.append(
+            {"start_message_uuid": ids[0], "end_message_uuid": ids[-1], "label": topic.label}
+        )
     return {"messages": messages, "chunks": chunks}
 
 
@@ -87,11 +103,13 @@ def render(messages: list[dict]) -> str:
 
 
 def to_chat(example: dict) -> dict:
-    return {"messages": [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"{INSTRUCTIONS}\n\n{render(example['messages'])}"},
-        {"role": "assistant", "content": json.dumps({"chunks": example["chunks"]})},
-    ]}
+    return {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{INSTRUCTIONS}\n\n{render(example['messages'])}"},
+            {"role": "assistant", "content": json.dumps({"chunks": example["chunks"]})},
+        ]
+    }
 
 
 def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
@@ -108,8 +126,10 @@ def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
             if len(render(ex["messages"])) <= cfg.max_chars:
                 rows.append(ex)
             elif tries > 100 * getattr(cfg, split) + 1000:
-                raise UserError(f"max_chars={cfg.max_chars} is too small: almost no {split} "
-                                "conversation fits; raise it or lower max_topics/max_messages")
+                raise UserError(
+                    f"max_chars={cfg.max_chars} is too small: almost no {split} "
+                    "conversation fits; raise it or lower max_topics/max_messages"
+                )
         out[split] = rows
     return out
 
@@ -127,7 +147,9 @@ def write_jsonl(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
             with (tmp / f"{split}.jsonl").open("w") as f:
                 for row in rows:
                     f.write(json.dumps(to_chat(row)) + "\n")
-        (tmp / "build.json").write_text(json.dumps({"task": "chunk", **asdict(cfg)}, indent=1) + "\n")
+        (tmp / "build.json").write_text(
+            json.dumps({"task": "chunk", **asdict(cfg)}, indent=1) + "\n"
+        )
 
     return atomic_dir(Path(out_dir), write)
 

@@ -28,7 +28,9 @@ def run(cfg: DataBuildConfig) -> Path:
         rows = [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
         n_chunks = sum(len(json.loads(r["messages"][-1]["content"])["chunks"]) for r in rows)
         chars = sum(len(r["messages"][1]["content"]) for r in rows)
-        print(f"{split}: {len(rows)} conversations, {n_chunks} chunks, {chars // len(rows)} chars on average")
+        print(
+            f"{split}: {len(rows)} conversations, {n_chunks} chunks, {chars // len(rows)} chars on average"
+        )
     print(out)
     return out
 

@@ -61,7 +61,11 @@ def _check_record(record, fmt: str) -> str | None:
                 return f"messages[{i}] must be an object with a 'role'"
             if m.get("content") is None and not m.get("tool_calls"):
                 return f"messages[{i}] has no 'content'"
-        if "tools" in record and record["tools"] is not None and not isinstance(record["tools"], list):
+        if (
+            "tools" in record
+            and record["tools"] is not None
+            and not isinstance(record["tools"], list)
+        ):
             return "'tools' must be a list"
     elif fmt == "completions":
         if not isinstance(record["prompt"], str) or not isinstance(record["completion"], str):
@@ -92,8 +96,10 @@ def validate_jsonl(path: Path) -> str:
                 continue
             fmt = _format_of(record)
             if fmt is None:
-                errors.append(f"{path}:{lineno}: expected an object with 'messages', "
-                              "'prompt'+'completion', or 'text'")
+                errors.append(
+                    f"{path}:{lineno}: expected an object with 'messages', "
+                    "'prompt'+'completion', or 'text'"
+                )
                 continue
             formats.add(fmt)
             problem = _check_record(record, fmt)
@@ -126,7 +132,9 @@ def read_records(path: str | Path) -> list[dict]:
         records = list(ds)
         bad = next((i for i, r in enumerate(records) if _format_of(r) is None), None)
         if bad is not None:
-            raise UserError(f"{path}: row {bad} has none of 'messages', 'prompt'+'completion', 'text'")
+            raise UserError(
+                f"{path}: row {bad} has none of 'messages', 'prompt'+'completion', 'text'"
+            )
         return records
     if not path.is_file():
         raise UserError(f"no such data file: {path}")
@@ -152,15 +160,20 @@ def tokenize(record: dict, tokenizer, mask_prompt: bool) -> Example:
     if fmt == "chat":
         messages = record["messages"]
     else:
-        messages = [{"role": "user", "content": record["prompt"]},
-                    {"role": "assistant", "content": record["completion"]}]
+        messages = [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["completion"]},
+        ]
     tools = record.get("tools")
     ids = list(tokenizer.apply_chat_template(messages, tools=tools, return_dict=False))
     offset = 0
     if mask_prompt:
         add_gen = messages[-1].get("role") == "assistant"
-        offset = len(tokenizer.apply_chat_template(messages[:-1], tools=tools,
-                                                   add_generation_prompt=add_gen, return_dict=False))
+        offset = len(
+            tokenizer.apply_chat_template(
+                messages[:-1], tools=tools, add_generation_prompt=add_gen, return_dict=False
+            )
+        )
     return Example(ids, offset)
 
 
@@ -180,14 +193,20 @@ def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
             continue
         examples.append(ex)
     if too_long:
-        raise UserError(f"{path}: {len(too_long)} examples exceed max_seq_length="
-                        f"{cfg.max_seq_length} (data.on_too_long=error): " + "; ".join(too_long[:5]))
+        raise UserError(
+            f"{path}: {len(too_long)} examples exceed max_seq_length="
+            f"{cfg.max_seq_length} (data.on_too_long=error): " + "; ".join(too_long[:5])
+        )
     if truncated:
-        log.warning(f"warning: {truncated} of {len(examples)} examples in {path} were truncated to "
-                    f"max_seq_length={cfg.max_seq_length}")
+        log.warning(
+            f"warning: {truncated} of {len(examples)} examples in {path} were truncated to "
+            f"max_seq_length={cfg.max_seq_length}"
+        )
     if dropped:
-        log.warning(f"warning: {dropped} examples in {path} have no response tokens within "
-                    f"max_seq_length={cfg.max_seq_length} and were skipped")
+        log.warning(
+            f"warning: {dropped} examples in {path} have no response tokens within "
+            f"max_seq_length={cfg.max_seq_length} and were skipped"
+        )
     if not examples:
         raise UserError(f"{path}: no example has a response token left to train on")
     return TokenizedSet(examples, str(path), truncated)

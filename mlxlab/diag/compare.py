@@ -57,23 +57,33 @@ def ulp_distance(a, b) -> int:
     return int(np.abs(_ordered_ints(a) - _ordered_ints(b)).max())
 
 
-def compare(name: str, ours, theirs, max_ulp: int | None = None, max_rel: float | None = None) -> Comparison:
+def compare(
+    name: str, ours, theirs, max_ulp: int | None = None, max_rel: float | None = None
+) -> Comparison:
     """Compare arrays (or flat dicts of arrays) and apply the gates (None: not gated)."""
     if isinstance(ours, dict):
         if ours.keys() != theirs.keys():
             missing = sorted(set(ours) ^ set(theirs))
-            return Comparison(name, False, 2**31, float("inf"), float("inf"), False,
-                              f"different tensors: {missing[:5]}")
+            return Comparison(
+                name,
+                False,
+                2**31,
+                float("inf"),
+                float("inf"),
+                False,
+                f"different tensors: {missing[:5]}",
+            )
         a = [_to_numpy(ours[k]).ravel() for k in sorted(ours)]
         b = [_to_numpy(theirs[k]).ravel() for k in sorted(ours)]
         a, b = np.concatenate(a), np.concatenate(b)
     else:
         a, b = _to_numpy(ours), _to_numpy(theirs)
     if a.shape != b.shape:
-        return Comparison(name, False, 2**31, float("inf"), float("inf"), False,
-                          f"shapes {a.shape} vs {b.shape}")
+        return Comparison(
+            name, False, 2**31, float("inf"), float("inf"), False, f"shapes {a.shape} vs {b.shape}"
+        )
     exact = bool(np.array_equal(a, b))
-    diff = (a.astype(np.float64) - b.astype(np.float64))
+    diff = a.astype(np.float64) - b.astype(np.float64)
     max_abs = float(np.abs(diff).max()) if diff.size else 0.0
     denom = float(np.linalg.norm(b.astype(np.float64)))
     rel = float(np.linalg.norm(diff)) / denom if denom else (0.0 if exact else float("inf"))

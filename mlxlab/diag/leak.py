@@ -25,15 +25,22 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
     active, peak = record_memory(model, grad_fn, batch, cfg.steps)
     slope_mb = growth_mb_per_step(active, cfg.warmup)
     report = {
-        "model": cfg.model, "mode": how, "steps": cfg.steps, "warmup": cfg.warmup,
-        "slope_mb_per_step": slope_mb, "threshold_mb": cfg.threshold_mb,
+        "model": cfg.model,
+        "mode": how,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "slope_mb_per_step": slope_mb,
+        "threshold_mb": cfg.threshold_mb,
         "passed": slope_mb <= cfg.threshold_mb,
-        "active_bytes": active, "peak_bytes": peak,
+        "active_bytes": active,
+        "peak_bytes": peak,
     }
     if verbose:
-        print(f"leak: {cfg.model}, {how}, {cfg.steps} steps: active memory "
-              f"{active[cfg.warmup] / 1e6:.1f} -> {active[-1] / 1e6:.1f} MB, slope {slope_mb:+.4f} MB/step "
-              f"(threshold {cfg.threshold_mb} MB/step): {'PASS' if report['passed'] else 'FAIL'}")
+        print(
+            f"leak: {cfg.model}, {how}, {cfg.steps} steps: active memory "
+            f"{active[cfg.warmup] / 1e6:.1f} -> {active[-1] / 1e6:.1f} MB, slope {slope_mb:+.4f} MB/step "
+            f"(threshold {cfg.threshold_mb} MB/step): {'PASS' if report['passed'] else 'FAIL'}"
+        )
     return report
 
 
@@ -71,8 +78,12 @@ def plot(report: dict, path) -> object:
     ax.plot(steps, np.array(report["active_bytes"]) / 1e6, label="active")
     ax.plot(steps, np.array(report["peak_bytes"]) / 1e6, label="peak")
     ax.axvline(report["warmup"], color="grey", ls=":", label="warm-up end")
-    ax.set(xlabel="step", ylabel="MB", title=f"{report['model']}: {report['mode'].split(':')[0]} "
-           f"({report['slope_mb_per_step']:+.4f} MB/step)")
+    ax.set(
+        xlabel="step",
+        ylabel="MB",
+        title=f"{report['model']}: {report['mode'].split(':')[0]} "
+        f"({report['slope_mb_per_step']:+.4f} MB/step)",
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

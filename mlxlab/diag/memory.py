@@ -30,7 +30,9 @@ def _check_mode(mode: str) -> None:
         check_choice("modes", mode, MEMORY_MODES, "memory mode")
 
 
-def worker(model_name: str, mode: str, length: int, steps: int, dtype: str, target_gb: float) -> dict:
+def worker(
+    model_name: str, mode: str, length: int, steps: int, dtype: str, target_gb: float
+) -> dict:
     """Run in a fresh process: warm-up step, then `steps` timed steps; peak after warm-up."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -70,24 +72,48 @@ def worker(model_name: str, mode: str, length: int, steps: int, dtype: str, targ
     for s in range(steps):
         trainer.train_step(model, optimizer, grad_fn, [batch], 1.0, s + 2)
     mx.synchronize()
-    return {"s_per_step": (time.perf_counter() - t) / steps, "peak_gb": mx.get_peak_memory() / 1e9,
-            "active_gb": mx.get_active_memory() / 1e9}
+    return {
+        "s_per_step": (time.perf_counter() - t) / steps,
+        "peak_gb": mx.get_peak_memory() / 1e9,
+        "active_gb": mx.get_active_memory() / 1e9,
+    }
 
 
-def measure(model: str, mode: str, length: int, steps: int = 1, dtype: str = "auto",
-            target_gb: float = 1.6) -> dict:
+def measure(
+    model: str, mode: str, length: int, steps: int = 1, dtype: str = "auto", target_gb: float = 1.6
+) -> dict:
     """`worker` in a subprocess; {"error": ...} when it fails (e.g. out of memory)."""
     _check_mode(mode)
-    r = subprocess.run([sys.executable, "-m", "mlxlab.diag.memory", model, mode, str(length),
-                        str(steps), dtype, str(target_gb)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxlab.diag.memory",
+            model,
+            mode,
+            str(length),
+            str(steps),
+            dtype,
+            str(target_gb),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         lines = r.stderr.strip().splitlines()
         return {"error": lines[-1] if lines else f"exit code {r.returncode}"}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def sweep(model: str, lengths: list[int], modes: list[str], steps: int = 1, dtype: str = "auto",
-          target_gb: float = 1.6, progress=log.info) -> dict:
+def sweep(
+    model: str,
+    lengths: list[int],
+    modes: list[str],
+    steps: int = 1,
+    dtype: str = "auto",
+    target_gb: float = 1.6,
+    progress=log.info,
+) -> dict:
     for mode in modes:
         _check_mode(mode)
     results: dict[str, dict] = {m: {} for m in modes}
@@ -98,19 +124,25 @@ def sweep(model: str, lengths: list[int], modes: list[str], steps: int = 1, dtyp
             if "error" in r:
                 progress(f"L={length:<5} {mode:<11} failed: {r['error']}")
             else:
-                progress(f"L={length:<5} {mode:<11} {r['s_per_step']:8.1f} s/step  peak {r['peak_gb']:6.2f} GB")
+                progress(
+                    f"L={length:<5} {mode:<11} {r['s_per_step']:8.1f} s/step  peak {r['peak_gb']:6.2f} GB"
+                )
     return {"model": model, "dtype": dtype, "lengths": lengths, "results": results}
 
 
 def table(report: dict) -> str:
     lengths = report["lengths"]
-    rows = [f"{report['model']}: peak GB / s per step",
-            f"{'mode':<12}" + "".join(f"{L:>18}" for L in lengths)]
+    rows = [
+        f"{report['model']}: peak GB / s per step",
+        f"{'mode':<12}" + "".join(f"{L:>18}" for L in lengths),
+    ]
     for mode, by_len in report["results"].items():
         cells = []
         for L in lengths:
             r = by_len.get(str(L), {"error": "-"})
-            cells.append("failed" if "error" in r else f"{r['peak_gb']:6.2f} / {r['s_per_step']:7.1f}")
+            cells.append(
+                "failed" if "error" in r else f"{r['peak_gb']:6.2f} / {r['s_per_step']:7.1f}"
+            )
         rows.append(f"{mode:<12}" + "".join(f"{c:>18}" for c in cells))
     return "\n".join(rows)
 
@@ -129,7 +161,9 @@ def plot(report: dict, path: Path) -> Path | None:
         if pts:
             a.plot([p[0] for p in pts], [p[1]["peak_gb"] for p in pts], marker="o", label=mode)
             b.plot([p[0] for p in pts], [p[1]["s_per_step"] for p in pts], marker="o", label=mode)
-    a.set(xlabel="sequence length", ylabel="peak memory (GB)", title=f"{report['model']}: peak memory")
+    a.set(
+        xlabel="sequence length", ylabel="peak memory (GB)", title=f"{report['model']}: peak memory"
+    )
     b.set(xlabel="sequence length", ylabel="seconds / step", title="time per step")
     for ax in (a, b):
         ax.set_xscale("log", base=2)

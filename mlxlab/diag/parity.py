@@ -68,8 +68,14 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
     checks: list[Comparison] = []
 
     runner = runners.runner_for(ours)
-    checks.append(compare("logits (base)", lm_head(ours, runners.forward_hidden(runner, inputs)),
-                          theirs(inputs), **gate))
+    checks.append(
+        compare(
+            "logits (base)",
+            lm_head(ours, runners.forward_hidden(runner, inputs)),
+            theirs(inputs),
+            **gate,
+        )
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         adapter = Path(cfg.adapter) if cfg.adapter else _random_adapter(ours, Path(tmp) / "adapter")
@@ -81,8 +87,14 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
         mx.eval(ours.parameters(), theirs.parameters())
     ours.train(False)
     theirs.train(False)
-    checks.append(compare("logits (adapter)", lm_head(ours, runners.forward_hidden(runner, inputs)),
-                          theirs(inputs), **gate))
+    checks.append(
+        compare(
+            "logits (adapter)",
+            lm_head(ours, runners.forward_hidden(runner, inputs)),
+            theirs(inputs),
+            **gate,
+        )
+    )
 
     n = len(ids)
     splits = {"prompt 0": 0, "prompt 1": 1, "half": n // 2, "response 1": n - 1}
@@ -93,13 +105,18 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
         their_loss, their_ntoks = default_loss(theirs, inputs, mx.array([[offset, n]]))
         c = compare(f"loss ({label})", loss, their_loss, **gate)
         if int(ntoks.item()) != int(their_ntoks.item()):
-            c.passed, c.note = False, f"token counts {int(ntoks.item())} vs {int(their_ntoks.item())}"
+            c.passed, c.note = (
+                False,
+                f"token counts {int(ntoks.item())} vs {int(their_ntoks.item())}",
+            )
         else:
             c.note = f"{int(ntoks.item())} tokens both"
         padded = next(iterate_batches([(ids, offset)], 1, 1 << 20))
-        counts[label] = {"ours": int(ntoks.item()),
-                         "mlx_lm_unpadded": int(their_ntoks.item()),
-                         "mlx_lm_padded_batch": int(default_loss(theirs, *padded)[1].item())}
+        counts[label] = {
+            "ours": int(ntoks.item()),
+            "mlx_lm_unpadded": int(their_ntoks.item()),
+            "mlx_lm_padded_batch": int(default_loss(theirs, *padded)[1].item()),
+        }
         checks.append(c)
 
     offset = n // 2
@@ -107,36 +124,63 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
     ours.train(True)
     theirs.train(True)
     _, _, grads = full_backward(ours, compile=False)(ours, batch)
-    (_, _), their_grads = nn.value_and_grad(theirs, default_loss)(theirs, inputs, mx.array([[offset, n]]))
+    (_, _), their_grads = nn.value_and_grad(theirs, default_loss)(
+        theirs, inputs, mx.array([[offset, n]])
+    )
     flat = dict(tree_flatten(grads))
     if cfg.perturb_grads:
         mx.random.seed(123)
         flat = {k: v * (1 + cfg.perturb_grads * mx.random.normal(v.shape)) for k, v in flat.items()}
-    checks.append(compare("LoRA gradients vs mlx-lm", flat, dict(tree_flatten(their_grads)), **gate))
+    checks.append(
+        compare("LoRA gradients vs mlx-lm", flat, dict(tree_flatten(their_grads)), **gate)
+    )
     for size in cfg.segment_sizes:
         plan = bw.plan_by_size(len(ours.layers), size)
         _, _, seg = bw.segmented_backward(ours, plan)(ours, batch)
-        checks.append(compare(f"segmented size {size} vs full", dict(tree_flatten(seg)),
-                              dict(tree_flatten(grads)), **gate))
+        checks.append(
+            compare(
+                f"segmented size {size} vs full",
+                dict(tree_flatten(seg)),
+                dict(tree_flatten(grads)),
+                **gate,
+            )
+        )
     _, _, ck = bw.checkpointed_backward(ours)(ours, batch)
-    checks.append(compare("checkpointed vs full", dict(tree_flatten(ck)), dict(tree_flatten(grads)), **gate))
+    checks.append(
+        compare("checkpointed vs full", dict(tree_flatten(ck)), dict(tree_flatten(grads)), **gate)
+    )
 
-    report = {"model": cfg.model, "dtype": str(dtype), "length": n, "gates": gate,
-              "passed": all(c.passed for c in checks),
-              "checks": [c.to_dict() for c in checks], "token_counts": counts}
+    report = {
+        "model": cfg.model,
+        "dtype": str(dtype),
+        "length": n,
+        "gates": gate,
+        "passed": all(c.passed for c in checks),
+        "checks": [c.to_dict() for c in checks],
+        "token_counts": counts,
+    }
     if verbose:
         print_table(report)
     return report
 
 
 def print_table(report: dict) -> None:
-    print(f"parity: {report['model']} ({report['dtype']}), {report['length']} tokens, "
-          f"gates max_ulp={report['gates']['max_ulp']} max_rel={report['gates']['max_rel']:g}")
+    print(
+        f"parity: {report['model']} ({report['dtype']}), {report['length']} tokens, "
+        f"gates max_ulp={report['gates']['max_ulp']} max_rel={report['gates']['max_rel']:g}"
+    )
     print(f"{'check':<30}{'verdict':<22}{'max abs':>11}{'rel norm':>11}  gate  note")
     for c in report["checks"]:
-        print(f"{c['name']:<30}{c['verdict']:<22}{c['max_abs']:>11.2e}{c['rel_norm']:>11.2e}  "
-              f"{'pass' if c['passed'] else 'FAIL'}  {c['note']}")
+        print(
+            f"{c['name']:<30}{c['verdict']:<22}{c['max_abs']:>11.2e}{c['rel_norm']:>11.2e}  "
+            f"{'pass' if c['passed'] else 'FAIL'}  {c['note']}"
+        )
     tc = report["token_counts"]
-    print("trained tokens (ours / mlx-lm unpadded / mlx-lm padded batch): " +
-          ", ".join(f"{k}: {v['ours']}/{v['mlx_lm_unpadded']}/{v['mlx_lm_padded_batch']}" for k, v in tc.items()))
+    print(
+        "trained tokens (ours / mlx-lm unpadded / mlx-lm padded batch): "
+        + ", ".join(
+            f"{k}: {v['ours']}/{v['mlx_lm_unpadded']}/{v['mlx_lm_padded_batch']}"
+            for k, v in tc.items()
+        )
+    )
     log.info("PASS" if report["passed"] else "FAIL")

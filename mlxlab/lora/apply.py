@@ -16,8 +16,15 @@ from mlx_lm.tuner.lora import LoRALinear
 from mlxlab.config import LoraConfig
 from mlxlab.errors import UserError
 
-SHORT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-               "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+SHORT_NAMES = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
 _LINEAR = (nn.Linear, nn.QuantizedLinear)
 
 
@@ -52,8 +59,11 @@ def layers_prefix(model) -> str:
 
 def layer_keys(layer) -> dict[str, str]:
     """Module path -> leaf name for every linear (or already adapted) module in a layer."""
-    return {path: path.rsplit(".", 1)[-1] for path, m in layer.named_modules()
-            if isinstance(m, (*_LINEAR, LoRALinear))}
+    return {
+        path: path.rsplit(".", 1)[-1]
+        for path, m in layer.named_modules()
+        if isinstance(m, (*_LINEAR, LoRALinear))
+    }
 
 
 def plan(model, cfg: LoraConfig) -> LoraPlan:
@@ -108,9 +118,14 @@ def apply(model, lora_plan: LoraPlan, seed: int | None = None) -> list[str]:
                 continue  # e.g. Gemma 4 KV-shared layers have no k/v projections
             if isinstance(module, LoRALinear):
                 raise UserError(f"{prefix}.{i}.{key} already has a LoRA adapter")
-            updates.append((key, LoRALinear.from_base(module, r=lora_plan.rank,
-                                                     dropout=lora_plan.dropout,
-                                                     scale=lora_plan.scale)))
+            updates.append(
+                (
+                    key,
+                    LoRALinear.from_base(
+                        module, r=lora_plan.rank, dropout=lora_plan.dropout, scale=lora_plan.scale
+                    ),
+                )
+            )
         if updates:
             layer.update_modules(tree_unflatten(updates))
     model.train(training)
@@ -124,8 +139,11 @@ def lora_modules(model) -> list[tuple[str, LoRALinear]]:
 
 def adapter_parameters(model) -> dict[str, mx.array]:
     """The LoRA tensors (lora_a, lora_b) by full parameter name."""
-    return {k: v for k, v in tree_flatten(model.parameters())
-            if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+    return {
+        k: v
+        for k, v in tree_flatten(model.parameters())
+        if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
+    }
 
 
 def remove(model) -> None:

@@ -33,7 +33,9 @@ def fuse_to_dir(cfg: LoraToolConfig) -> Path:
     lora_io.load(model, cfg.adapter)
     lora_apply.fuse(model)
     model.set_dtype(resolve_dtype(cfg.dtype))
-    return atomic_dir(Path(cfg.out).expanduser(), lambda tmp: save(tmp, src, model, tokenizer, config))
+    return atomic_dir(
+        Path(cfg.out).expanduser(), lambda tmp: save(tmp, src, model, tokenizer, config)
+    )
 
 
 def run(cfg: LoraToolConfig) -> None:
@@ -45,8 +47,10 @@ def run(cfg: LoraToolConfig) -> None:
 
         model, _ = load(cfg.model)
         plan, weights = lora_io.read_plan(cfg.adapter, model)
-        print(f"ok: {len(weights)} tensors, rank {plan.rank}, scale {plan.scale}, "
-              f"layers {list(plan.layers)}, projections {', '.join(plan.keys)}")
+        print(
+            f"ok: {len(weights)} tensors, rank {plan.rank}, scale {plan.scale}, "
+            f"layers {list(plan.layers)}, projections {', '.join(plan.keys)}"
+        )
     else:
         if not cfg.out:
             raise UserError("lora fuse needs out=DIR for the fused model")

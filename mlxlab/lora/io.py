@@ -30,8 +30,12 @@ def adapter_config(plan: lora_apply.LoraPlan, num_model_layers: int) -> dict:
     return {
         "fine_tune_type": "lora",
         "num_layers": num_model_layers - min(plan.layers),
-        "lora_parameters": {"rank": plan.rank, "scale": plan.scale, "dropout": plan.dropout,
-                            "keys": list(plan.keys)},
+        "lora_parameters": {
+            "rank": plan.rank,
+            "scale": plan.scale,
+            "dropout": plan.dropout,
+            "keys": list(plan.keys),
+        },
     }
 
 
@@ -51,13 +55,18 @@ def save(model, plan: lora_apply.LoraPlan, out_dir: str | Path, meta: dict | Non
     out_dir = Path(out_dir)
     weights = lora_apply.adapter_parameters(model)
     config = json.dumps(adapter_config(plan, len(model.layers)), indent=2) + "\n"
-    meta_text = json.dumps({"layers": list(plan.layers), "base": base_fingerprint(model),
-                            **(meta or {})}, indent=2) + "\n"
+    meta_text = (
+        json.dumps(
+            {"layers": list(plan.layers), "base": base_fingerprint(model), **(meta or {})}, indent=2
+        )
+        + "\n"
+    )
 
     def write_weights(path: Path) -> None:
         mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
 
     if not out_dir.exists():
+
         def write_all(tmp: Path) -> None:
             write_weights(tmp / WEIGHTS)
             (tmp / CONFIG).write_text(config)
@@ -97,8 +106,10 @@ def resolve_dir(path: str | Path) -> Path:
     if (path / "adapter" / CONFIG).is_file():
         return path / "adapter"
     if (path / "checkpoints").is_dir():
-        raise UserError(f"{path} is a training run without a final adapter (still running or "
-                        "killed?); pass one of its checkpoints/ explicitly or resume the run")
+        raise UserError(
+            f"{path} is a training run without a final adapter (still running or "
+            "killed?); pass one of its checkpoints/ explicitly or resume the run"
+        )
     return path
 
 
@@ -142,16 +153,24 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
         raise UserError(f"adapter {path}: " + "; ".join(problems))
 
     trained_on, this = meta.get("base") or {}, base_fingerprint(model)
-    mismatch = [f"{k} {trained_on[k]!r} vs {this[k]!r}" for k in trained_on
-                if k in this and trained_on[k] != this[k]]
+    mismatch = [
+        f"{k} {trained_on[k]!r} vs {this[k]!r}"
+        for k in trained_on
+        if k in this and trained_on[k] != this[k]
+    ]
     if mismatch:
         problems.append("trained on another base model (" + ", ".join(mismatch) + ")")
     layers = tuple(meta.get("layers") or range(n - min(num_layers, n), n))
     keys = params.get("keys")
     if keys is None:  # mlx-lm's default: every linear in the adapted layers
         keys = sorted({k for i in layers for k in lora_apply.layer_keys(model.layers[i])})
-    plan = lora_apply.LoraPlan(layers=tuple(layers), keys=tuple(keys), rank=int(params["rank"]),
-                               scale=float(params["scale"]), dropout=float(params.get("dropout", 0.0)))
+    plan = lora_apply.LoraPlan(
+        layers=tuple(layers),
+        keys=tuple(keys),
+        rank=int(params["rank"]),
+        scale=float(params["scale"]),
+        dropout=float(params.get("dropout", 0.0)),
+    )
     expected = _expected_shapes(model, plan, problems)
     for name, w in weights.items():
         if name not in expected:

@@ -29,8 +29,10 @@ def run(cfg: ModelsConfig) -> None:
         print(f"cache: {zoo.models_dir()}")
     elif cfg.action in ("pull", "convert"):
         if not cfg.target:
-            raise UserError(f"models {cfg.action} needs a target, e.g. `models {cfg.action} "
-                            f"{'gemma3-270m' if cfg.action == 'pull' else 'FILE.gguf'}`")
+            raise UserError(
+                f"models {cfg.action} needs a target, e.g. `models {cfg.action} "
+                f"{'gemma3-270m' if cfg.action == 'pull' else 'FILE.gguf'}`"
+            )
         t = time.perf_counter()
         if cfg.action == "pull":
             path = zoo.pull(cfg.target, force=cfg.force)

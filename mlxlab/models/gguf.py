@@ -59,7 +59,9 @@ ARCHS = {
         },
         norm_offset=1.0,
     ),
-    "llama": Arch("llama", {**_BLOCK_COMMON, "ffn_norm": "post_attention_layernorm"}, permute_qk=True),
+    "llama": Arch(
+        "llama", {**_BLOCK_COMMON, "ffn_norm": "post_attention_layernorm"}, permute_qk=True
+    ),
     "qwen2": Arch("qwen2", {**_BLOCK_COMMON, "ffn_norm": "post_attention_layernorm"}),
     "qwen3": Arch("qwen3", {**_BLOCK_COMMON, "ffn_norm": "post_attention_layernorm"}),
 }
@@ -82,7 +84,9 @@ def _model_config(reader, arch_name: str, tensor_names: set[str], vocab_size: in
         "num_hidden_layers": int(req("block_count")),
         "intermediate_size": int(req("feed_forward_length")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(tok_lib.read_field(reader, f"{a}.attention.head_count_kv", n_heads)),
+        "num_key_value_heads": int(
+            tok_lib.read_field(reader, f"{a}.attention.head_count_kv", n_heads)
+        ),
         "head_dim": int(tok_lib.read_field(reader, f"{a}.attention.key_length", hidden // n_heads)),
         "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
         "vocab_size": vocab_size,
@@ -93,8 +97,12 @@ def _model_config(reader, arch_name: str, tensor_names: set[str], vocab_size: in
     if a == "gemma3":
         cfg["rope_theta"] = float(theta or 1_000_000.0)
         cfg["rope_local_base_freq"] = 10_000.0  # not in the GGUF; Gemma 3 uses 10k locally
-        cfg["sliding_window"] = int(tok_lib.read_field(reader, f"{a}.attention.sliding_window", 512))
-        cfg["sliding_window_pattern"] = _swa_pattern(tok_lib.read_field(reader, f"{a}.attention.sliding_window_pattern"))
+        cfg["sliding_window"] = int(
+            tok_lib.read_field(reader, f"{a}.attention.sliding_window", 512)
+        )
+        cfg["sliding_window_pattern"] = _swa_pattern(
+            tok_lib.read_field(reader, f"{a}.attention.sliding_window_pattern")
+        )
         cfg["query_pre_attn_scalar"] = cfg["head_dim"]
         scaling = tok_lib.read_field(reader, f"{a}.rope.scaling.factor")
         if scaling and float(scaling) != 1.0:
@@ -183,8 +191,13 @@ def architecture(reader) -> str:
     return arch
 
 
-def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
-            force: bool = False, verify: bool = True) -> Path:
+def convert(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    force: bool = False,
+    verify: bool = True,
+) -> Path:
     """Convert a GGUF file into an mlx-lm model directory at `out_dir`, atomically.
 
     The directory appears only once complete and verified (it loads with mlx-lm and gives finite
@@ -206,7 +219,9 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
     weights = read_tensors(reader, arch_name, config)
     mx_dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}.get(dtype)
     if mx_dtype is None:
-        raise UserError(f"unknown dtype {dtype!r} for conversion; choose bfloat16, float16, float32")
+        raise UserError(
+            f"unknown dtype {dtype!r} for conversion; choose bfloat16, float16, float32"
+        )
 
     def write(tmp: Path) -> None:
         arrays = {k: mx.array(v).astype(mx_dtype) for k, v in weights.items()}
@@ -215,13 +230,16 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", tok_info["generation_config"])
         tokenizer.save_pretrained(str(tmp))
-        _write_json(tmp / "mlxlab_source.json", {
-            "source": str(Path(gguf_path).absolute()),
-            "architecture": arch_name,
-            "dtype": dtype,
-            "converter_version": CONVERTER_VERSION,
-            "seconds": round(time.perf_counter() - t0, 1),
-        })
+        _write_json(
+            tmp / "mlxlab_source.json",
+            {
+                "source": str(Path(gguf_path).absolute()),
+                "architecture": arch_name,
+                "dtype": dtype,
+                "converter_version": CONVERTER_VERSION,
+                "seconds": round(time.perf_counter() - t0, 1),
+            },
+        )
         if verify:
             verify_model_dir(tmp)
 

@@ -69,7 +69,11 @@ class Gemma3Runner(Runner):
     def _masks(self, h):
         pattern = self.inner.sliding_window_pattern
         full = create_attention_mask(h, None)
-        sliding = create_attention_mask(h, None, window_size=self.inner.window_size) if pattern > 1 else None
+        sliding = (
+            create_attention_mask(h, None, window_size=self.inner.window_size)
+            if pattern > 1
+            else None
+        )
         return [full if self.is_global(i) else sliding for i in range(len(self.layers))]
 
     def is_global(self, i):
@@ -90,8 +94,14 @@ class Gemma4Runner(Runner):
         return h, Context(masks=masks, per_layer_inputs=per_layer)
 
     def layer(self, i, h, ctx, shared_kv=None):
-        h, kvs, _ = self.layers[i](h, ctx.masks[i], None, per_layer_input=ctx.per_layer_inputs[i],
-                                   shared_kv=shared_kv, offset=None if shared_kv is None else 0)
+        h, kvs, _ = self.layers[i](
+            h,
+            ctx.masks[i],
+            None,
+            per_layer_input=ctx.per_layer_inputs[i],
+            shared_kv=shared_kv,
+            offset=None if shared_kv is None else 0,
+        )
         return h, kvs
 
     def kv_donors(self):
@@ -102,16 +112,24 @@ class Gemma4Runner(Runner):
 
 
 RUNNERS = {
-    "llama": Runner, "mistral": Runner, "qwen2": Runner, "qwen3": Runner,
-    "gemma3_text": Gemma3Runner, "gemma4_text": Gemma4Runner,
+    "llama": Runner,
+    "mistral": Runner,
+    "qwen2": Runner,
+    "qwen3": Runner,
+    "gemma3_text": Gemma3Runner,
+    "gemma4_text": Gemma4Runner,
 }
 
 
 def runner_for(model) -> Runner:
-    model_type = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    model_type = getattr(model, "model_type", None) or getattr(
+        getattr(model, "args", None), "model_type", None
+    )
     if model_type not in RUNNERS:
-        raise UserError(f"segmented/checkpointed backward does not support model type {model_type!r}; "
-                        f"supported: {', '.join(sorted(RUNNERS))}")
+        raise UserError(
+            f"segmented/checkpointed backward does not support model type {model_type!r}; "
+            f"supported: {', '.join(sorted(RUNNERS))}"
+        )
     return RUNNERS[model_type](model)
 
 

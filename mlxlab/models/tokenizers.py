@@ -20,7 +20,7 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- else -%}{%- set first_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
     "{%- if tools -%}"
     "{%- set ns = namespace(text='You can call these tools. To call one, reply with '"
-    " + '<tool_call>{\"name\": <tool name>, \"arguments\": <JSON object>}</tool_call>.\n') -%}"
+    ' + \'<tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>.\n\') -%}'
     "{%- for tool in tools -%}{%- set ns.text = ns.text + (tool.function if tool.function is defined"
     " else tool) | tojson + '\n' -%}{%- endfor -%}"
     "{%- set first_prefix = first_prefix + ns.text + '\n' -%}"
@@ -37,7 +37,7 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- set calls = namespace(text=text) -%}"
     "{%- for call in message.tool_calls -%}"
     "{%- set tool_call = call.function if call.function is defined else call -%}"
-    "{%- set calls.text = calls.text + '<tool_call>{\"name\": \"' + tool_call.name + '\", \"arguments\": '"
+    '{%- set calls.text = calls.text + \'<tool_call>{"name": "\' + tool_call.name + \'", "arguments": \''
     " + (tool_call.arguments if tool_call.arguments is string else tool_call.arguments | tojson)"
     " + '}</tool_call>' -%}"
     "{%- endfor -%}{%- set text = calls.text -%}{%- endif -%}"
@@ -107,8 +107,9 @@ def from_gguf(reader, arch: str):
         idx = read_field(reader, f"tokenizer.ggml.{key}")
         return (int(idx), tokens[int(idx)]) if idx is not None and int(idx) < len(tokens) else None
 
-    bos, eos, pad, unk = (special(k) for k in
-                          ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"))
+    bos, eos, pad, unk = (
+        special(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
+    )
     add_bos = read_field(reader, "tokenizer.ggml.add_bos_token")
     if bos and (add_bos or add_bos is None and data.get("tokenizer_type") == "llama"):
         _add_bos_processor(backend, bos[1], bos[0])
@@ -121,13 +122,18 @@ def from_gguf(reader, arch: str):
             eos_ids.append(end_of_turn)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=bos and bos[1], eos_token=eos and eos[1],
-        pad_token=pad and pad[1], unk_token=unk and unk[1],
+        bos_token=bos and bos[1],
+        eos_token=eos and eos[1],
+        pad_token=pad and pad[1],
+        unk_token=unk and unk[1],
     )
     if template:
         tokenizer.chat_template = template
-    ids = {"bos_token_id": bos and bos[0], "eos_token_id": eos_ids or None,
-           "pad_token_id": pad and pad[0]}
+    ids = {
+        "bos_token_id": bos and bos[0],
+        "eos_token_id": eos_ids or None,
+        "pad_token_id": pad and pad[0],
+    }
     ids = {k: v for k, v in ids.items() if v is not None}
     return tokenizer, {"config": ids, "generation_config": dict(ids), "vocab_size": len(tokens)}
 
@@ -155,13 +161,18 @@ def build_tiny(vocab_size: int = 512):
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=TINY_SPECIALS, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=TINY_SPECIALS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator(_tiny_corpus(), trainer=trainer)
     _add_bos_processor(backend, "<bos>", backend.token_to_id("<bos>"))
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
         unk_token="<unk>",
     )
     tokenizer.chat_template = GEMMA_CHAT_TEMPLATE

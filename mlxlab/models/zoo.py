@@ -58,7 +58,9 @@ ZOO: dict[str, ZooEntry] = {
         _pull_gemma3_270m,
     ),
     **{
-        f"tiny-{fam}": ZooEntry(f"tiny-{fam}", f"random-init tiny {fam} for tests", _tiny_builder(fam))
+        f"tiny-{fam}": ZooEntry(
+            f"tiny-{fam}", f"random-init tiny {fam} for tests", _tiny_builder(fam)
+        )
         for fam in ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
     },
 }
@@ -100,8 +102,9 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def convert_gguf(path: str | Path, out: str | Path | None = None, dtype: str = "bfloat16",
-                 force: bool = False) -> Path:
+def convert_gguf(
+    path: str | Path, out: str | Path | None = None, dtype: str = "bfloat16", force: bool = False
+) -> Path:
     """Convert a GGUF into `out`, or into the cache keyed by the file's name and content."""
     from mlxlab.models import gguf
 
@@ -132,8 +135,12 @@ def resolve(spec: str) -> Path:
 
 def listing() -> list[dict]:
     return [
-        {"name": e.name, "converted": is_complete(models_dir() / e.name),
-         "path": str(models_dir() / e.name), "description": e.description}
+        {
+            "name": e.name,
+            "converted": is_complete(models_dir() / e.name),
+            "path": str(models_dir() / e.name),
+            "description": e.description,
+        }
         for e in ZOO.values()
     ]
 

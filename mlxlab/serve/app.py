@@ -36,7 +36,13 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
     app.state.response_store = ResponseStore()
     app.state.in_flight = InFlight()
     app.add_middleware(Exchanges, counter=app.state.in_flight)
-    for router in (admin.health_router, admin.router, openai.router, anthropic.router, responses.router):
+    for router in (
+        admin.health_router,
+        admin.router,
+        openai.router,
+        anthropic.router,
+        responses.router,
+    ):
         app.include_router(router)
 
     def shape_for(request: Request):
@@ -50,6 +56,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
-        return respond(APIError(500, f"internal error: {exc}", type="server_error"), shape_for(request))
+        return respond(
+            APIError(500, f"internal error: {exc}", type="server_error"), shape_for(request)
+        )
 
     return app

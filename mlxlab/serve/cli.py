@@ -36,19 +36,25 @@ def check_port(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); is another server "
-                            "running there? pick another with port=...") from None
+            raise UserError(
+                f"cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+                "running there? pick another with port=..."
+            ) from None
 
 
 def ready_line(cfg: ServeConfig, gateway: Gateway) -> str:
     loaded = gateway.loaded
     adm = loaded.admission
-    cache = (f"prompt cache {cfg.prompt_cache_gb:g} GB" if loaded.cache.enabled else "prompt cache off")
-    return (f"mlxlab serve: ready on http://{cfg.host}:{cfg.port}/v1 | model {cfg.model} | context ceiling "
-            f"{adm.max_safe_context} tokens (memory budget {adm.budget_bytes / 1e9:.1f} GB"
-            f"{'' if adm.explicit_budget else ', 75% of RAM'}) | {cache} | queue {cfg.max_queue}"
-            f" | {'batch ' + str(cfg.batch) if gateway.batch else 'serial'}"
-            f"{' | kv ' + loaded.kv.mode if loaded.kv.enabled else ''}")
+    cache = (
+        f"prompt cache {cfg.prompt_cache_gb:g} GB" if loaded.cache.enabled else "prompt cache off"
+    )
+    return (
+        f"mlxlab serve: ready on http://{cfg.host}:{cfg.port}/v1 | model {cfg.model} | context ceiling "
+        f"{adm.max_safe_context} tokens (memory budget {adm.budget_bytes / 1e9:.1f} GB"
+        f"{'' if adm.explicit_budget else ', 75% of RAM'}) | {cache} | queue {cfg.max_queue}"
+        f" | {'batch ' + str(cfg.batch) if gateway.batch else 'serial'}"
+        f"{' | kv ' + loaded.kv.mode if loaded.kv.enabled else ''}"
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -68,8 +74,11 @@ class DrainingServer(uvicorn.Server):
             return
         self.draining_since = time.monotonic()
         self.app.state.draining = True
-        log.info("mlxlab serve: draining (%d in flight, up to %g s)", self.app.state.in_flight.count,
-                 self.drain_timeout_s)
+        log.info(
+            "mlxlab serve: draining (%d in flight, up to %g s)",
+            self.app.state.in_flight.count,
+            self.drain_timeout_s,
+        )
         threading.Thread(target=self._drain, daemon=True).start()
 
     def busy(self) -> bool:
@@ -92,7 +101,10 @@ class DrainingServer(uvicorn.Server):
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
         if self.busy():
-            log.warning("mlxlab serve: drain timeout (%g s): leaving with requests in flight", self.drain_timeout_s)
+            log.warning(
+                "mlxlab serve: drain timeout (%g s): leaving with requests in flight",
+                self.drain_timeout_s,
+            )
         self.drained.set()
         self.should_exit = True
 
@@ -103,8 +115,14 @@ def run(cfg: ServeConfig) -> None:
     app = create_app(cfg, gateway)
     # The drain has already waited for every response; uvicorn's own grace period only closes
     # the idle connections.
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                            access_log=cfg.log_requests, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        access_log=cfg.log_requests,
+        timeout_graceful_shutdown=5,
+    )
     server = DrainingServer(config, app, gateway, cfg.drain_timeout_s)
     failed = []
 
@@ -117,7 +135,12 @@ def run(cfg: ServeConfig) -> None:
             server.should_exit = True
 
     threading.Thread(target=announce, daemon=True).start()
-    log.info("mlxlab serve: loading %s (http://%s:%d/health answers 503 until ready)", cfg.model, cfg.host, cfg.port)
+    log.info(
+        "mlxlab serve: loading %s (http://%s:%d/health answers 503 until ready)",
+        cfg.model,
+        cfg.host,
+        cfg.port,
+    )
     server.run()
     gateway.stop(timeout=2)
     if failed:

@@ -30,16 +30,34 @@ class APIError(Exception):
     """An error to answer: HTTP status, message, and OpenAI-style type/param/code (each protocol's
     shape picks what it shows)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
         self.headers = headers or {}
 
 
 def draining_error() -> APIError:
-    return APIError(503, "the server is shutting down", type="service_unavailable", code="draining",
-                    headers={"Retry-After": "10"})
+    return APIError(
+        503,
+        "the server is shutting down",
+        type="service_unavailable",
+        code="draining",
+        headers={"Retry-After": "10"},
+    )
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -82,7 +100,9 @@ def protocol_route(shape: Shape, drains: bool = True) -> type[APIRoute]:
                     return respond(APIError(e.status_code, str(e.detail)), shape)
                 except Exception as e:  # noqa: BLE001 - a bug answers 500, the server carries on
                     log.exception("mlxlab serve: %s %s failed", request.method, request.url.path)
-                    return respond(APIError(500, f"internal error: {e}", type="server_error"), shape)
+                    return respond(
+                        APIError(500, f"internal error: {e}", type="server_error"), shape
+                    )
 
             return route
 
@@ -113,8 +133,13 @@ class Exchanges:
 
         async def stamped(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", rid.encode("latin-1"))]}
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        (b"x-request-id", rid.encode("latin-1")),
+                    ],
+                }
             await send(message)
 
         self.counter.count += 1

@@ -66,7 +66,13 @@ class SamplingAsk:
     @classmethod
     def of(cls, body) -> SamplingAsk:
         """The fields a request model has (each protocol offers a subset)."""
-        return cls(**{f.name: getattr(body, f.name) for f in dataclasses.fields(cls) if hasattr(body, f.name)})
+        return cls(
+            **{
+                f.name: getattr(body, f.name)
+                for f in dataclasses.fields(cls)
+                if hasattr(body, f.name)
+            }
+        )
 
 
 @dataclass
@@ -111,8 +117,12 @@ def text_of(content, where: str, text_kinds=("text", "input_text", "output_text"
                 raise APIError(400, f"{where}: a text part needs a string 'text'", param=where)
             parts.append(part["text"])
         elif kind in ("image_url", "input_image", "image"):
-            raise APIError(400, f"{where}: image input needs a vision model; this server runs a "
-                                "text-only model", param=where, code="vision_not_supported")
+            raise APIError(
+                400,
+                f"{where}: image input needs a vision model; this server runs a text-only model",
+                param=where,
+                code="vision_not_supported",
+            )
         else:
             raise APIError(400, f"{where}: unsupported content part type {kind!r}", param=where)
     return "".join(parts)
@@ -132,8 +142,11 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                     try:
                         fn["arguments"] = json.loads(fn["arguments"] or "{}")
                     except json.JSONDecodeError as e:
-                        raise APIError(400, f"messages[{i}].tool_calls: arguments are not JSON ({e})",
-                                       param=f"messages[{i}].tool_calls") from None
+                        raise APIError(
+                            400,
+                            f"messages[{i}].tool_calls: arguments are not JSON ({e})",
+                            param=f"messages[{i}].tool_calls",
+                        ) from None
                 calls.append({"id": c.get("id"), "type": "function", "function": fn})
             msg["tool_calls"] = calls
         for key in ("name", "tool_call_id", "reasoning_content"):
@@ -148,13 +161,22 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 
 def ready_loaded(gateway: Gateway) -> Loaded:
     if gateway.state != "ready":
-        raise APIError(503, gateway.error or f"the model is {gateway.state}; try again shortly",
-                       type="service_unavailable", code="not_ready", headers={"Retry-After": "5"})
+        raise APIError(
+            503,
+            gateway.error or f"the model is {gateway.state}; try again shortly",
+            type="service_unavailable",
+            code="not_ready",
+            headers={"Retry-After": "5"},
+        )
     return gateway.loaded
 
 
-def render_chat(loaded: Loaded, messages: list[dict], tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> tuple[list[int], int, bool]:
+def render_chat(
+    loaded: Loaded,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
+) -> tuple[list[int], int, bool]:
     """(prompt tokens, end of the system prompt in tokens or 0, starts inside a reasoning block)."""
     tok = loaded.tokenizer
     if not getattr(tok, "chat_template", None):
@@ -163,17 +185,26 @@ def render_chat(loaded: Loaded, messages: list[dict], tools: list[dict] | None =
     if tools:
         kwargs["tools"] = tools
     try:
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    except Exception as e:  # jinja's TemplateError and friends: the messages do not fit the template
-        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        prompt = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
+    except (
+        Exception
+    ) as e:  # jinja's TemplateError and friends: the messages do not fit the template
+        raise APIError(
+            400, f"the chat template rejected these messages: {e}", param="messages"
+        ) from None
     prompt = list(prompt)
     checkpoint = 0
     n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if 0 < n_system < len(messages):
         try:
-            head = tok.apply_chat_template(messages[:n_system] + [{"role": "user", "content": ""}],
-                                           tokenize=True, **kwargs)
-            checkpoint = next((i for i, (a, b) in enumerate(zip(head, prompt, strict=False)) if a != b), 0)
+            head = tok.apply_chat_template(
+                messages[:n_system] + [{"role": "user", "content": ""}], tokenize=True, **kwargs
+            )
+            checkpoint = next(
+                (i for i, (a, b) in enumerate(zip(head, prompt, strict=False)) if a != b), 0
+            )
         except Exception:
             checkpoint = 0
     reasoning = False
@@ -214,16 +245,26 @@ def resolve_sampling(ask: SamplingAsk, cfg: ServeConfig, loaded: Loaded) -> Samp
         bias = {}
         for k, v in ask.logit_bias.items():
             if not k.lstrip("-").isdigit() or not 0 <= int(k) < loaded.tokenizer.vocab_size:
-                raise APIError(400, f"logit_bias key {k!r} is not a token id of this model", param="logit_bias")
+                raise APIError(
+                    400, f"logit_bias key {k!r} is not a token id of this model", param="logit_bias"
+                )
             bias[int(k)] = v
-    return Sampling(temperature=float(values["temperature"]), top_p=float(values["top_p"]),
-                    top_k=int(values["top_k"]), min_p=float(values["min_p"]), seed=ask.seed,
-                    repetition_penalty=rep if rep and rep != 1.0 else None,
-                    presence_penalty=ask.presence_penalty or None,
-                    frequency_penalty=ask.frequency_penalty or None, logit_bias=bias)
+    return Sampling(
+        temperature=float(values["temperature"]),
+        top_p=float(values["top_p"]),
+        top_k=int(values["top_k"]),
+        min_p=float(values["min_p"]),
+        seed=ask.seed,
+        repetition_penalty=rep if rep and rep != 1.0 else None,
+        presence_penalty=ask.presence_penalty or None,
+        frequency_penalty=ask.frequency_penalty or None,
+        logit_bias=bias,
+    )
 
 
-def completion_limit(loaded: Loaded, cfg: ServeConfig, prompt_len: int, requested: int | None) -> int:
+def completion_limit(
+    loaded: Loaded, cfg: ServeConfig, prompt_len: int, requested: int | None
+) -> int:
     """max_tokens for the job; raises the memory-admission 400 when the request cannot fit."""
     ceiling = loaded.admission.max_safe_context
     if requested is None:
@@ -233,7 +274,9 @@ def completion_limit(loaded: Loaded, cfg: ServeConfig, prompt_len: int, requeste
         requested = cfg.max_tokens
     reason = loaded.admission.check(prompt_len, requested)
     if reason:
-        raise APIError(400, reason, type="memory_admission", param="max_tokens", code="context_over_budget")
+        raise APIError(
+            400, reason, type="memory_admission", param="max_tokens", code="context_over_budget"
+        )
     return requested
 
 
@@ -242,7 +285,9 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     loaded = ready_loaded(gateway)
     checkpoint, reasoning = 0, False
     if ask.messages is not None:
-        prompt, checkpoint, reasoning = render_chat(loaded, ask.messages, ask.tools, ask.template_kwargs)
+        prompt, checkpoint, reasoning = render_chat(
+            loaded, ask.messages, ask.tools, ask.template_kwargs
+        )
     else:
         prompt = render_text(loaded, ask.prompt)
     limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
@@ -252,9 +297,20 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         loaded.adapters.check(ask.adapter)
     except KeyError as e:
         raise APIError(400, str(e).strip("'\""), param="adapter", code="unknown_adapter") from None
-    return Job(prompt=prompt, max_tokens=limit, sink=None, sampling=sampling, stops=ask.stops,
-               tools=ask.tools, reasoning=reasoning, logprobs=ask.logprobs, top_logprobs=ask.top_logprobs,
-               checkpoint=checkpoint, adapter=ask.adapter, grammar=grammar)
+    return Job(
+        prompt=prompt,
+        max_tokens=limit,
+        sink=None,
+        sampling=sampling,
+        stops=ask.stops,
+        tools=ask.tools,
+        reasoning=reasoning,
+        logprobs=ask.logprobs,
+        top_logprobs=ask.top_logprobs,
+        checkpoint=checkpoint,
+        adapter=ask.adapter,
+        grammar=grammar,
+    )
 
 
 # --- Job -> events -> encoders -------------------------------------------------------------------
@@ -279,11 +335,17 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
     try:
         gateway.submit(job)
     except QueueFull as e:
-        raise APIError(503, f"server busy: {e}", type="service_unavailable", code="queue_full",
-                       headers={"Retry-After": "2"}) from None
+        raise APIError(
+            503,
+            f"server busy: {e}",
+            type="service_unavailable",
+            code="queue_full",
+            headers={"Retry-After": "2"},
+        ) from None
     except NotReady as e:
-        raise APIError(503, str(e), type="service_unavailable", code="not_ready",
-                       headers={"Retry-After": "5"}) from None
+        raise APIError(
+            503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
+        ) from None
     try:
         while True:
             if is_disconnected is None:
@@ -413,4 +475,6 @@ async def start(gateway: Gateway, job: Job) -> AsyncIterator[Event]:
 async def stream(gateway: Gateway, job: Job, encoder: Encoder):
     """A streamed response: the job's events through `encoder`, as server-sent events."""
     events = await start(gateway, job)
-    return StreamingResponse(pump(events, encoder), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(
+        pump(events, encoder), media_type="text/event-stream", headers=SSE_HEADERS
+    )

@@ -63,8 +63,12 @@ def _tool_specs(tools: list[dict]) -> list[tuple[str, dict]]:
         fn = t.get("function", t)
         params = fn.get("parameters") or {"type": "object"}
         if not isinstance(params, dict):
-            raise APIError(400, f"tools[{i}] ({fn['name']}): parameters must be a JSON schema object",
-                           param=f"tools[{i}]", code="invalid_schema")
+            raise APIError(
+                400,
+                f"tools[{i}] ({fn['name']}): parameters must be a JSON schema object",
+                param=f"tools[{i}]",
+                code="invalid_schema",
+            )
         try:
             G.json_schema(params, f"tools[{i}] ({fn['name']}): parameters")
         except G.GrammarError as e:
@@ -80,7 +84,9 @@ def _schema_only(shape: Shape) -> G.Grammar:
         raise APIError(400, str(e), param=shape.schema_field, code="invalid_schema") from None
 
 
-def grammar_for(shape: Shape, tools: list[dict] | None, loaded: Loaded, reasoning: bool = False) -> G.Grammar | None:
+def grammar_for(
+    shape: Shape, tools: list[dict] | None, loaded: Loaded, reasoning: bool = False
+) -> G.Grammar | None:
     """The grammar for `shape` given the offered `tools`; None when nothing is asked. A 400
     naming the field for anything that cannot be enforced. `reasoning`: the prompt opens a
     reasoning block, which a grammar from the first token would fill with the answer."""
@@ -88,15 +94,21 @@ def grammar_for(shape: Shape, tools: list[dict] | None, loaded: Loaded, reasonin
         return None
     if reasoning:
         field = shape.schema_field if shape.schema is not None else shape.choice_field
-        raise APIError(400, f"{field}: structured output and forced tool calls cannot start inside the model's "
-                            "reasoning; turn thinking off (chat_template_kwargs enable_thinking false)",
-                       param=field, code="constraint_with_reasoning")
+        raise APIError(
+            400,
+            f"{field}: structured output and forced tool calls cannot start inside the model's "
+            "reasoning; turn thinking off (chat_template_kwargs enable_thinking false)",
+            param=field,
+            code="constraint_with_reasoning",
+        )
     forcing = shape.tool_choice != "auto"
     if not forcing and not tools:
         return _schema_only(shape)
     syntax = loaded.tool
     if not forcing and (syntax is None or syntax.family not in ENFORCEABLE_TOOL_FAMILIES):
-        return _schema_only(shape)  # calls cannot be grammar-shaped here: the answer is held to the schema
+        return _schema_only(
+            shape
+        )  # calls cannot be grammar-shaped here: the answer is held to the schema
     return _with_tools(shape, tools or [], loaded)
 
 
@@ -104,23 +116,33 @@ def _with_tools(shape: Shape, tools: list[dict], loaded: Loaded) -> G.Grammar:
     where = shape.choice_field
     forcing = shape.tool_choice != "auto"
     if forcing and not tools:
-        raise APIError(400, f"{where}: {shape.tool_choice.lstrip('=')!r} needs at least one function tool",
-                       param=where)
+        raise APIError(
+            400,
+            f"{where}: {shape.tool_choice.lstrip('=')!r} needs at least one function tool",
+            param=where,
+        )
     specs = _tool_specs(tools)
     if shape.forced_tool is not None:
         specs = [s for s in specs if s[0] == shape.forced_tool]
         if not specs:
             offered = ", ".join(n for n, _ in _tool_specs(tools)) or "none"
-            raise APIError(400, f"{where}: no offered tool is named {shape.forced_tool!r} (offered: {offered})",
-                           param=where)
+            raise APIError(
+                400,
+                f"{where}: no offered tool is named {shape.forced_tool!r} (offered: {offered})",
+                param=where,
+            )
     syntax = loaded.tool
     if syntax is None or syntax.family not in ENFORCEABLE_TOOL_FAMILIES:
         family = syntax.family if syntax else "none"
-        raise APIError(400, f"{where}: this model's tool-call format ({family}) cannot be enforced by a grammar",
-                       param=where, code="tool_choice_not_enforceable")
+        raise APIError(
+            400,
+            f"{where}: this model's tool-call format ({family}) cannot be enforced by a grammar",
+            param=where,
+            code="tool_choice_not_enforceable",
+        )
     rules = tool_grammar.Rules()
     tool_grammar.BUILDERS[syntax.family](rules, syntax, specs, loaded.tokenizer)
-    calls = 'call (NL? call)*' if shape.parallel else "call"
+    calls = "call (NL? call)*" if shape.parallel else "call"
     rules = [f"calls: {calls}", *rules.lines, 'NL: "\\n"']
     if shape.schema is not None and not forcing:  # auto: a call or the JSON answer
         _schema_only(shape)  # names the schema field when the answer's schema is at fault

@@ -75,7 +75,11 @@ def _text(schema: dict) -> str:
 
 
 def _string_choice(values: list) -> str | None:
-    return " | ".join(json.dumps(v) for v in values) if values and all(isinstance(v, str) for v in values) else None
+    return (
+        " | ".join(json.dumps(v) for v in values)
+        if values and all(isinstance(v, str) for v in values)
+        else None
+    )
 
 
 # --- Gemma 4 ---------------------------------------------------------------------------------
@@ -94,8 +98,11 @@ def _gemma4_value(rules: Rules, schema: dict, q: str) -> str:
         return rules.add(f"{q} {_text(schema)} {q}")
     if kind == "object" and schema.get("properties"):
         return _gemma4_object(rules, schema, q)
-    if kind == "array" and isinstance(schema.get("items"), dict) \
-            and int(schema.get("minItems", 0)) <= MAX_UNROLLED_ITEMS:
+    if (
+        kind == "array"
+        and isinstance(schema.get("items"), dict)
+        and int(schema.get("minItems", 0)) <= MAX_UNROLLED_ITEMS
+    ):
         item = _gemma4_value(rules, schema["items"], q)
         inner = _repeat(rules, item, int(schema.get("minItems", 0)), schema.get("maxItems"))
         return rules.add(f'"[" {inner} "]"')
@@ -106,7 +113,9 @@ def _gemma4_value(rules: Rules, schema: dict, q: str) -> str:
 def _gemma4_object(rules: Rules, schema: dict, q: str) -> str:
     def item(key: str, sub: dict) -> str:
         bare = re.fullmatch(r"\w+", key)  # the parser quotes bare \w+ keys; others stay JSON
-        return rules.add(f"{json.dumps(key + ':' if bare else json.dumps(key) + ':')} {_gemma4_value(rules, sub, q)}")
+        return rules.add(
+            f"{json.dumps(key + ':' if bare else json.dumps(key) + ':')} {_gemma4_value(rules, sub, q)}"
+        )
 
     required, optional = _fields(schema)
     seq = _sequence(rules, [item(k, s) for k, s in required], [item(k, s) for k, s in optional])
@@ -117,7 +126,9 @@ def gemma4_call(rules: Rules, syntax, specs: list[tuple[str, dict]], tokenizer) 
     q = G.literal('<|"|>', tokenizer)
     alts = []
     for name, params in specs:
-        args = _gemma4_object(rules, params, q) if params.get("properties") else rules.add('"{" "}"')
+        args = (
+            _gemma4_object(rules, params, q) if params.get("properties") else rules.add('"{" "}"')
+        )
         alts.append(rules.add(f"{json.dumps('call:' + name)} {args}"))
     start, end = G.literal(syntax.start, tokenizer), G.literal(syntax.end, tokenizer)
     rules.lines.append(f"call: {start} ({' | '.join(alts)}) {end}")
@@ -136,12 +147,16 @@ def _minicpm_value(rules: Rules, schema: dict) -> str:
 
 def minicpm5_call(rules: Rules, syntax, specs: list[tuple[str, dict]], tokenizer) -> None:
     def param(key: str, sub: dict) -> str:
-        return rules.add(f'{json.dumps(f"<param name={json.dumps(key)}>")} {_minicpm_value(rules, sub)} "</param>"')
+        return rules.add(
+            f'{json.dumps(f"<param name={json.dumps(key)}>")} {_minicpm_value(rules, sub)} "</param>"'
+        )
 
     alts = []
     for name, params in specs:
         required, optional = _fields(params)
-        seq = _sequence(rules, [param(k, s) for k, s in required], [param(k, s) for k, s in optional], sep="")
+        seq = _sequence(
+            rules, [param(k, s) for k, s in required], [param(k, s) for k, s in optional], sep=""
+        )
         alts.append(rules.add(f"{json.dumps(json.dumps(name) + '>')} {seq}"))
     start, end = G.literal(syntax.start, tokenizer), G.literal(syntax.end, tokenizer)
     rules.lines.append(f"call: {start} ({' | '.join(alts)}) {end}")
@@ -151,8 +166,15 @@ def minicpm5_call(rules: Rules, syntax, specs: list[tuple[str, dict]], tokenizer
 
 
 def json_tools_call(rules: Rules, syntax, specs: list[tuple[str, dict]], tokenizer) -> None:
-    bodies = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-               "required": ["name", "arguments"], "additionalProperties": False} for n, p in specs]
+    bodies = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": n}, "arguments": p},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for n, p in specs
+    ]
     body = rules.add(G.embedded_json(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}))
     start, end = G.literal(syntax.start, tokenizer), G.literal(syntax.end, tokenizer)
     rules.lines.append(f'call: {start} "\\n"? {body} "\\n"? {end}')

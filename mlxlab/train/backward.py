@@ -38,6 +38,7 @@ def head_loss(runner: Runner, h, positions, labels, weights):
 
 # --- plans ------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Plan:
     segments: tuple[tuple[int, ...], ...]  # consecutive layer indices, covering every layer
@@ -53,7 +54,9 @@ class Plan:
 def plan_by_size(num_layers: int, size: int) -> Plan:
     if size < 1:
         raise UserError(f"segment_size must be >= 1, got {size}")
-    return Plan(tuple(tuple(range(i, min(i + size, num_layers))) for i in range(0, num_layers, size)))
+    return Plan(
+        tuple(tuple(range(i, min(i + size, num_layers))) for i in range(0, num_layers, size))
+    )
 
 
 def plan_auto(runner: Runner, layer_cost: dict[str, float], budget: float) -> Plan:
@@ -89,8 +92,14 @@ def measure_layer_costs(model, inputs: mx.array) -> dict[str, float]:
     mx.eval(h)
     costs = {}
     for kind in ("sliding", "global"):
-        idx = next((i for i in range(len(runner.layers)) if runner.is_global(i) == (kind == "global")
-                    and i not in runner.kv_donors()), None)
+        idx = next(
+            (
+                i
+                for i in range(len(runner.layers))
+                if runner.is_global(i) == (kind == "global") and i not in runner.kv_donors()
+            ),
+            None,
+        )
         if idx is None:
             continue
         mx.synchronize()
@@ -117,9 +126,11 @@ def make_plan(model, cfg, batch_shape: tuple[int, int]) -> Plan:
     mx.clear_cache()
     budget = cfg.memory_target_gb * 1e9 - mx.get_active_memory()
     if budget < costs["sliding"]:
-        log.warning(f"warning: memory_target_gb={cfg.memory_target_gb} leaves {budget / 1e9:.2f} GB "
-                    f"for activations, less than one layer needs ({costs['sliding'] / 1e9:.2f} GB); "
-                    "using one layer per segment")
+        log.warning(
+            f"warning: memory_target_gb={cfg.memory_target_gb} leaves {budget / 1e9:.2f} GB "
+            f"for activations, less than one layer needs ({costs['sliding'] / 1e9:.2f} GB); "
+            "using one layer per segment"
+        )
     return plan_auto(runner, costs, budget)
 
 
@@ -132,10 +143,13 @@ def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True)
     if cfg.mode == "checkpoint":
         return checkpointed_backward(model), "per-layer checkpointed backward"
     plan = make_plan(model, cfg, batch_shape)
-    return segmented_backward(model, plan), "segmented backward: " + plan.describe(runner_for(model))
+    return segmented_backward(model, plan), "segmented backward: " + plan.describe(
+        runner_for(model)
+    )
 
 
 # --- gradient functions -----------------------------------------------------------------------
+
 
 def _layer_params(model, layer_ids) -> list[tuple[str, mx.array]]:
     """(full name, array) of the trainable parameters of the given layers, in order."""
@@ -174,8 +188,10 @@ def segmented_backward(model, plan: Plan):
     # K/V streams that cross cuts: donors whose sharers sit in a later segment.
     crossing = sorted({d for j, d in donors.items() if seg_of[d] < seg_of[j]})
     outgoing = [[d for d in crossing if seg_of[d] == s] for s in range(len(plan.segments))]
-    incoming = [sorted({donors[j] for j in seg if j in donors and seg_of[donors[j]] < s})
-                for s, seg in enumerate(plan.segments)]
+    incoming = [
+        sorted({donors[j] for j in seg if j in donors and seg_of[donors[j]] < s})
+        for s, seg in enumerate(plan.segments)
+    ]
 
     def run_segment(s, h, ctx, kv_in: dict):
         kvs = dict(kv_in)
@@ -214,7 +230,7 @@ def segmented_backward(model, plan: Plan):
             n_kv = len(kv_in)
 
             def fn(*primals, s=s, names=names, n_kv=n_kv):
-                h_in, kv_flat, params = primals[0], primals[1:1 + n_kv], primals[1 + n_kv:]
+                h_in, kv_flat, params = primals[0], primals[1 : 1 + n_kv], primals[1 + n_kv :]
                 _set_layer_params(model, list(zip(names, params, strict=True)))
                 kv = {d: (kv_flat[2 * k], kv_flat[2 * k + 1]) for k, d in enumerate(incoming[s])}
                 h_out, kv_out = run_segment(s, h_in, ctx, kv)
@@ -238,9 +254,11 @@ def segmented_backward(model, plan: Plan):
             for k, d in enumerate(incoming[s]):
                 add = [vjps[1 + 2 * k], vjps[2 + 2 * k]]
                 dkv[d] = [a + b for a, b in zip(dkv[d], add, strict=True)] if d in dkv else add
-            for name, g in zip(names, vjps[1 + n_kv:], strict=True):
+            for name, g in zip(names, vjps[1 + n_kv :], strict=True):
                 grads[name] = g
-            mx.eval(loss, ntoks, dh, [g for n, g in grads.items() if n in names], list(dkv.values()))
+            mx.eval(
+                loss, ntoks, dh, [g for n, g in grads.items() if n in names], list(dkv.values())
+            )
         return loss, ntoks, _grad_tree(model, grads)
 
     return grad_fn

@@ -59,8 +59,17 @@ def run_dir_for(cfg: TrainConfig) -> Path:
 
 # Settings that do not change the training trajectory (iters does, through the cosine schedule,
 # but extending a run is the point of changing it).
-RESUME_MAY_CHANGE = ("resume", "iters", "save_every", "keep_last", "log_every", "val_every",
-                     "val_batches", "wandb", "wandb_project")
+RESUME_MAY_CHANGE = (
+    "resume",
+    "iters",
+    "save_every",
+    "keep_last",
+    "log_every",
+    "val_every",
+    "val_batches",
+    "wandb",
+    "wandb_project",
+)
 
 
 def _check_resume_config(run_dir: Path, now: dict) -> None:
@@ -73,10 +82,15 @@ def _check_resume_config(run_dir: Path, now: dict) -> None:
     saved = yaml.safe_load(saved_path.read_text())
     if isinstance(saved.get("task"), dict) and saved["task"].get("name") is None:
         saved.pop("task")  # written before tasks were their own configs: no task
-    differ = sorted(k for k in set(saved) | set(now)
-                    if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
+    differ = sorted(
+        k
+        for k in set(saved) | set(now)
+        if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k)
+    )
     if differ:
-        raise UserError(f"resume=true with a different config than {saved_path}: {', '.join(differ)}")
+        raise UserError(
+            f"resume=true with a different config than {saved_path}: {', '.join(differ)}"
+        )
 
 
 def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
@@ -101,7 +115,9 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     if cfg.resume:
         _check_resume_config(run_dir, config_dict)
     elif run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it")
+        raise UserError(
+            f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it"
+        )
     t_start = time.perf_counter()
     data_cfg = hooks.prepare_data(cfg.data, run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
@@ -114,23 +130,43 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     plan = lora_apply.plan(model, cfg.lora)
     lora_apply.apply(model, plan, seed=cfg.seed)
     train_sampler = BatchSampler(train_set.examples, cfg.batch_size, cfg.seed)
-    valid_sampler = (BatchSampler(valid_set.examples, min(cfg.batch_size, len(valid_set.examples)),
-                                  cfg.seed, shuffle=False) if valid_set else None)
+    valid_sampler = (
+        BatchSampler(
+            valid_set.examples,
+            min(cfg.batch_size, len(valid_set.examples)),
+            cfg.seed,
+            shuffle=False,
+        )
+        if valid_set
+        else None
+    )
 
     writable_dir(run_dir)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
     n_params = sum(v.size for v in lora_apply.adapter_parameters(model).values())
-    log.info(f"run dir: {run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
-             f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
-             f"data: {len(train_set.examples)} train / {len(valid_set.examples) if valid_set else 0} "
-             "valid examples")
-    grad_fn, how = make_grad_fn(model, cfg.backward, (cfg.batch_size, cfg.data.max_seq_length),
-                                compile=cfg.compile)
+    log.info(
+        f"run dir: {run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
+        f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
+        f"data: {len(train_set.examples)} train / {len(valid_set.examples) if valid_set else 0} "
+        "valid examples"
+    )
+    grad_fn, how = make_grad_fn(
+        model, cfg.backward, (cfg.batch_size, cfg.data.max_seq_length), compile=cfg.compile
+    )
     log.info(f"gradients: {how}")
     meta = {"base_model": cfg.model, "run_dir": str(run_dir)}
     run_log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, config_dict)
-    summary = trainer.train(model, plan, train_sampler, valid_sampler, cfg, run_dir,
-                            grad_fn=grad_fn, run_log=run_log, meta=meta)
+    summary = trainer.train(
+        model,
+        plan,
+        train_sampler,
+        valid_sampler,
+        cfg,
+        run_dir,
+        grad_fn=grad_fn,
+        run_log=run_log,
+        meta=meta,
+    )
     adapter_dir = lora_io.save(model, plan, run_dir / "adapter", meta=meta)
     summary["adapter"] = str(adapter_dir)
     hooks.after_training(job, summary)

@@ -68,20 +68,32 @@ def full_backward(model, loss_fn=response_ce, compile: bool = True) -> GradFn:
 
 
 def make_optimizer(cfg: OptimConfig, iters: int) -> optim.Optimizer:
-    classes = {name.lower(): cls for name, cls in vars(optim).items()
-               if isinstance(cls, type) and issubclass(cls, optim.Optimizer)
-               and cls not in (optim.Optimizer, optim.MultiOptimizer)}
+    classes = {
+        name.lower(): cls
+        for name, cls in vars(optim).items()
+        if isinstance(cls, type)
+        and issubclass(cls, optim.Optimizer)
+        and cls not in (optim.Optimizer, optim.MultiOptimizer)
+    }
     if cfg.name.lower() not in classes:
-        raise UserError(f"unknown optimizer {cfg.name!r}; choose one of {', '.join(sorted(classes))}")
+        raise UserError(
+            f"unknown optimizer {cfg.name!r}; choose one of {', '.join(sorted(classes))}"
+        )
     cls = classes[cfg.name.lower()]
     lr: Callable | float = cfg.lr
     if cfg.schedule == "cosine":
         decay = optim.cosine_decay(cfg.lr, max(iters - cfg.warmup, 1), cfg.min_lr)
-        lr = decay if not cfg.warmup else optim.join_schedules(
-            [optim.linear_schedule(0.0, cfg.lr, cfg.warmup), decay], [cfg.warmup])
+        lr = (
+            decay
+            if not cfg.warmup
+            else optim.join_schedules(
+                [optim.linear_schedule(0.0, cfg.lr, cfg.warmup), decay], [cfg.warmup]
+            )
+        )
     elif cfg.warmup:
         lr = optim.join_schedules(
-            [optim.linear_schedule(0.0, cfg.lr, cfg.warmup), lambda _: cfg.lr], [cfg.warmup])
+            [optim.linear_schedule(0.0, cfg.lr, cfg.warmup), lambda _: cfg.lr], [cfg.warmup]
+        )
     import inspect
 
     kwargs = {"learning_rate": lr}
@@ -92,8 +104,9 @@ def make_optimizer(cfg: OptimConfig, iters: int) -> optim.Optimizer:
     return cls(**kwargs)
 
 
-def train_step(model, optimizer, grad_fn: GradFn, batches: list[Batch], grad_clip: float | None,
-               step: int) -> tuple[float, float]:
+def train_step(
+    model, optimizer, grad_fn: GradFn, batches: list[Batch], grad_clip: float | None, step: int
+) -> tuple[float, float]:
     """One optimizer step over `batches` (gradient accumulation); returns (loss, grad norm).
 
     Micro-batch gradients are weighted by their token counts, so the step equals one over
@@ -114,8 +127,10 @@ def train_step(model, optimizer, grad_fn: GradFn, batches: list[Batch], grad_cli
         norm = mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for _, g in tree_flatten(acc)))
     loss_value, norm_value = loss_sum.item(), norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-        raise TrainingDiverged(f"loss became {loss_value} (grad norm {norm_value}) at step {step}; "
-                               "stopped before updating; the last saved adapter is unchanged")
+        raise TrainingDiverged(
+            f"loss became {loss_value} (grad norm {norm_value}) at step {step}; "
+            "stopped before updating; the last saved adapter is unchanged"
+        )
     optimizer.update(model, acc)
     mx.eval(model.parameters(), optimizer.state)
     return loss_value, norm_value
@@ -143,14 +158,17 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
 
 
-def save_checkpoint(run_dir: Path, step: int, model, plan: LoraPlan, optimizer, sampler,
-                    meta: dict, keep_last: int) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, model, plan: LoraPlan, optimizer, sampler, meta: dict, keep_last: int
+) -> Path:
     out = run_dir / CKPT_DIR / f"step_{step:07d}"
 
     def write(tmp: Path) -> None:
         lora_io.save(model, plan, tmp, meta=meta)
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "sampler": sampler.state()}))
+        (tmp / "trainer_state.json").write_text(
+            json.dumps({"step": step, "sampler": sampler.state()})
+        )
 
     atomic_dir(out, write)
     for old in checkpoints(run_dir)[:-keep_last]:
@@ -174,12 +192,16 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop records a killed run wrote after its last checkpoint; they are about to be redone."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
     atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 # --- logging ----------------------------------------------------------------------------------
+
 
 @dataclass
 class RunLog:
@@ -200,9 +222,14 @@ class RunLog:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(mode=self.wandb_mode, project=self.wandb_project,
-                                     dir=str(self.run_dir), config=self.config,
-                                     name=self.run_dir.name, reinit="finish_previous")
+            self._wandb = wandb.init(
+                mode=self.wandb_mode,
+                project=self.wandb_project,
+                dir=str(self.run_dir),
+                config=self.config,
+                name=self.run_dir.name,
+                reinit="finish_previous",
+            )
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -239,9 +266,18 @@ def _fmt(key: str, value) -> str:
 
 # --- the loop ---------------------------------------------------------------------------------
 
-def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: BatchSampler | None,
-          cfg: TrainConfig, run_dir: Path, grad_fn: GradFn | None = None,
-          run_log: RunLog | None = None, meta: dict | None = None) -> dict:
+
+def train(
+    model,
+    plan: LoraPlan,
+    train_sampler: BatchSampler,
+    valid_sampler: BatchSampler | None,
+    cfg: TrainConfig,
+    run_dir: Path,
+    grad_fn: GradFn | None = None,
+    run_log: RunLog | None = None,
+    meta: dict | None = None,
+) -> dict:
     """Train `model`'s LoRA parameters for cfg.iters steps; return a summary.
 
     Resumes from the newest checkpoint in `run_dir` when cfg.resume is set.
@@ -273,24 +309,37 @@ def train(model, plan: LoraPlan, train_sampler: BatchSampler, valid_sampler: Bat
             loss, norm = train_step(model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step)
             lr = optimizer.learning_rate.item()  # the rate this step used
             tokens += sum(int(b.inputs.shape[0] * b.inputs.shape[1]) for b in batches)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                      "elapsed_s": round(time.perf_counter() - t0, 3)}
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": norm,
+                "elapsed_s": round(time.perf_counter() - t0, 3),
+            }
             if step % cfg.log_every == 0 or step == cfg.iters:
                 now = time.perf_counter()
                 record["tok_per_s"] = tokens / (now - since)
                 record["peak_mem_gb"] = mx.get_peak_memory() / 1e9
                 tokens, since = 0, now
-            if valid_sampler is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.iters):
-                record["val_loss"] = summary["val_loss"] = evaluate(model, valid_sampler, cfg.val_batches)
+            if (
+                valid_sampler is not None
+                and cfg.val_every
+                and (step % cfg.val_every == 0 or step == cfg.iters)
+            ):
+                record["val_loss"] = summary["val_loss"] = evaluate(
+                    model, valid_sampler, cfg.val_batches
+                )
             run_log.metrics(record, show="tok_per_s" in record or "val_loss" in record)
             summary["loss"] = loss
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
-                save_checkpoint(run_dir, step, model, plan, optimizer, train_sampler, meta or {},
-                                cfg.keep_last)
+                save_checkpoint(
+                    run_dir, step, model, plan, optimizer, train_sampler, meta or {}, cfg.keep_last
+                )
     finally:
         run_log.close()
-    summary.update(steps=cfg.iters, seconds=time.perf_counter() - t0,
-                   peak_mem_gb=mx.get_peak_memory() / 1e9)
+    summary.update(
+        steps=cfg.iters, seconds=time.perf_counter() - t0, peak_mem_gb=mx.get_peak_memory() / 1e9
+    )
     return summary
 
 

@@ -18,7 +18,11 @@ ARCH_NAME = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text"
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.LlamaModel.permute (rows of q/k)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def tokenizer_fields(tokenizer_dir: Path) -> dict:
@@ -34,8 +38,14 @@ def tokenizer_fields(tokenizer_dir: Path) -> dict:
     return {"tokens": tokens, "merges": merges, "types": types}
 
 
-def write_gguf(path: Path, weights: dict[str, np.ndarray], config: dict, tokenizer_dir: Path,
-               qtype=None, chat_template: str | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    config: dict,
+    tokenizer_dir: Path,
+    qtype=None,
+    chat_template: str | None = None,
+) -> Path:
     """Write `weights` (HF names, float32) as a GGUF; 2-D matrices stored as `qtype`."""
     import gguf
     from gguf.quants import quantize

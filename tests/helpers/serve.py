@@ -10,8 +10,10 @@ from mlxlab.config import LoraConfig, ServeConfig
 from mlxlab.serve.app import create_app
 from mlxlab.serve.engine.gateway import Gateway
 
-SYSTEM = ("You are a careful assistant. You answer questions about the Python standard library "
-          "precisely, with one short example, and you never invent module names or functions.")
+SYSTEM = (
+    "You are a careful assistant. You answer questions about the Python standard library "
+    "precisely, with one short example, and you never invent module names or functions."
+)
 
 
 def make_client(**overrides) -> tuple[TestClient, Gateway]:
@@ -51,7 +53,9 @@ def make_adapter(model_dir, out, seed: int, targets=("q", "v"), layers=2, rank=4
     from mlxlab.lora import io as lora_io
 
     model, _ = load(str(model_dir))
-    plan = lora_apply.plan(model, LoraConfig(targets=list(targets), layers=layers, rank=rank, scale=2.0))
+    plan = lora_apply.plan(
+        model, LoraConfig(targets=list(targets), layers=layers, rank=rank, scale=2.0)
+    )
     lora_apply.apply(model, plan, seed=seed)
     mx.random.seed(seed + 100)
     for _, m in lora_apply.lora_modules(model):

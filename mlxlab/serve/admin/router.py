@@ -25,7 +25,10 @@ async def health(request: Request):
     state = request.app.state
     g = state.gateway
     ok = g.state == "ready" and not state.draining
-    body = {"status": "ok" if ok else ("draining" if state.draining else g.state), "model": state.cfg.model}
+    body = {
+        "status": "ok" if ok else ("draining" if state.draining else g.state),
+        "model": state.cfg.model,
+    }
     if g.error:
         body["error"] = g.error
     return JSONResponse(body, status_code=200 if ok else 503)
@@ -34,8 +37,13 @@ async def health(request: Request):
 def model_card(request: Request) -> dict:
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     loaded = gateway.loaded
-    return {"id": cfg.model, "object": "model", "created": int(gateway.started_at), "owned_by": "mlxlab",
-            "context_length": loaded.admission.max_safe_context if loaded else None}
+    return {
+        "id": cfg.model,
+        "object": "model",
+        "created": int(gateway.started_at),
+        "owned_by": "mlxlab",
+        "context_length": loaded.admission.max_safe_context if loaded else None,
+    }
 
 
 @router.get("/v1/models")
@@ -47,8 +55,13 @@ async def models(request: Request):
 async def model(model_id: str, request: Request):
     served = request.app.state.cfg.model
     if model_id != served:
-        raise APIError(404, f"model {model_id!r} is not served here (serving {served!r})",
-                       type="not_found_error", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {model_id!r} is not served here (serving {served!r})",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
     return model_card(request)
 
 
@@ -58,8 +71,15 @@ async def stats(request: Request):
     g, cfg = state.gateway, state.cfg
     loaded = g.loaded
     return {
-        "server": {"model": cfg.model, "started_at": g.started_at, "uptime_s": round(time.time() - g.started_at, 1),
-                   "state": g.state, "draining": state.draining, "host": cfg.host, "port": cfg.port},
+        "server": {
+            "model": cfg.model,
+            "started_at": g.started_at,
+            "uptime_s": round(time.time() - g.started_at, 1),
+            "state": g.state,
+            "draining": state.draining,
+            "host": cfg.host,
+            "port": cfg.port,
+        },
         "prompt_cache": loaded.cache.stats() if loaded else None,
         "admission": loaded.admission.stats() if loaded else None,
         "queue": g.stats(),
@@ -72,8 +92,12 @@ async def stats(request: Request):
 
 def registry(request: Request, mutating: bool = False) -> Adapters:
     if mutating and not request.app.state.cfg.allow_adapter_mount:
-        raise APIError(403, "runtime adapter mounting is switched off (serve.allow_adapter_mount=false)",
-                       type="permission_error", code="mount_disabled")
+        raise APIError(
+            403,
+            "runtime adapter mounting is switched off (serve.allow_adapter_mount=false)",
+            type="permission_error",
+            code="mount_disabled",
+        )
     return ready_loaded(request.app.state.gateway).adapters
 
 
@@ -94,7 +118,9 @@ async def mount(body: MountRequest, request: Request):
     try:
         path = reg.confine(body.path)
     except PermissionError as e:
-        raise APIError(403, str(e), type="permission_error", param="path", code="outside_adapter_root") from None
+        raise APIError(
+            403, str(e), type="permission_error", param="path", code="outside_adapter_root"
+        ) from None
     try:
         mounted = await request.app.state.gateway.call(lambda: reg.mount(body.id, path))
     except UserError as e:
@@ -108,6 +134,10 @@ async def unmount(adapter_id: str, request: Request):
     try:
         await request.app.state.gateway.call(lambda: reg.unmount(adapter_id))
     except KeyError:
-        raise APIError(404, f"no adapter {adapter_id!r} is mounted", type="not_found_error",
-                       code="adapter_not_found") from None
+        raise APIError(
+            404,
+            f"no adapter {adapter_id!r} is mounted",
+            type="not_found_error",
+            code="adapter_not_found",
+        ) from None
     return {"id": adapter_id, "object": "adapter.deleted", "deleted": True}

@@ -20,8 +20,12 @@ def event(name: str, data: dict) -> str:
 
 
 def usage_of(done: Done) -> dict:
-    return {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
-            "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": done.prompt_tokens,
+        "output_tokens": done.completion_tokens,
+        "cache_read_input_tokens": done.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def tool_id(call: dict) -> str:
@@ -40,11 +44,29 @@ class MessageStream(Encoder):
         self.index, self.open = -1, None  # the current content block and its kind
 
     def start(self) -> list[str]:
-        return [event("message_start", {"type": "message_start", "message": {
-            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0,
-                      "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}})]
+        return [
+            event(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": self.id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": self.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {
+                            "input_tokens": self.input_tokens,
+                            "output_tokens": 0,
+                            "cache_read_input_tokens": 0,
+                            "cache_creation_input_tokens": 0,
+                        },
+                    },
+                },
+            )
+        ]
 
     def _stop_block(self) -> str:
         return event("content_block_stop", {"type": "content_block_stop", "index": self.index})
@@ -58,34 +80,76 @@ class MessageStream(Encoder):
             if self.open:
                 out.append(self._stop_block())
             self.index, self.open = self.index + 1, kind
-            out.append(event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                     "content_block": {"type": kind, kind: ""}}))
+            out.append(
+                event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": self.index,
+                        "content_block": {"type": kind, kind: ""},
+                    },
+                )
+            )
             if self.index == 0:
                 out.append(event("ping", {"type": "ping"}))
-        delta = ({"type": "thinking_delta", "thinking": ev.text} if kind == "thinking"
-                 else {"type": "text_delta", "text": ev.text})
-        out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}))
+        delta = (
+            {"type": "thinking_delta", "thinking": ev.text}
+            if kind == "thinking"
+            else {"type": "text_delta", "text": ev.text}
+        )
+        out.append(
+            event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.index, "delta": delta},
+            )
+        )
         return out
 
     def done(self, ev: Done) -> list[str]:
         out = [self._stop_block()] if self.open else []
         for call in ev.tool_calls:
             self.index += 1
-            out += [event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                  "content_block": {"type": "tool_use", "id": tool_id(call),
-                                                                    "name": call["name"], "input": {}}}),
-                    event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                  "delta": {"type": "input_json_delta",
-                                                            "partial_json": call["arguments"]}}),
-                    self._stop_block()]
-        out.append(event("message_delta", {"type": "message_delta",
-                                           "delta": {"stop_reason": stop_reason(ev), "stop_sequence": ev.stop_sequence},
-                                           "usage": usage_of(ev)}))
+            out += [
+                event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": self.index,
+                        "content_block": {
+                            "type": "tool_use",
+                            "id": tool_id(call),
+                            "name": call["name"],
+                            "input": {},
+                        },
+                    },
+                ),
+                event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": self.index,
+                        "delta": {"type": "input_json_delta", "partial_json": call["arguments"]},
+                    },
+                ),
+                self._stop_block(),
+            ]
+        out.append(
+            event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason(ev), "stop_sequence": ev.stop_sequence},
+                    "usage": usage_of(ev),
+                },
+            )
+        )
         out.append(event("message_stop", {"type": "message_stop"}))
         return out
 
     def failed(self, ev: Failed) -> list[str]:
-        return [event("error", {"type": "error", "error": {"type": "api_error", "message": ev.message}})]
+        return [
+            event("error", {"type": "error", "error": {"type": "api_error", "message": ev.message}})
+        ]
 
 
 def message_body(message_id: str, model: str, got: Collector) -> dict:
@@ -95,7 +159,22 @@ def message_body(message_id: str, model: str, got: Collector) -> dict:
         content.append({"type": "thinking", "thinking": got.reasoning, "signature": ""})
     if got.content or not done.tool_calls:
         content.append({"type": "text", "text": got.content})
-    content += [{"type": "tool_use", "id": tool_id(c), "name": c["name"], "input": json.loads(c["arguments"])}
-                for c in done.tool_calls]
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(done), "stop_sequence": done.stop_sequence, "usage": usage_of(done)}
+    content += [
+        {
+            "type": "tool_use",
+            "id": tool_id(c),
+            "name": c["name"],
+            "input": json.loads(c["arguments"]),
+        }
+        for c in done.tool_calls
+    ]
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(done),
+        "stop_sequence": done.stop_sequence,
+        "usage": usage_of(done),
+    }

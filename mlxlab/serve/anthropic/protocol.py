@@ -16,16 +16,26 @@ from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, text_of
 from mlxlab.serve.structured import Shape, named
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def error_shape(err: APIError) -> tuple[int, dict]:
     """(status, body) in the Anthropic shape: {"type": "error", "error": {"type", "message"}};
     an overloaded server (503) answers 529, as Anthropic's API does."""
     status = 529 if err.status == 503 else err.status
-    return status, {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
+    return status, {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(err.status, "api_error"), "message": err.message},
+    }
 
 
 class _Base(BaseModel):
@@ -90,32 +100,55 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None]:
                     raise APIError(400, f"{where}[{j}]: a text block needs a string 'text'")
                 text.append(block["text"])
             elif kind == "image":
-                raise APIError(400, f"{where}[{j}]: image input needs a vision model; this server runs a "
-                                    "text-only model")
+                raise APIError(
+                    400,
+                    f"{where}[{j}]: image input needs a vision model; this server runs a "
+                    "text-only model",
+                )
             elif kind == "tool_use" and m.role == "assistant":
-                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
-                        or not isinstance(block.get("input", {}), dict):
-                    raise APIError(400, f"{where}[{j}]: tool_use needs a string id and name and an object input")
-                calls.append({"id": block["id"], "type": "function",
-                              "function": {"name": block["name"], "arguments": block.get("input", {})}})
+                if (
+                    not isinstance(block.get("id"), str)
+                    or not isinstance(block.get("name"), str)
+                    or not isinstance(block.get("input", {}), dict)
+                ):
+                    raise APIError(
+                        400,
+                        f"{where}[{j}]: tool_use needs a string id and name and an object input",
+                    )
+                calls.append(
+                    {
+                        "id": block["id"],
+                        "type": "function",
+                        "function": {"name": block["name"], "arguments": block.get("input", {})},
+                    }
+                )
                 open_calls.add(block["id"])
             elif kind == "tool_result" and m.role == "user":
                 tid = block.get("tool_use_id")
                 if tid not in open_calls:
-                    raise APIError(400, f"{where}[{j}]: tool_result for {tid!r} has no matching tool_use "
-                                        "in an earlier assistant message")
+                    raise APIError(
+                        400,
+                        f"{where}[{j}]: tool_result for {tid!r} has no matching tool_use "
+                        "in an earlier assistant message",
+                    )
                 if text:  # keep the order: text before the result stays before it
                     messages.append({"role": "user", "content": "".join(text)})
                     text = []
                 result = block.get("content", "")
-                result = result if isinstance(result, str) else text_of(result, f"{where}[{j}].content", ("text",))
+                result = (
+                    result
+                    if isinstance(result, str)
+                    else text_of(result, f"{where}[{j}].content", ("text",))
+                )
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 messages.append({"role": "tool", "tool_call_id": tid, "content": result})
             elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
                 continue  # earlier reasoning is not replayed to the model
             else:
-                raise APIError(400, f"{where}[{j}]: unsupported block type {kind!r} in a {m.role} message")
+                raise APIError(
+                    400, f"{where}[{j}]: unsupported block type {kind!r} in a {m.role} message"
+                )
         if calls:
             messages.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
         elif text or m.role == "assistant":
@@ -125,9 +158,19 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None]:
         if t.get("type") not in (None, "custom"):
             continue  # server tools (web_search, bash, ...) are not ours to run
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema", {}), dict):
-            raise APIError(400, f"tools[{i}]: a tool needs a string name and an object input_schema")
-        tools.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                       "parameters": t.get("input_schema", {})}})
+            raise APIError(
+                400, f"tools[{i}]: a tool needs a string name and an object input_schema"
+            )
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema", {}),
+                },
+            }
+        )
     if body.tool_choice is not None and body.tool_choice.type == "none":
         tools = []
     return messages, tools or None
@@ -145,12 +188,21 @@ def shape_of(choice: ToolChoice | None) -> Shape:
         return Shape(parallel=not (choice and choice.disable_parallel_tool_use))
     if choice.type == "tool" and not choice.name:
         raise APIError(400, "tool_choice: type tool needs a name", param="tool_choice")
-    return Shape(tool_choice=named(choice.name) if choice.type == "tool" else "required",
-                 parallel=not choice.disable_parallel_tool_use)
+    return Shape(
+        tool_choice=named(choice.name) if choice.type == "tool" else "required",
+        parallel=not choice.disable_parallel_tool_use,
+    )
 
 
 def to_ask(body: MessagesRequest) -> Ask:
     messages, tools = to_chat(body)
-    return Ask(messages=messages, tools=tools, template_kwargs=template_kwargs(body), max_tokens=body.max_tokens,
-               stops=list(body.stop_sequences or []), sampling=SamplingAsk.of(body), adapter=adapter_spec(body.adapter),
-               shape=shape_of(body.tool_choice))
+    return Ask(
+        messages=messages,
+        tools=tools,
+        template_kwargs=template_kwargs(body),
+        max_tokens=body.max_tokens,
+        stops=list(body.stop_sequences or []),
+        sampling=SamplingAsk.of(body),
+        adapter=adapter_spec(body.adapter),
+        shape=shape_of(body.tool_choice),
+    )

@@ -32,9 +32,16 @@ class Mounted:
     meta: dict = field(default_factory=dict)
 
     def card(self) -> dict:
-        return {"id": self.id, "path": self.path, "rank": self.rank, "scale": self.scale,
-                "size_bytes": self.size_bytes, "mounted_layers": self.layers, "modules": len(self.modules),
-                "requests": self.requests}
+        return {
+            "id": self.id,
+            "path": self.path,
+            "rank": self.rank,
+            "scale": self.scale,
+            "size_bytes": self.size_bytes,
+            "mounted_layers": self.layers,
+            "modules": len(self.modules),
+            "requests": self.requests,
+        }
 
 
 class Adapters:
@@ -64,8 +71,15 @@ class Adapters:
             if "adapter_config.json" in filenames and "adapters.safetensors" in filenames:
                 rel = str(Path(dirpath).relative_to(self.root))
                 size = os.path.getsize(Path(dirpath) / "adapters.safetensors")
-                out.append({"path": rel, "size_bytes": size,
-                            "mounted_as": [m.id for m in self.mounted.values() if m.path == str(Path(dirpath))]})
+                out.append(
+                    {
+                        "path": rel,
+                        "size_bytes": size,
+                        "mounted_as": [
+                            m.id for m in self.mounted.values() if m.path == str(Path(dirpath))
+                        ],
+                    }
+                )
         return out
 
     # --- engine side ------------------------------------------------------------------------------
@@ -76,11 +90,20 @@ class Adapters:
         if not adapter_id or "+" in adapter_id or adapter_id in ("none", "base"):
             raise UserError(f"invalid adapter id {adapter_id!r} (no '+', not 'none')")
         path = lora_io.resolve_dir(path)
-        plan, weights = lora_io.read_plan(path, self.model)  # raises with every problem; touches nothing
+        plan, weights = lora_io.read_plan(
+            path, self.model
+        )  # raises with every problem; touches nothing
         modules = multi.attach(self.model, adapter_id, plan, weights, self.selection)
         size = os.path.getsize(Path(path) / lora_io.WEIGHTS)
-        m = Mounted(adapter_id, str(Path(path).resolve()), plan.rank, plan.scale, size, modules,
-                    sorted(plan.layers))
+        m = Mounted(
+            adapter_id,
+            str(Path(path).resolve()),
+            plan.rank,
+            plan.scale,
+            size,
+            modules,
+            sorted(plan.layers),
+        )
         self.mounted[adapter_id] = m
         return m
 
@@ -95,7 +118,9 @@ class Adapters:
         unknown = [i for i in ids if i not in self.mounted]
         if unknown:
             have = ", ".join(sorted(self.mounted)) or "none"
-            raise KeyError(f"adapter {', '.join(map(repr, unknown))} is not mounted (mounted: {have})")
+            raise KeyError(
+                f"adapter {', '.join(map(repr, unknown))} is not mounted (mounted: {have})"
+            )
 
     def stats(self) -> dict:
         return {"mounted": [m.card() for m in self.mounted.values()], "root": str(self.root)}

@@ -50,8 +50,10 @@ class Admission:
         """Bytes for a batch of rows that will reach these lengths (prompt + max_tokens each), plus
         `copies` transient copies of a row's cache (a batch cache is padded to its longest row)."""
         t = max(lengths, default=0)
-        per_row = (t * (self.full_kv_bytes_per_token + self.score_bytes_per_token)
-                   + min(t, self.sliding_window) * self.sliding_kv_bytes_per_token)
+        per_row = (
+            t * (self.full_kv_bytes_per_token + self.score_bytes_per_token)
+            + min(t, self.sliding_window) * self.sliding_kv_bytes_per_token
+        )
         return self.weights_bytes + RESERVE_BYTES + (len(lengths) + copies) * per_row
 
     def fits_rows(self, lengths: list[int], copies: int = 0) -> bool:
@@ -61,9 +63,11 @@ class Admission:
         """None when the request fits, else the reason."""
         need = prompt_tokens + max_tokens
         if need > self.max_safe_context:
-            return (f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {need} exceeds the "
-                    f"max safe context of {self.max_safe_context} tokens under the memory budget of "
-                    f"{self.budget_bytes / 1e9:.2f} GB; lower max_tokens or shorten the prompt")
+            return (
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {need} exceeds the "
+                f"max safe context of {self.max_safe_context} tokens under the memory budget of "
+                f"{self.budget_bytes / 1e9:.2f} GB; lower max_tokens or shorten the prompt"
+            )
         return None
 
     def stats(self) -> dict:

@@ -49,8 +49,12 @@ log = logging.getLogger(__name__)
 def batchable(job: Job) -> bool:
     """Whether a job can join a batch: its sampling must not need a seeded RNG or a token history."""
     s = job.sampling
-    return (s.seed is None and not s.repetition_penalty and not s.presence_penalty
-            and not s.frequency_penalty)
+    return (
+        s.seed is None
+        and not s.repetition_penalty
+        and not s.presence_penalty
+        and not s.frequency_penalty
+    )
 
 
 @dataclass
@@ -77,7 +81,12 @@ class Row:
 
 
 class BatchLane:
-    def __init__(self, loaded: Loaded, cfg: ServeConfig, finished: Callable[[Job, Done | None, str | None], None]):
+    def __init__(
+        self,
+        loaded: Loaded,
+        cfg: ServeConfig,
+        finished: Callable[[Job, Done | None, str | None], None],
+    ):
         from mlx_lm.generate import StopSequences
         from mlx_lm.sample_utils import make_sampler
 
@@ -134,7 +143,9 @@ class BatchLane:
         cache, cached = m.cache.fetch(cache_namespace(m, row.ids), job.prompt)
         row.cache = cache if cache is not None else make_prompt_cache(m.model)
         row.out.cached = cached
-        row.segments = [Segment(job.prompt[a:b], b, kind) for a, b, kind in prompt_segments(job, cached)]
+        row.segments = [
+            Segment(job.prompt[a:b], b, kind) for a, b, kind in prompt_segments(job, cached)
+        ]
 
     def _close(self, row: Row, finish: str, cache=None) -> None:
         """The row leaves: its Done is sent, then (not cancelled) prompt + completion is cached."""
@@ -145,8 +156,12 @@ class BatchLane:
         self.finished(row.job, done, None)
         if cache is not None and finish != "cancelled":
             try:  # the answer is out: a failed cache insert must not touch it
-                self.m.cache.insert(cache_namespace(self.m, row.ids), row.job.prompt + row.out.tokens, cache,
-                                    copy_cache=False)
+                self.m.cache.insert(
+                    cache_namespace(self.m, row.ids),
+                    row.job.prompt + row.out.tokens,
+                    cache,
+                    copy_cache=False,
+                )
             except Exception:  # noqa: BLE001
                 log.exception("mlxlab serve: storing a finished row in the prompt cache failed")
 
@@ -155,16 +170,24 @@ class BatchLane:
         from mlx_lm.generate import PromptProcessingBatch
 
         return PromptProcessingBatch(
-            model=self.m.model, uids=[r.uid for r in rows], caches=[r.cache for r in rows],
-            tokens=[list(r.job.prompt[:r.out.cached]) for r in rows], prefill_step_size=self.cfg.prefill_step,
-            samplers=[r.sampler for r in rows], fallback_sampler=self._fallback,
-            logits_processors=[r.processors for r in rows], stop_sequences=[self._stop] * len(rows),
-            max_tokens=[r.job.max_tokens for r in rows])
+            model=self.m.model,
+            uids=[r.uid for r in rows],
+            caches=[r.cache for r in rows],
+            tokens=[list(r.job.prompt[: r.out.cached]) for r in rows],
+            prefill_step_size=self.cfg.prefill_step,
+            samplers=[r.sampler for r in rows],
+            fallback_sampler=self._fallback,
+            logits_processors=[r.processors for r in rows],
+            stop_sequences=[self._stop] * len(rows),
+            max_tokens=[r.job.max_tokens for r in rows],
+        )
 
     def _empty_batches(self) -> None:
         from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-        self.prompt_batch = PromptProcessingBatch.empty(self.m.model, self._fallback, self.cfg.prefill_step)
+        self.prompt_batch = PromptProcessingBatch.empty(
+            self.m.model, self._fallback, self.cfg.prefill_step
+        )
         self.gen = GenerationBatch.empty(self.m.model, self._fallback)
 
     def fail_all(self, message: str) -> None:
@@ -203,7 +226,9 @@ class BatchLane:
         for row in [r for r in self.waiting if r.job.cancelled.is_set()]:
             self.waiting.remove(row)
             self._close(row, "cancelled")
-        gone = [i for i, u in enumerate(self.prompt_batch.uids) if self.rows[u].job.cancelled.is_set()]
+        gone = [
+            i for i, u in enumerate(self.prompt_batch.uids) if self.rows[u].job.cancelled.is_set()
+        ]
         if gone:
             rows = [self.rows[self.prompt_batch.uids[i]] for i in gone]
             self.prompt_batch.filter([i for i in range(len(self.prompt_batch)) if i not in gone])
@@ -225,7 +250,9 @@ class BatchLane:
             finish = row.out.feed(int(r.token), r.logprobs) or r.finish_reason
             if finish is None:
                 continue
-            if r.finish_reason is None:  # our stop (stop string, tool end, cancel): still in the batch
+            if (
+                r.finish_reason is None
+            ):  # our stop (stop string, tool end, cancel): still in the batch
                 idx = self.gen.uids.index(r.uid)
                 leaving.append(idx)
                 keep = finish != "cancelled" and self.m.cache.enabled
@@ -263,12 +290,17 @@ class BatchLane:
     def _prefill(self) -> None:
         pb = self.prompt_batch
         # Rows with only the last prompt token left start generating (it is their first input).
-        ready = [i for i, u in enumerate(pb.uids) if len(self.rows[u].segments) == 1
-                 and len(self.rows[u].segments[0].tokens) == 1]
+        ready = [
+            i
+            for i, u in enumerate(pb.uids)
+            if len(self.rows[u].segments) == 1 and len(self.rows[u].segments[0].tokens) == 1
+        ]
         if ready:
             uids = [pb.uids[i] for i in ready]
             self._select(uids)
-            self.gen.extend(pb.split(ready).generate([self.rows[u].segments[0].tokens for u in uids]))
+            self.gen.extend(
+                pb.split(ready).generate([self.rows[u].segments[0].tokens for u in uids])
+            )
             for u in uids:
                 self.rows[u].segments.clear()
         if not len(pb):
@@ -287,12 +319,24 @@ class BatchLane:
         for u, seg in ended:
             if seg.kind is not None and self.m.cache.enabled:
                 row = self.rows[u]
-                self.m.cache.insert(cache_namespace(self.m, row.ids), row.job.prompt[:seg.end],
-                                    pb.extract_cache(pb.uids.index(u)), kind=seg.kind, copy_cache=False)
+                self.m.cache.insert(
+                    cache_namespace(self.m, row.ids),
+                    row.job.prompt[: seg.end],
+                    pb.extract_cache(pb.uids.index(u)),
+                    kind=seg.kind,
+                    copy_cache=False,
+                )
 
     def stats(self) -> dict:
-        return {"configured": self.size, "batched": True, "active_rows": self.running,
-                "waiting_rows": len(self.waiting), "prefilling_rows": len(self.prompt_batch),
-                "decoding_rows": len(self.gen), "peak_rows": self.peak_rows, "rows_served": self.rows_served,
-                "decode_steps": self.steps, "memory_waits": self.memory_waits}
-
+        return {
+            "configured": self.size,
+            "batched": True,
+            "active_rows": self.running,
+            "waiting_rows": len(self.waiting),
+            "prefilling_rows": len(self.prompt_batch),
+            "decoding_rows": len(self.gen),
+            "peak_rows": self.peak_rows,
+            "rows_served": self.rows_served,
+            "decode_steps": self.steps,
+            "memory_waits": self.memory_waits,
+        }

@@ -40,11 +40,20 @@ class Gateway:
         self.loaded: Loaded | None = None
         self.ready = threading.Event()
         self.started_at = time.time()
-        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
-                         "rejected_queue_full": 0, "prompt_tokens": 0, "completion_tokens": 0}
+        self.counters = {
+            "requests": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "failed": 0,
+            "rejected_queue_full": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+        }
         self.running: Job | None = None  # on the serial lane
         self.serial: SerialLane | None = None
-        self.batch: BatchLane | None = None  # when serve.batch > 1 (and the KV cache is not quantized)
+        self.batch: BatchLane | None = (
+            None  # when serve.batch > 1 (and the KV cache is not quantized)
+        )
         self.served_serial = 0
         self._thread = threading.Thread(target=self._work, name="mlxlab-engine", daemon=True)
 
@@ -53,7 +62,7 @@ class Gateway:
         return self
 
     def lane_for(self, job: Job) -> str:
-        """"batch" when a batched lane runs and the job can join it, else "serial"."""
+        """ "batch" when a batched lane runs and the job can join it, else "serial"."""
         return "batch" if self.batch is not None and batchable(job) else "serial"
 
     @property
@@ -67,7 +76,9 @@ class Gateway:
             rows = self.cfg.batch if self.batch is not None else 1
             if self._pending >= self.cfg.max_queue + rows - 1:
                 self.counters["rejected_queue_full"] += 1
-                raise QueueFull(f"{self._pending} requests are queued or running (max_queue={self.cfg.max_queue})")
+                raise QueueFull(
+                    f"{self._pending} requests are queued or running (max_queue={self.cfg.max_queue})"
+                )
             self._pending += 1
             self.counters["requests"] += 1
         self._queue.put(job)
@@ -106,8 +117,10 @@ class Gateway:
             if self.cfg.batch > 1 and not self.loaded.kv.enabled:
                 self.batch = BatchLane(self.loaded, self.cfg, self._finish)
             elif self.cfg.batch > 1:
-                log.warning("mlxlab serve: kv_quant is on, so every request runs on the serial lane "
-                            "(quantized KV caches cannot be batched)")
+                log.warning(
+                    "mlxlab serve: kv_quant is on, so every request runs on the serial lane "
+                    "(quantized KV caches cannot be batched)"
+                )
             self.state = "ready"
         except BaseException as e:  # noqa: BLE001 - reported through /health
             self.state, self.error = "failed", f"failed to load: {e}"
@@ -197,13 +210,22 @@ class Gateway:
     def batch_stats(self) -> dict:
         b = self.batch
         if b is None:
-            return {"configured": self.cfg.batch, "batched": False, "active_rows": int(self.running is not None),
-                    "served_serial": self.served_serial,
-                    "reason": "kv_quant is on" if self.cfg.batch > 1 else None}
+            return {
+                "configured": self.cfg.batch,
+                "batched": False,
+                "active_rows": int(self.running is not None),
+                "served_serial": self.served_serial,
+                "reason": "kv_quant is on" if self.cfg.batch > 1 else None,
+            }
         return {**b.stats(), "served_serial": self.served_serial}
 
     def stats(self) -> dict:
         running = int(self.running is not None) + (self.batch.running if self.batch else 0)
-        out = {"state": self.state, "queued": max(self._pending - running, 0), "running": running,
-               "max_queue": self.cfg.max_queue, **self.counters}
+        out = {
+            "state": self.state,
+            "queued": max(self._pending - running, 0),
+            "running": running,
+            "max_queue": self.cfg.max_queue,
+            **self.counters,
+        }
         return out

@@ -71,8 +71,12 @@ class Job:
     logprobs: bool = False
     top_logprobs: int = 0
     adapter: AdapterSpec = ()
-    checkpoint: int = 0  # store a prompt-cache checkpoint at this prefix length (end of the system prompt)
-    grammar: Grammar | None = None  # the output must match it (structured output, forced tool calls)
+    checkpoint: int = (
+        0  # store a prompt-cache checkpoint at this prefix length (end of the system prompt)
+    )
+    grammar: Grammar | None = (
+        None  # the output must match it (structured output, forced tool calls)
+    )
     id: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -90,7 +94,7 @@ class JobError(Exception):
 
 
 def parse_adapter_spec(spec: str | None) -> AdapterSpec:
-    """"none" / "base" / None -> (); "a+b" -> ("a", "b"); ValueError when malformed."""
+    """ "none" / "base" / None -> (); "a+b" -> ("a", "b"); ValueError when malformed."""
     if spec is None or spec in ("", "none", "base"):
         return ()
     ids = tuple(s.strip() for s in spec.split("+"))

@@ -50,10 +50,18 @@ class KVQuant:
         by_bits: dict[str, int] = {}
         for bits, _ in self.plan.values():
             by_bits[str(bits)] = by_bits.get(str(bits), 0) + 1
-        return {"mode": self.mode, "source": self.source, "quantized_layers": sorted(self.plan),
-                "bits_histogram": by_bits, "float_layers": self.float_layers,
-                "note": ("layers whose cache mlx-lm cannot quantize (sliding windows) stay in float"
-                         if self.float_layers and self.mode.startswith("uniform") else None)}
+        return {
+            "mode": self.mode,
+            "source": self.source,
+            "quantized_layers": sorted(self.plan),
+            "bits_histogram": by_bits,
+            "float_layers": self.float_layers,
+            "note": (
+                "layers whose cache mlx-lm cannot quantize (sliding windows) stay in float"
+                if self.float_layers and self.mode.startswith("uniform")
+                else None
+            ),
+        }
 
 
 def _layers(model) -> tuple[list[str | None], list[tuple[int, ...]]]:
@@ -64,19 +72,28 @@ def _layers(model) -> tuple[list[str | None], list[tuple[int, ...]]]:
 
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
-    dims = [(c.keys.shape[-1], c.values.shape[-1]) if getattr(c, "keys", None) is not None else ()
-            for c in cache]
-    why = [None if type(c) is KVCache else
-           "a sliding-window cache, which mlx-lm cannot quantize" if isinstance(c, RotatingKVCache) else
-           f"a {type(c).__name__}, which mlx-lm cannot quantize" for c in cache]
+    dims = [
+        (c.keys.shape[-1], c.values.shape[-1]) if getattr(c, "keys", None) is not None else ()
+        for c in cache
+    ]
+    why = [
+        None
+        if type(c) is KVCache
+        else "a sliding-window cache, which mlx-lm cannot quantize"
+        if isinstance(c, RotatingKVCache)
+        else f"a {type(c).__name__}, which mlx-lm cannot quantize"
+        for c in cache
+    ]
     return why, dims
 
 
 def _check_groups(plan: dict[int, tuple[int, int]], dims: list[tuple[int, ...]], what: str) -> None:
     bad = sorted({(d, g) for i, (_, g) in plan.items() for d in dims[i] if d % g})
     if bad:
-        raise UserError(f"{what}: head dim {bad[0][0]} is not divisible by the group size {bad[0][1]}; "
-                        "this model's KV cache cannot be quantized with it")
+        raise UserError(
+            f"{what}: head dim {bad[0][0]} is not divisible by the group size {bad[0][1]}; "
+            "this model's KV cache cannot be quantized with it"
+        )
 
 
 def parse(setting: str | int, model, model_dir: Path) -> KVQuant:
@@ -90,11 +107,17 @@ def parse(setting: str | int, model, model_dir: Path) -> KVQuant:
         bits = int(setting)
         plan = {i: (bits, 64) for i, q in enumerate(ok) if q}
         if not plan:
-            raise UserError(f"serve.kv_quant={setting}: no layer of this model has a quantizable KV cache")
+            raise UserError(
+                f"serve.kv_quant={setting}: no layer of this model has a quantizable KV cache"
+            )
         _check_groups(plan, dims, f"serve.kv_quant={setting}")
         return KVQuant(f"uniform-kv{bits}", plan, None, [i for i, q in enumerate(ok) if not q])
     if setting == "config" or setting.endswith(".json"):
-        path = Path(model_dir) / "kv_config.json" if setting == "config" else Path(setting).expanduser()
+        path = (
+            Path(model_dir) / "kv_config.json"
+            if setting == "config"
+            else Path(setting).expanduser()
+        )
         try:
             entries = json.loads(path.read_text())
         except OSError:

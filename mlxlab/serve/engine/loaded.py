@@ -29,11 +29,15 @@ class Loaded:
         self.model_id = cfg.model
         self.eos = set(self.tokenizer.eos_token_ids)
         # The width of the logits (embedding rows; may exceed the tokenizer's vocabulary).
-        self.n_vocab = int(getattr(self.model.args, "vocab_size", 0) or len(self.tokenizer._tokenizer))
+        self.n_vocab = int(
+            getattr(self.model.args, "vocab_size", 0) or len(self.tokenizer._tokenizer)
+        )
         # The grammar engine's view of the vocabulary, for structured output: slow to build on a big
         # vocabulary (~4 s for Gemma 3's), so it is built alongside the rest of loading and the
         # server is ready only when it is (no request pays for it, nor shares the CPU with it).
-        vocab = threading.Thread(target=self._grammar_vocab, name="mlxlab-grammar-vocab", daemon=True)
+        vocab = threading.Thread(
+            target=self._grammar_vocab, name="mlxlab-grammar-vocab", daemon=True
+        )
         vocab.start()
         self.tool = tool_syntax(self.tokenizer)
         self.think = think_markers(self.tokenizer)
@@ -47,10 +51,14 @@ class Loaded:
         self.adapters = Adapters(self.model, cfg.adapter_root)
         for adapter_id, path in (cfg.adapters or {}).items():
             m = self.adapters.mount(adapter_id, path)
-            log.info("mlxlab serve: mounted adapter %r from %s (rank %d, %d modules)", adapter_id, m.path,
-                     m.rank, len(m.modules))
+            log.info(
+                "mlxlab serve: mounted adapter %r from %s (rank %d, %d modules)",
+                adapter_id,
+                m.path,
+                m.rank,
+                len(m.modules),
+            )
         vocab.join()
-
 
     def _grammar_vocab(self) -> None:
         try:
@@ -82,5 +90,8 @@ def read_generation_config(model_dir) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {k: data[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)}
+    return {
+        k: data[k]
+        for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)
+    }

@@ -74,8 +74,14 @@ def _tool_names(tools) -> set[str]:
 
 
 class OutputParser:
-    def __init__(self, stops: list[str] | None = None, tool: ToolSyntax | None = None, tools=None,
-                 think: tuple[str, str] | None = None, reasoning: bool = False):
+    def __init__(
+        self,
+        stops: list[str] | None = None,
+        tool: ToolSyntax | None = None,
+        tools=None,
+        think: tuple[str, str] | None = None,
+        reasoning: bool = False,
+    ):
         self.stops = [s for s in (stops or []) if s]
         self.tool = tool if tools else None  # markup is parsed only when tools were offered
         self.tools = tools
@@ -107,20 +113,26 @@ class OutputParser:
         out: list[tuple[str, str]] = []
         while True:
             markers = self._markers()
-            hits = [(self.pending.find(m), -len(m), m, action) for m, action in markers if m in self.pending]
+            hits = [
+                (self.pending.find(m), -len(m), m, action)
+                for m, action in markers
+                if m in self.pending
+            ]
             if not hits:
                 if self.state == "tool":
                     return out  # markup is withheld until its end marker (or the end)
                 keep = _holdback(self.pending, [m for m, _ in markers])
                 if self.calls and not self.pending.strip():
-                    keep = len(self.pending)  # whitespace after a call waits: another call may follow
-                emit = self.pending[:len(self.pending) - keep]
-                self.pending = self.pending[len(emit):]
+                    keep = len(
+                        self.pending
+                    )  # whitespace after a call waits: another call may follow
+                emit = self.pending[: len(self.pending) - keep]
+                self.pending = self.pending[len(emit) :]
                 if emit:
                     out.append((self.state, emit))
                 return out
             at, _, marker, action = min(hits)
-            before, self.pending = self.pending[:at], self.pending[at + len(marker):]
+            before, self.pending = self.pending[:at], self.pending[at + len(marker) :]
             if action == "tool_end":
                 self._close_tool(before, out, marker)
                 continue
@@ -129,7 +141,9 @@ class OutputParser:
             if action == "stop":
                 self.stopped, self.pending = marker, ""
                 return out
-            self.state = {"tool_start": "tool", "think_start": "reasoning", "think_end": "content"}[action]
+            self.state = {"tool_start": "tool", "think_start": "reasoning", "think_end": "content"}[
+                action
+            ]
 
     def _close_tool(self, body: str, out: list, end_marker: str) -> None:
         self.state = "content"
@@ -145,8 +159,13 @@ class OutputParser:
                     args = json.loads(args)
                 if not isinstance(args, dict):
                     raise ValueError("arguments must be an object")
-                new.append({"id": "call_" + uuid.uuid4().hex[:24], "name": name,
-                            "arguments": json.dumps(args, ensure_ascii=False)})
+                new.append(
+                    {
+                        "id": "call_" + uuid.uuid4().hex[:24],
+                        "name": name,
+                        "arguments": json.dumps(args, ensure_ascii=False),
+                    }
+                )
             self.calls.extend(new)
         except Exception:
             # Not a well-formed call: the markup is plain text after all.

@@ -47,7 +47,9 @@ class PromptCache:
             self.reused_tokens += n
             return cache, n
 
-    def insert(self, namespace, tokens: list[int], cache, kind: str = "assistant", copy_cache: bool = True):
+    def insert(
+        self, namespace, tokens: list[int], cache, kind: str = "assistant", copy_cache: bool = True
+    ):
         """Store the cache for exactly `tokens` (kind: system | user | assistant, for eviction order)."""
         if not self.enabled or not tokens:
             return
@@ -60,6 +62,12 @@ class PromptCache:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"enabled": self.enabled, "entries": len(self._lru), "bytes": self._lru.nbytes,
-                    "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
-                    "reused_tokens": self.reused_tokens}
+            return {
+                "enabled": self.enabled,
+                "entries": len(self._lru),
+                "bytes": self._lru.nbytes,
+                "max_bytes": self.max_bytes,
+                "hits": self.hits,
+                "misses": self.misses,
+                "reused_tokens": self.reused_tokens,
+            }

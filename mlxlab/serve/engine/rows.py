@@ -34,10 +34,12 @@ def make_sampling(m: Loaded, job: Job):
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     s = job.sampling
-    sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
-                           min_p=s.min_p, top_k=s.top_k)
-    processors = make_logits_processors(s.logit_bias, s.repetition_penalty, 64,
-                                        s.presence_penalty, 64, s.frequency_penalty, 64)
+    sampler = make_sampler(
+        temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, min_p=s.min_p, top_k=s.top_k
+    )
+    processors = make_logits_processors(
+        s.logit_bias, s.repetition_penalty, 64, s.presence_penalty, 64, s.frequency_penalty, 64
+    )
     if job.grammar is not None:
         processors.append(constrain(job.grammar, m.tokenizer, m.n_vocab))
     return sampler, processors
@@ -89,7 +91,11 @@ class RowOutput:
             return "cancelled"
         if token in self.m.eos:
             return "stop"
-        lp = token_logprobs(self.m.tokenizer, token, logprobs, job.top_logprobs) if job.logprobs else None
+        lp = (
+            token_logprobs(self.m.tokenizer, token, logprobs, job.top_logprobs)
+            if job.logprobs
+            else None
+        )
         if token in self.m.hidden:
             self._send([], lp)
             return None
@@ -104,8 +110,17 @@ class RowOutput:
             self._send(parser.feed(self.detok.last_segment) + parser.finish())
         if parser.calls and finish != "cancelled":
             finish = "tool_calls"
-        done = Done(finish, len(self.job.prompt), len(self.tokens), self.cached, parser.calls,
-                    parser.stopped, time.perf_counter() - self.t0, self.ttft, list(self.tokens))
+        done = Done(
+            finish,
+            len(self.job.prompt),
+            len(self.tokens),
+            self.cached,
+            parser.calls,
+            parser.stopped,
+            time.perf_counter() - self.t0,
+            self.ttft,
+            list(self.tokens),
+        )
         self.job.sink(done)
         return done
 
@@ -119,7 +134,11 @@ def token_logprobs(tok, token: int, logprobs, top: int) -> list[dict]:
 
     def entry(tid: int, lp: float) -> dict:
         text = tok.decode([tid])
-        return {"token": text, "logprob": lp if math.isfinite(lp) else -9999.0, "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": text,
+            "logprob": lp if math.isfinite(lp) else -9999.0,
+            "bytes": list(text.encode("utf-8")),
+        }
 
     e = entry(token, logprobs[token].item())
     if top:

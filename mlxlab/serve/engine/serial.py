@@ -33,7 +33,7 @@ class SerialLane:
         step = self.cfg.prefill_step
         with mx.stream(generation_stream):
             for at in range(0, len(tokens), step):
-                self.m.model(mx.array(tokens[at:at + step])[None], cache=cache)
+                self.m.model(mx.array(tokens[at : at + step])[None], cache=cache)
                 mx.eval([c.state for c in cache])
 
     def run(self, job: Job) -> Done:
@@ -63,9 +63,15 @@ class SerialLane:
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
         sampler, processors = make_sampling(m, job)
-        steps = generate_step(mx.array(job.prompt[end:]), m.model, max_tokens=job.max_tokens,
-                              sampler=sampler, logits_processors=processors, prompt_cache=cache,
-                              prefill_step_size=self.cfg.prefill_step)
+        steps = generate_step(
+            mx.array(job.prompt[end:]),
+            m.model,
+            max_tokens=job.max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            prompt_cache=cache,
+            prefill_step_size=self.cfg.prefill_step,
+        )
         finish = None
         for token, logprobs in steps:
             finish = out.feed(int(token), logprobs)  # the token is in the cache already (one ahead)

@@ -22,14 +22,23 @@ def sse(obj) -> str:
 
 
 def usage_of(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
 
 
 def tool_calls_of(done: Done) -> list[dict]:
-    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in done.tool_calls]
+    return [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]},
+        }
+        for c in done.tool_calls
+    ]
 
 
 class _Stream(Encoder):
@@ -39,7 +48,9 @@ class _Stream(Encoder):
         self.head, self.include_usage = head, include_usage
 
     def _usage(self, ev: Done) -> list[str]:
-        return [sse({**self.head, "choices": [], "usage": usage_of(ev)})] if self.include_usage else []
+        return (
+            [sse({**self.head, "choices": [], "usage": usage_of(ev)})] if self.include_usage else []
+        )
 
     def failed(self, ev: Failed) -> list[str]:
         return [sse(error_shape(APIError(500, ev.message, type="server_error"))[1])]
@@ -53,8 +64,14 @@ class ChatStream(_Stream):
         super().__init__({**head, "object": "chat.completion.chunk"}, include_usage)
 
     def _chunk(self, delta: dict, logprobs=None, finish: str | None = None) -> str:
-        return sse({**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": finish}]})
+        return sse(
+            {
+                **self.head,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                ],
+            }
+        )
 
     def start(self) -> list[str]:
         return [self._chunk({"role": "assistant", "content": ""})]
@@ -62,13 +79,21 @@ class ChatStream(_Stream):
     def delta(self, ev: Delta) -> list[str]:
         if not ev.text and not ev.logprobs:
             return []
-        delta = {"reasoning_content" if ev.kind == "reasoning" else "content": ev.text} if ev.text else {}
+        delta = (
+            {"reasoning_content" if ev.kind == "reasoning" else "content": ev.text}
+            if ev.text
+            else {}
+        )
         return [self._chunk(delta, {"content": ev.logprobs} if ev.logprobs else None)]
 
     def done(self, ev: Done) -> list[str]:
         out = []
         if ev.tool_calls:
-            out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls_of(ev))]}))
+            out.append(
+                self._chunk(
+                    {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls_of(ev))]}
+                )
+            )
         out.append(self._chunk({}, finish=ev.finish_reason))
         return out + self._usage(ev)
 
@@ -80,33 +105,81 @@ def chat_body(head: dict, got: Collector, logprobs: bool) -> dict:
         message["reasoning_content"] = got.reasoning
     if done.tool_calls:
         message["tool_calls"] = tool_calls_of(done)
-    return {**head, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
-                         "logprobs": {"content": got.logprobs} if logprobs else None}],
-            "usage": usage_of(done)}
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": done.finish_reason,
+                "logprobs": {"content": got.logprobs} if logprobs else None,
+            }
+        ],
+        "usage": usage_of(done),
+    }
 
 
 def legacy_logprobs(entries: list[dict]) -> dict | None:
     """Chat-style logprob entries in the completions API's legacy layout."""
     if not entries:
         return None
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": []}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": [],
+    }
 
 
 class CompletionStream(_Stream):
     def delta(self, ev: Delta) -> list[str]:
         if not ev.text and not ev.logprobs:
             return []
-        return [sse({**self.head, "choices": [{"index": 0, "text": ev.text, "logprobs": legacy_logprobs(ev.logprobs),
-                                               "finish_reason": None}]})]
+        return [
+            sse(
+                {
+                    **self.head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": ev.text,
+                            "logprobs": legacy_logprobs(ev.logprobs),
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+        ]
 
     def done(self, ev: Done) -> list[str]:
-        return [sse({**self.head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                               "finish_reason": ev.finish_reason}]})] + self._usage(ev)
+        return [
+            sse(
+                {
+                    **self.head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": "",
+                            "logprobs": None,
+                            "finish_reason": ev.finish_reason,
+                        }
+                    ],
+                }
+            )
+        ] + self._usage(ev)
 
 
 def completion_body(head: dict, got: Collector) -> dict:
-    return {**head, "choices": [{"index": 0, "text": got.content, "logprobs": legacy_logprobs(got.logprobs),
-                                 "finish_reason": got.finished.finish_reason}], "usage": usage_of(got.finished)}
+    return {
+        **head,
+        "choices": [
+            {
+                "index": 0,
+                "text": got.content,
+                "logprobs": legacy_logprobs(got.logprobs),
+                "finish_reason": got.finished.finish_reason,
+            }
+        ],
+        "usage": usage_of(got.finished),
+    }

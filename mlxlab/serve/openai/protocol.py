@@ -19,7 +19,9 @@ from mlxlab.serve.structured import Shape, named
 
 def error_shape(err: APIError) -> tuple[int, dict]:
     """(status, body) in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
-    return err.status, {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return err.status, {
+        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    }
 
 
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -116,8 +118,14 @@ class ResponseFormat(_Base):
         if self.type == "json_object":
             return Shape(schema={"type": "object"}, schema_field=field)
         if self.json_schema is None:
-            raise APIError(400, f"{field}.json_schema is required when type is json_schema", param=f"{field}.json_schema")
-        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
+            raise APIError(
+                400,
+                f"{field}.json_schema is required when type is json_schema",
+                param=f"{field}.json_schema",
+            )
+        schema = (
+            self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
+        )
         return Shape(schema=schema, schema_field=f"{field}.json_schema.schema")
 
 
@@ -165,7 +173,9 @@ class ChatRequest(Sampled):
             return "auto"  # a choice among tool kinds this server does not run (custom, built-in)
         elif v is None or v in ("auto", "none", "required"):
             return v
-        raise ValueError("tool_choice must be auto, none, required or {type: function, function: {name}}")
+        raise ValueError(
+            "tool_choice must be auto, none, required or {type: function, function: {name}}"
+        )
 
     def to_ask(self) -> Ask:
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
@@ -173,14 +183,25 @@ class ChatRequest(Sampled):
         choice = self.tool_choice
         if isinstance(choice, dict):  # allowed_tools: only the listed functions are offered
             spec = choice.get("allowed_tools") or choice
-            allowed = {(t.get("function") or t).get("name") for t in spec.get("tools") or [] if isinstance(t, dict)}
+            allowed = {
+                (t.get("function") or t).get("name")
+                for t in spec.get("tools") or []
+                if isinstance(t, dict)
+            }
             tools = [t for t in tools or [] if t["function"]["name"] in allowed] or None
             choice = "required" if spec.get("mode") == "required" else "auto"
-        return Ask(messages=normalize_messages([m.model_dump(exclude_none=True) for m in self.messages]),
-                   tools=None if self.tool_choice == "none" else tools, template_kwargs=self.chat_template_kwargs,
-                   max_tokens=self.max_completion_tokens or self.max_tokens, stops=self.stop_list(),
-                   sampling=SamplingAsk.of(self), logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
-                   adapter=adapter_spec(self.adapter), shape=choice_shape(choice, self.parallel_tool_calls, shape))
+        return Ask(
+            messages=normalize_messages([m.model_dump(exclude_none=True) for m in self.messages]),
+            tools=None if self.tool_choice == "none" else tools,
+            template_kwargs=self.chat_template_kwargs,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            stops=self.stop_list(),
+            sampling=SamplingAsk.of(self),
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            adapter=adapter_spec(self.adapter),
+            shape=choice_shape(choice, self.parallel_tool_calls, shape),
+        )
 
 
 class CompletionRequest(Sampled):
@@ -201,10 +222,23 @@ class CompletionRequest(Sampled):
 
     def to_ask(self) -> Ask:
         if self.echo or self.suffix:
-            raise APIError(400, f"{'echo' if self.echo else 'suffix'} is not supported by this server",
-                           param="echo" if self.echo else "suffix")
-        prompt = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
-        return Ask(prompt=prompt, max_tokens=self.max_tokens, stops=self.stop_list(), sampling=SamplingAsk.of(self),
-                   logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0,
-                   adapter=adapter_spec(self.adapter),
-                   shape=self.response_format.shape() if self.response_format else Shape())
+            raise APIError(
+                400,
+                f"{'echo' if self.echo else 'suffix'} is not supported by this server",
+                param="echo" if self.echo else "suffix",
+            )
+        prompt = (
+            self.prompt[0]
+            if isinstance(self.prompt, list) and isinstance(self.prompt[0], str)
+            else self.prompt
+        )
+        return Ask(
+            prompt=prompt,
+            max_tokens=self.max_tokens,
+            stops=self.stop_list(),
+            sampling=SamplingAsk.of(self),
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+            adapter=adapter_spec(self.adapter),
+            shape=self.response_format.shape() if self.response_format else Shape(),
+        )

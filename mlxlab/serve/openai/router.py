@@ -32,8 +32,15 @@ async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     job = pipeline.make_job(gateway, cfg, body.to_ask())
     job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
-    head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": cfg.model}
+    head = {
+        "id": job.id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": cfg.model,
+    }
     if body.stream:
-        return await pipeline.stream(gateway, job, encode.CompletionStream(head, body.include_usage()))
+        return await pipeline.stream(
+            gateway, job, encode.CompletionStream(head, body.include_usage())
+        )
     got = await pipeline.collect(gateway, job, request.is_disconnected)
     return encode.completion_body(head, got)

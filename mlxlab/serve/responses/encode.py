@@ -23,38 +23,83 @@ class Draft:
     def __init__(self, body, model: str, instructions: str | None, created: int):
         self.id = f"resp_{uuid.uuid4().hex}"
         self.body, self.model, self.instructions, self.created = body, model, instructions, created
-        self.ids = {"message": f"msg_{uuid.uuid4().hex[:24]}", "reasoning": f"rs_{uuid.uuid4().hex[:24]}"}
+        self.ids = {
+            "message": f"msg_{uuid.uuid4().hex[:24]}",
+            "reasoning": f"rs_{uuid.uuid4().hex[:24]}",
+        }
 
     def base(self, status: str) -> dict:
         b = self.body
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.model, "output": [], "error": None, "incomplete_details": None,
-                "instructions": self.instructions, "max_output_tokens": b.max_output_tokens,
-                "previous_response_id": b.previous_response_id, "temperature": b.temperature, "top_p": b.top_p,
-                "parallel_tool_calls": b.parallel_tool_calls, "tool_choice": b.tool_choice or "auto",
-                "tools": b.tools or [], "store": b.store,
-                "text": {"format": b.text.format.echo() if b.text and b.text.format else {"type": "text"}},
-                "metadata": b.metadata or {}, "usage": None}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "instructions": self.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "previous_response_id": b.previous_response_id,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "parallel_tool_calls": b.parallel_tool_calls,
+            "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [],
+            "store": b.store,
+            "text": {
+                "format": b.text.format.echo() if b.text and b.text.format else {"type": "text"}
+            },
+            "metadata": b.metadata or {},
+            "usage": None,
+        }
 
     def final(self, done: Done, reasoning: str, text: str) -> dict:
         output = []
         if reasoning:
-            output.append({"type": "reasoning", "id": self.ids["reasoning"], "summary": [],
-                           "content": [{"type": "reasoning_text", "text": reasoning}]})
+            output.append(
+                {
+                    "type": "reasoning",
+                    "id": self.ids["reasoning"],
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": reasoning}],
+                }
+            )
         if text or not done.tool_calls:
-            output.append({"type": "message", "id": self.ids["message"], "status": "completed", "role": "assistant",
-                           "content": [{"type": "output_text", "text": text, "annotations": []}]})
+            output.append(
+                {
+                    "type": "message",
+                    "id": self.ids["message"],
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            )
         for c in done.tool_calls:
-            output.append({"type": "function_call", "id": call_item_id(c), "call_id": c["id"],
-                           "name": c["name"], "arguments": c["arguments"], "status": "completed"})
+            output.append(
+                {
+                    "type": "function_call",
+                    "id": call_item_id(c),
+                    "call_id": c["id"],
+                    "name": c["name"],
+                    "arguments": c["arguments"],
+                    "status": "completed",
+                }
+            )
         incomplete = done.finish_reason == "length"
         resp = self.base("incomplete" if incomplete else "completed")
-        resp.update(output=output, incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-                    usage={"input_tokens": done.prompt_tokens,
-                           "input_tokens_details": {"cached_tokens": done.cached_tokens},
-                           "output_tokens": done.completion_tokens,
-                           "output_tokens_details": {"reasoning_tokens": 0},
-                           "total_tokens": done.prompt_tokens + done.completion_tokens})
+        resp.update(
+            output=output,
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            usage={
+                "input_tokens": done.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": done.cached_tokens},
+                "output_tokens": done.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+            },
+        )
         resp["output_text"] = text
         return resp
 
@@ -68,7 +113,11 @@ class ResponseStream(Encoder):
 
     def __init__(self, draft: Draft, on_final: Callable[[dict, Done, str], None]):
         self.draft, self.on_final = draft, on_final
-        self.seq, self.index, self.current = 0, -1, None  # event counter, output index, open item kind
+        self.seq, self.index, self.current = (
+            0,
+            -1,
+            None,
+        )  # event counter, output index, open item kind
         self.texts = {"reasoning": "", "content": ""}
 
     def _ev(self, kind: str, **data) -> str:
@@ -77,39 +126,97 @@ class ResponseStream(Encoder):
 
     def start(self) -> list[str]:
         resp = self.draft.base("in_progress")
-        return [self._ev("response.created", response=resp), self._ev("response.in_progress", response=resp)]
+        return [
+            self._ev("response.created", response=resp),
+            self._ev("response.in_progress", response=resp),
+        ]
 
     def _open(self, kind: str) -> list[str]:
         self.index += 1
         self.current = kind
         ids = self.draft.ids
         if kind == "content":
-            return [self._ev("response.output_item.added", output_index=self.index, item={
-                        "type": "message", "id": ids["message"], "status": "in_progress", "role": "assistant",
-                        "content": []}),
-                    self._ev("response.content_part.added", item_id=ids["message"], output_index=self.index,
-                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
-        return [self._ev("response.output_item.added", output_index=self.index, item={
-            "type": "reasoning", "id": ids["reasoning"], "summary": [], "content": []})]
+            return [
+                self._ev(
+                    "response.output_item.added",
+                    output_index=self.index,
+                    item={
+                        "type": "message",
+                        "id": ids["message"],
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [],
+                    },
+                ),
+                self._ev(
+                    "response.content_part.added",
+                    item_id=ids["message"],
+                    output_index=self.index,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                ),
+            ]
+        return [
+            self._ev(
+                "response.output_item.added",
+                output_index=self.index,
+                item={"type": "reasoning", "id": ids["reasoning"], "summary": [], "content": []},
+            )
+        ]
 
     def _close(self) -> list[str]:
         ids, i = self.draft.ids, self.index
         if self.current == "content":
             t = self.texts["content"]
             part = {"type": "output_text", "text": t, "annotations": []}
-            return [self._ev("response.output_text.done", item_id=ids["message"], output_index=i, content_index=0,
-                             text=t, logprobs=[]),
-                    self._ev("response.content_part.done", item_id=ids["message"], output_index=i, content_index=0,
-                             part=part),
-                    self._ev("response.output_item.done", output_index=i, item={
-                        "type": "message", "id": ids["message"], "status": "completed", "role": "assistant",
-                        "content": [part]})]
+            return [
+                self._ev(
+                    "response.output_text.done",
+                    item_id=ids["message"],
+                    output_index=i,
+                    content_index=0,
+                    text=t,
+                    logprobs=[],
+                ),
+                self._ev(
+                    "response.content_part.done",
+                    item_id=ids["message"],
+                    output_index=i,
+                    content_index=0,
+                    part=part,
+                ),
+                self._ev(
+                    "response.output_item.done",
+                    output_index=i,
+                    item={
+                        "type": "message",
+                        "id": ids["message"],
+                        "status": "completed",
+                        "role": "assistant",
+                        "content": [part],
+                    },
+                ),
+            ]
         t = self.texts["reasoning"]
-        return [self._ev("response.reasoning_text.done", item_id=ids["reasoning"], output_index=i, content_index=0,
-                         text=t),
-                self._ev("response.output_item.done", output_index=i, item={
-                    "type": "reasoning", "id": ids["reasoning"], "summary": [],
-                    "content": [{"type": "reasoning_text", "text": t}]})]
+        return [
+            self._ev(
+                "response.reasoning_text.done",
+                item_id=ids["reasoning"],
+                output_index=i,
+                content_index=0,
+                text=t,
+            ),
+            self._ev(
+                "response.output_item.done",
+                output_index=i,
+                item={
+                    "type": "reasoning",
+                    "id": ids["reasoning"],
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": t}],
+                },
+            ),
+        ]
 
     def delta(self, ev: Delta) -> list[str]:
         if not ev.text:
@@ -121,11 +228,26 @@ class ResponseStream(Encoder):
             out += self._open(ev.kind)
         self.texts[self.current] += ev.text
         if self.current == "content":
-            out.append(self._ev("response.output_text.delta", item_id=self.draft.ids["message"],
-                                output_index=self.index, content_index=0, delta=ev.text, logprobs=[]))
+            out.append(
+                self._ev(
+                    "response.output_text.delta",
+                    item_id=self.draft.ids["message"],
+                    output_index=self.index,
+                    content_index=0,
+                    delta=ev.text,
+                    logprobs=[],
+                )
+            )
         else:
-            out.append(self._ev("response.reasoning_text.delta", item_id=self.draft.ids["reasoning"],
-                                output_index=self.index, content_index=0, delta=ev.text))
+            out.append(
+                self._ev(
+                    "response.reasoning_text.delta",
+                    item_id=self.draft.ids["reasoning"],
+                    output_index=self.index,
+                    content_index=0,
+                    delta=ev.text,
+                )
+            )
         return out
 
     def done(self, ev: Done) -> list[str]:
@@ -136,15 +258,35 @@ class ResponseStream(Encoder):
             out += self._close()
         for c in ev.tool_calls:
             self.index += 1
-            item = {"type": "function_call", "id": call_item_id(c), "call_id": c["id"], "name": c["name"],
-                    "arguments": "", "status": "in_progress"}
-            out += [self._ev("response.output_item.added", output_index=self.index, item=item),
-                    self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=self.index,
-                             delta=c["arguments"]),
-                    self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
-                             name=c["name"], arguments=c["arguments"]),
-                    self._ev("response.output_item.done", output_index=self.index,
-                             item={**item, "arguments": c["arguments"], "status": "completed"})]
+            item = {
+                "type": "function_call",
+                "id": call_item_id(c),
+                "call_id": c["id"],
+                "name": c["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
+            out += [
+                self._ev("response.output_item.added", output_index=self.index, item=item),
+                self._ev(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.index,
+                    delta=c["arguments"],
+                ),
+                self._ev(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=self.index,
+                    name=c["name"],
+                    arguments=c["arguments"],
+                ),
+                self._ev(
+                    "response.output_item.done",
+                    output_index=self.index,
+                    item={**item, "arguments": c["arguments"], "status": "completed"},
+                ),
+            ]
         final = self.draft.final(ev, self.texts["reasoning"], self.texts["content"])
         self.on_final(final, ev, self.texts["content"])
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"

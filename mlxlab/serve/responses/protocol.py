@@ -73,9 +73,15 @@ def _item_text(content, where: str) -> str:
 def to_chat(body: ResponsesRequest, previous: dict | None) -> tuple[list[dict], str | None]:
     """(conversation messages without the system message, instructions in force)."""
     messages = list(previous["messages"]) if previous else []
-    instructions = body.instructions if body.instructions is not None else (previous or {}).get("instructions")
+    instructions = (
+        body.instructions if body.instructions is not None else (previous or {}).get("instructions")
+    )
     known_calls = {c["id"] for m in messages for c in m.get("tool_calls", [])}
-    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    items = (
+        [{"type": "message", "role": "user", "content": body.input}]
+        if isinstance(body.input, str)
+        else body.input
+    )
     system_extra = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -94,13 +100,25 @@ def to_chat(body: ResponsesRequest, previous: dict | None) -> tuple[list[dict], 
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
-                raise APIError(400, f"{where}: function_call needs string call_id and name", param=where)
+                raise APIError(
+                    400, f"{where}: function_call needs string call_id and name", param=where
+                )
             try:
                 args = json.loads(item.get("arguments") or "{}")
             except (TypeError, json.JSONDecodeError):
-                raise APIError(400, f"{where}: function_call arguments are not JSON", param=where) from None
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+                raise APIError(
+                    400, f"{where}: function_call arguments are not JSON", param=where
+                ) from None
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+            if (
+                messages
+                and messages[-1]["role"] == "assistant"
+                and messages[-1].get("tool_calls") is not None
+            ):
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
@@ -108,11 +126,19 @@ def to_chat(body: ResponsesRequest, previous: dict | None) -> tuple[list[dict], 
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if call_id not in known_calls:
-                raise APIError(400, f"{where}: function_call_output for {call_id!r} has no matching "
-                                    "function_call", param=where)
+                raise APIError(
+                    400,
+                    f"{where}: function_call_output for {call_id!r} has no matching function_call",
+                    param=where,
+                )
             output = item.get("output", "")
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": output if isinstance(output, str) else json.dumps(output)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
         elif kind == "reasoning":
             continue
         else:
@@ -128,27 +154,47 @@ def function_tools(body: ResponsesRequest) -> list[dict] | None:
         return None
     allowed = None
     if isinstance(body.tool_choice, dict) and body.tool_choice.get("type") == "allowed_tools":
-        allowed = {t.get("name") for t in body.tool_choice.get("tools") or [] if isinstance(t, dict)}
+        allowed = {
+            t.get("name") for t in body.tool_choice.get("tools") or [] if isinstance(t, dict)
+        }
     out = []
     for i, t in enumerate(body.tools or []):
         if t.get("type") != "function" or (allowed is not None and t.get("name") not in allowed):
             continue  # built-in tools (web_search, file_search, ...) are not run here
         if not isinstance(t.get("name"), str):
-            raise APIError(400, f"tools[{i}]: a function tool needs a string name", param=f"tools[{i}]")
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                     "parameters": t.get("parameters") or {}}})
+            raise APIError(
+                400, f"tools[{i}]: a function tool needs a string name", param=f"tools[{i}]"
+            )
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("parameters") or {},
+                },
+            }
+        )
     return out or None
 
 
 def shape_of(body: ResponsesRequest) -> Shape:
     """`text.format` and `tool_choice` ("required" or {"type": "function", "name"}) as a Shape."""
     fmt = body.text.format if body.text else None
-    shape = Shape(schema_field="text.format.schema", choice_field="tool_choice", parallel=body.parallel_tool_calls)
+    shape = Shape(
+        schema_field="text.format.schema",
+        choice_field="tool_choice",
+        parallel=body.parallel_tool_calls,
+    )
     if fmt is not None and fmt.type == "json_object":
         shape.schema = {"type": "object"}
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
-            raise APIError(400, "text.format.schema is required when type is json_schema", param="text.format.schema")
+            raise APIError(
+                400,
+                "text.format.schema is required when type is json_schema",
+                param="text.format.schema",
+            )
         shape.schema = fmt.schema_
     choice = body.tool_choice
     if choice == "required":
@@ -158,16 +204,28 @@ def shape_of(body: ResponsesRequest) -> Shape:
             raise APIError(400, "tool_choice: {type: function} needs a name", param="tool_choice")
         shape.tool_choice = named(choice["name"])
     elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        shape.tool_choice = "required" if choice.get("mode") == "required" else "auto"  # see function_tools
+        shape.tool_choice = (
+            "required" if choice.get("mode") == "required" else "auto"
+        )  # see function_tools
     elif isinstance(choice, dict) and isinstance(choice.get("type"), str):
         pass  # a built-in tool kind (web_search_preview, file_search, ...) this server does not run
     elif choice not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
+        raise APIError(
+            400,
+            "tool_choice must be none, auto, required or {type: function, name}",
+            param="tool_choice",
+        )
     return shape
 
 
 def to_ask(body: ResponsesRequest, messages: list[dict], instructions: str | None) -> Ask:
     """The generation request: the instructions as a leading system message, then the conversation."""
     chat = ([{"role": "system", "content": instructions}] if instructions else []) + messages
-    return Ask(messages=normalize_messages(chat), tools=function_tools(body), max_tokens=body.max_output_tokens,
-               sampling=SamplingAsk.of(body), adapter=adapter_spec(body.adapter), shape=shape_of(body))
+    return Ask(
+        messages=normalize_messages(chat),
+        tools=function_tools(body),
+        max_tokens=body.max_output_tokens,
+        sampling=SamplingAsk.of(body),
+        adapter=adapter_spec(body.adapter),
+        shape=shape_of(body),
+    )

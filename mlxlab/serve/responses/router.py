@@ -21,17 +21,35 @@ router = APIRouter(route_class=protocol_route(error_shape))
 
 
 def not_found(rid: str, param: str | None = None) -> APIError:
-    return APIError(404, f"response {rid!r} not found (unknown or expired)", type="not_found_error", param=param,
-                    code="response_not_found")
+    return APIError(
+        404,
+        f"response {rid!r} not found (unknown or expired)",
+        type="not_found_error",
+        param=param,
+        code="response_not_found",
+    )
 
 
-def remember(store: ResponseStore, resp: dict, messages: list[dict], instructions, done: Done, text: str) -> None:
+def remember(
+    store: ResponseStore, resp: dict, messages: list[dict], instructions, done: Done, text: str
+) -> None:
     """Keep the conversation with this answer appended, for a follow-up's previous_response_id."""
     convo = list(messages)
     if done.tool_calls:
-        convo.append({"role": "assistant", "content": text, "tool_calls": [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.loads(c["arguments"])}}
-            for c in done.tool_calls]})
+        convo.append(
+            {
+                "role": "assistant",
+                "content": text,
+                "tool_calls": [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": json.loads(c["arguments"])},
+                    }
+                    for c in done.tool_calls
+                ],
+            }
+        )
     else:
         convo.append({"role": "assistant", "content": text})
     store.put(resp["id"], {"messages": convo, "instructions": instructions, "response": resp})
@@ -49,9 +67,18 @@ async def create(body: ResponsesRequest, request: Request):
     messages, instructions = to_chat(body, previous)
     if not messages:
         raise APIError(400, "input has no messages", param="input")
-    if body.store and ResponseStore.size_of({"messages": messages, "instructions": instructions}) > store.max_bytes:
-        raise APIError(400, f"the conversation exceeds the response store's {store.max_bytes} bytes; send it "
-                            "with store=false", param="store", code="store_entry_too_large")
+    if (
+        body.store
+        and ResponseStore.size_of({"messages": messages, "instructions": instructions})
+        > store.max_bytes
+    ):
+        raise APIError(
+            400,
+            f"the conversation exceeds the response store's {store.max_bytes} bytes; send it "
+            "with store=false",
+            param="store",
+            code="store_entry_too_large",
+        )
     job = pipeline.make_job(gateway, cfg, to_ask(body, messages, instructions))
     draft = Draft(body, cfg.model, instructions, int(time.time()))
 

@@ -65,5 +65,11 @@ class ResponseStore:
     def stats(self) -> dict:
         with self._lock:
             self._expire(time.time())
-            return {"entries": len(self._items), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                    "ttl_ms": int(self.ttl_s * 1000), "evicted": self.evicted, "expired": self.expired}
+            return {
+                "entries": len(self._items),
+                "bytes": self._bytes,
+                "max_bytes": self.max_bytes,
+                "ttl_ms": int(self.ttl_s * 1000),
+                "evicted": self.evicted,
+                "expired": self.expired,
+            }
