@@ -50,21 +50,29 @@ def optimizer_names() -> list[str]:
     """Lower-case names of the optimizers in mlx.optimizers (imported on first use only)."""
     import mlx.optimizers as optim
 
-    return sorted(name.lower() for name, cls in vars(optim).items()
-                  if isinstance(cls, type) and issubclass(cls, optim.Optimizer)
-                  and cls not in (optim.Optimizer, optim.MultiOptimizer))
+    return sorted(
+        name.lower()
+        for name, cls in vars(optim).items()
+        if isinstance(cls, type)
+        and issubclass(cls, optim.Optimizer)
+        and cls not in (optim.Optimizer, optim.MultiOptimizer)
+    )
 
 
 def is_memory_mode(mode) -> bool:
     """Whether `mode` is one of MEMORY_MODES (segN: seg1, seg2, ...)."""
-    return isinstance(mode, str) and (mode in ("full", "checkpoint", "auto", "mlx_lm", "mlx_lm_gc")
-                                      or re.fullmatch(r"seg[1-9]\d*", mode) is not None)
+    return isinstance(mode, str) and (
+        mode in ("full", "checkpoint", "auto", "mlx_lm", "mlx_lm_gc")
+        or re.fullmatch(r"seg[1-9]\d*", mode) is not None
+    )
 
 
 def is_kv_quant(setting) -> bool:
     """The format of `serve.kv_quant` (whether it fits the model is checked when it loads)."""
     text = str(setting).strip()
-    return text.lower() in ("off", "none", "0", "false", "4", "8", "config") or text.endswith(".json")
+    return text.lower() in ("off", "none", "0", "false", "4", "8", "config") or text.endswith(
+        ".json"
+    )
 
 
 @dataclass
@@ -276,10 +284,14 @@ class ChunkDataConfig:
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not 1 <= self.min_topics <= self.max_topics:
-            raise UserError(f"need 1 <= min_topics <= max_topics, got {self.min_topics}, {self.max_topics}")
+            raise UserError(
+                f"need 1 <= min_topics <= max_topics, got {self.min_topics}, {self.max_topics}"
+            )
         if not 1 <= self.min_messages <= self.max_messages:
-            raise UserError("need 1 <= min_messages <= max_messages, got "
-                            f"{self.min_messages}, {self.max_messages}")
+            raise UserError(
+                "need 1 <= min_messages <= max_messages, got "
+                f"{self.min_messages}, {self.max_messages}"
+            )
         if self.max_paragraph_chars < 40 or self.max_chars < 200:
             raise UserError("max_paragraph_chars must be >= 40 and max_chars >= 200")
 
@@ -312,6 +324,10 @@ class EvalSettings:
     """Most tokens generated per case."""
     batch_size: int = 8
     """Cases decoded together (mlx-lm's batch generation); 1 decodes one at a time."""
+    constrained: bool = False
+    """Also decode every case under the answer's JSON schema (its start/end uuids limited to that
+    conversation's messages; mlxlab/grammar.py) and report those scores next to the unconstrained
+    ones, which stay the headline. Doubles the evaluation time."""
 
     def __post_init__(self):
         check_choice("split", self.split, ("train", "valid", "test"))
@@ -410,7 +426,9 @@ class TrainCommandConfig(TrainConfig):
         """The same settings without the task (what the training loop takes)."""
         import dataclasses
 
-        return TrainConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)})
+        return TrainConfig(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)}
+        )
 
 
 @dataclass
@@ -447,8 +465,9 @@ class DiagConfig:
     """leak: fail when active memory grows faster than this (MB/step)."""
     lengths: list[int] = field(default_factory=lambda: [256, 512])
     """memory: sequence lengths to sweep."""
-    modes: list[str] = field(default_factory=lambda: ["full", "checkpoint", "seg1", "seg4",
-                                                      "mlx_lm", "mlx_lm_gc"])
+    modes: list[str] = field(
+        default_factory=lambda: ["full", "checkpoint", "seg1", "seg4", "mlx_lm", "mlx_lm_gc"]
+    )
     """memory: modes (full checkpoint segN auto mlx_lm mlx_lm_gc)."""
     out: str = "diag"
     """Report path prefix: <out>_<action>.json (and .png)."""
@@ -530,13 +549,22 @@ class ServeConfig:
         if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
             raise UserError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
         if self.batch < 1 or self.prefill_batch < 1:
-            raise UserError(f"batch and prefill_batch must be >= 1, got {self.batch} and {self.prefill_batch}")
+            raise UserError(
+                f"batch and prefill_batch must be >= 1, got {self.batch} and {self.prefill_batch}"
+            )
         self.kv_quant = str(self.kv_quant)
 
 
-SCHEMAS = {"generate": GenerateConfig, "models": ModelsConfig, "train": TrainCommandConfig,
-           "lora": LoraToolConfig, "diag": DiagConfig, "data": DataBuildConfig, "eval": EvalConfig,
-           "serve": ServeConfig}
+SCHEMAS = {
+    "generate": GenerateConfig,
+    "models": ModelsConfig,
+    "train": TrainCommandConfig,
+    "lora": LoraToolConfig,
+    "diag": DiagConfig,
+    "data": DataBuildConfig,
+    "eval": EvalConfig,
+    "serve": ServeConfig,
+}
 
 
 def from_dict(cls, data: dict):
@@ -552,7 +580,11 @@ def from_dict(cls, data: dict):
     kwargs = {}
     for key, value in data.items():
         sub = hints.get(key)
-        kwargs[key] = from_dict(sub, value) if dataclasses.is_dataclass(sub) and isinstance(value, dict) else value
+        kwargs[key] = (
+            from_dict(sub, value)
+            if dataclasses.is_dataclass(sub) and isinstance(value, dict)
+            else value
+        )
     return cls(**kwargs)
 
 

@@ -15,7 +15,10 @@ Per case, from the model's raw text and the conversation's message uuids:
 
 Accuracy against the gold chunks: boundary F1 (chunk starts after the first message) and the
 rate of gold chunks reproduced exactly. `evaluate_model` runs a whole split and writes per-case
-results (what `eval chunk` and the chunk task's base/tuned evaluations call).
+results (what `eval chunk` and the chunk task's base/tuned evaluations call); with
+`constrained=true` it decodes the split a second time under `answer_schema` (mlxlab/grammar.py:
+the JSON shape of the answer, its uuids limited to the conversation's own), still batched, and
+reports those scores as a second row next to the unconstrained ones.
 """
 
 from __future__ import annotations
@@ -29,10 +32,35 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-GENERIC = {"chunk", "chunks", "topic", "topics", "misc", "miscellaneous", "other", "others",
-           "general", "discussion", "conversation", "part", "section", "summary", "untitled",
-           "n/a", "na", "none", "unknown", "various", "stuff", "messages", "message", "the", "a",
-           "and", "of"}
+GENERIC = {
+    "chunk",
+    "chunks",
+    "topic",
+    "topics",
+    "misc",
+    "miscellaneous",
+    "other",
+    "others",
+    "general",
+    "discussion",
+    "conversation",
+    "part",
+    "section",
+    "summary",
+    "untitled",
+    "n/a",
+    "na",
+    "none",
+    "unknown",
+    "various",
+    "stuff",
+    "messages",
+    "message",
+    "the",
+    "a",
+    "and",
+    "of",
+}
 
 
 def extract_json(text: str):
@@ -42,7 +70,7 @@ def extract_json(text: str):
     if fenced:
         candidates.append(("fence", fenced.group(1).strip()))
     if "{" in text and "}" in text:
-        candidates.append(("braces", text[text.index("{"): text.rindex("}") + 1]))
+        candidates.append(("braces", text[text.index("{") : text.rindex("}") + 1]))
     for method, candidate in candidates:
         try:
             return json.loads(candidate), method
@@ -141,16 +169,31 @@ def score_case(text: str, uuids: list[str], gold: list[dict]) -> CaseScore:
     if not isinstance(chunks, list):
         return CaseScore(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, method, 0, ["no chunks list found"])
     n = len(chunks)
-    schema = sum(isinstance(c, dict) and all(isinstance(c.get(k), str) for k in
-                 ("start_message_uuid", "end_message_uuid", "label")) for c in chunks) / n if n else 0.0
+    schema = (
+        sum(
+            isinstance(c, dict)
+            and all(
+                isinstance(c.get(k), str)
+                for k in ("start_message_uuid", "end_message_uuid", "label")
+            )
+            for c in chunks
+        )
+        / n
+        if n
+        else 0.0
+    )
     v = validate(chunks, uuids)
     anchors = 0.0 if v.spans is None or not n else max(0.0, 1 - v.repairs / (2 * n))
-    labels = sum(is_specific(c.get("label")) for c in chunks if isinstance(c, dict)) / n if n else 0.0
+    labels = (
+        sum(is_specific(c.get("label")) for c in chunks if isinstance(c, dict)) / n if n else 0.0
+    )
     nonempty = 1.0 if n else 0.0
     wf = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20 * nonempty)
 
     index = {u: i for i, u in enumerate(uuids)}
-    gold_spans = sorted((index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in gold)
+    gold_spans = sorted(
+        (index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in gold
+    )
     pred_spans = v.spans or []
     gb, pb = boundaries(gold_spans), boundaries(pred_spans)
     if not gb and not pb:
@@ -174,12 +217,20 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def table(summaries: dict[str, dict]) -> str:
-    """A markdown table, one row per evaluated model."""
+    """A markdown table, one row per evaluated model; a summary's "constrained" entry (the same
+    model decoded under the answer schema) is the row below it, "<name>, constrained"."""
     head = "| model | cases | well-formedness | boundary F1 | exact chunks | schema | anchors | labels |"
     lines = [head, "|" + "---|" * 8]
+    rows = []
     for name, s in summaries.items():
-        lines.append(f"| {name} | {s['cases']} | {s['wellformed']:.1f} | {s['boundary_f1']:.3f} | "
-                     f"{s['exact_match']:.3f} | {s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |")
+        rows.append((name, s))
+        if isinstance(s.get("constrained"), dict):
+            rows.append((f"{name}, constrained", s["constrained"]))
+    for name, s in rows:
+        lines.append(
+            f"| {name} | {s['cases']} | {s['wellformed']:.1f} | {s['boundary_f1']:.3f} | "
+            f"{s['exact_match']:.3f} | {s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -191,18 +242,89 @@ def read_split(data_dir, settings) -> list[dict]:
 
     path = Path(data_dir) / f"{settings.split}.jsonl"
     if not path.is_file():
-        raise UserError(f"no {settings.split}.jsonl in {data_dir} (build one: python -m mlxlab data chunk)")
+        raise UserError(
+            f"no {settings.split}.jsonl in {data_dir} (build one: python -m mlxlab data chunk)"
+        )
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records[:settings.cases] if settings.cases else records
+    return records[: settings.cases] if settings.cases else records
 
 
-def generate_all(model, tokenizer, prompts: list[list[int]], max_tokens: int, batch_size: int,
-                 progress=None) -> list[str]:
+LABEL_CHARS = 80  # a label's most characters under the schema (gold titles are 2-12 words)
+
+
+def answer_schema(uuids: list[str]) -> dict:
+    """The answer's JSON schema for one conversation: {"chunks": [{start_message_uuid,
+    end_message_uuid, label}, ...]}, 1 to len(uuids) chunks, each uuid one of `uuids`, keys in
+    the order the system prompt shows, nothing else. Contiguity and coverage are not in it (the
+    scorer still judges those)."""
+    anchor = {"type": "string", "enum": list(dict.fromkeys(uuids))}
+    chunk = {
+        "type": "object",
+        "properties": {
+            "start_message_uuid": anchor,
+            "end_message_uuid": anchor,
+            "label": {"type": "string", "minLength": 1, "maxLength": LABEL_CHARS},
+        },
+        "required": ["start_message_uuid", "end_message_uuid", "label"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "chunks": {
+                "type": "array",
+                "items": chunk,
+                "minItems": 1,
+                "maxItems": max(len(set(uuids)), 1),
+            }
+        },
+        "required": ["chunks"],
+        "additionalProperties": False,
+    }
+
+
+def n_vocab(model, tokenizer) -> int:
+    """The width of the model's logits (embedding rows; may exceed the tokenizer's vocabulary)."""
+    return int(getattr(getattr(model, "args", None), "vocab_size", 0) or len(tokenizer._tokenizer))
+
+
+def _batch_decode(
+    model, tokenizer, prompts: list[list[int]], max_tokens: int, processors: list[list]
+) -> list[str]:
+    """`batch_generate`'s loop with one list of logits processors per row (its own keyword gives
+    every row the same processors, and a grammar constraint holds one sequence's state)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+    try:
+        uids = gen.insert(prompts, [max_tokens] * len(prompts), logits_processors=processors)
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":
+                    tokens[r.uid].append(r.token)
+    finally:
+        gen.close()
+    return [tokenizer.decode(tokens[uid]) for uid in uids]
+
+
+def generate_all(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_tokens: int,
+    batch_size: int,
+    progress=None,
+    processors=None,
+) -> list[str]:
     """Greedy completions of token-id prompts, in order.
 
     batch_size > 1 decodes groups of similar length together with mlx-lm's `batch_generate`
     (left-padded, so a case's text can differ from its unbatched decode in rare near-ties);
-    batch_size = 1 uses mlx-lm's `generate` one prompt at a time.
+    batch_size = 1 uses mlx-lm's `generate` one prompt at a time. `processors(i)`, when given,
+    returns prompt i's logits processors (fresh ones: a constraint holds its sequence's state),
+    made when its group starts; the groups then run on mlx-lm's `BatchGenerator` with a list
+    per row.
     """
     from mlx_lm import batch_generate, generate
 
@@ -210,11 +332,24 @@ def generate_all(model, tokenizer, prompts: list[list[int]], max_tokens: int, ba
     texts: list[str] = [""] * len(prompts)
     done = 0
     for at in range(0, len(order), batch_size):
-        group = order[at:at + batch_size]
+        group = order[at : at + batch_size]
+        rows = [processors(i) for i in group] if processors else None
         if batch_size == 1:
-            outs = [generate(model, tokenizer, prompts[group[0]], max_tokens=max_tokens)]
+            outs = [
+                generate(
+                    model,
+                    tokenizer,
+                    prompts[group[0]],
+                    max_tokens=max_tokens,
+                    logits_processors=rows[0] if rows else None,
+                )
+            ]
+        elif rows:
+            outs = _batch_decode(model, tokenizer, [prompts[i] for i in group], max_tokens, rows)
         else:
-            outs = batch_generate(model, tokenizer, [prompts[i] for i in group], max_tokens=max_tokens).texts
+            outs = batch_generate(
+                model, tokenizer, [prompts[i] for i in group], max_tokens=max_tokens
+            ).texts
         for i, text in zip(group, outs, strict=True):
             texts[i] = text
         done += len(group)
@@ -223,33 +358,91 @@ def generate_all(model, tokenizer, prompts: list[list[int]], max_tokens: int, ba
     return texts
 
 
-def evaluate(model, tokenizer, records: list[dict], max_tokens: int = 256, batch_size: int = 8,
-             progress=None) -> list[dict]:
-    """Greedy-decode each chat record's prompt (model in eval mode) and score it; one dict per case."""
+def evaluate(
+    model,
+    tokenizer,
+    records: list[dict],
+    max_tokens: int = 256,
+    batch_size: int = 8,
+    progress=None,
+    constrained: bool = False,
+) -> list[dict]:
+    """Greedy-decode each chat record's prompt (model in eval mode) and score it; one dict per case.
+    `constrained` decodes each case under its `answer_schema`."""
     from mlxlab.data.chunk import case_from_chat
 
     cases = [case_from_chat(r) for r in records]
-    prompts = [tokenizer.apply_chat_template(msgs, add_generation_prompt=True) for msgs, _, _ in cases]
+    prompts = [
+        tokenizer.apply_chat_template(msgs, add_generation_prompt=True) for msgs, _, _ in cases
+    ]
+    processors = None
+    if constrained:
+        from mlxlab import grammar
+
+        width = n_vocab(model, tokenizer)
+        grammars = [
+            grammar.json_schema(answer_schema(uuids), f"case {i} answer schema")
+            for i, (_, uuids, _) in enumerate(cases)
+        ]
+
+        def processors(i):
+            return [grammar.constrain(grammars[i], tokenizer, width)]
+
     was_training = model.training
     model.eval()
     try:
-        texts = generate_all(model, tokenizer, prompts, max_tokens, batch_size, progress)
+        texts = generate_all(
+            model, tokenizer, prompts, max_tokens, batch_size, progress, processors
+        )
     finally:
         model.train(was_training)
-    return [{"case": i, "output": text, "prompt_tokens": len(p), **score_case(text, uuids, gold).to_dict()}
-            for i, (text, p, (_, uuids, gold)) in enumerate(zip(texts, prompts, cases, strict=True))]
+    return [
+        {
+            "case": i,
+            "output": text,
+            "prompt_tokens": len(p),
+            **score_case(text, uuids, gold).to_dict(),
+        }
+        for i, (text, p, (_, uuids, gold)) in enumerate(zip(texts, prompts, cases, strict=True))
+    ]
+
+
+def constrained_path(out: Path) -> Path:
+    """Where the constrained decode's per-case results go: eval.jsonl -> eval.constrained.jsonl."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.constrained{out.suffix or '.jsonl'}")
 
 
 def evaluate_model(model, tokenizer, records: list[dict], settings, out: Path, label: str) -> dict:
-    """Evaluate `records` (read_split) with `settings` (EvalSettings: max_tokens, batch_size),
-    write per-case JSONL to `out`; return the summary (+ seconds, results path)."""
+    """Evaluate `records` (read_split) with `settings` (EvalSettings: max_tokens, batch_size,
+    constrained), write per-case JSONL to `out`; return the summary (+ seconds, results path).
+    With `settings.constrained` the split is decoded again under the answer schema, written to
+    `constrained_path(out)`, and its summary is the summary's "constrained" entry."""
     from mlxlab.fsutil import atomic_write_text
 
-    t0 = time.perf_counter()
+    def run(constrained: bool, path: Path, tag: str) -> dict:
+        t0 = time.perf_counter()
 
-    def progress(done, total):
-        log.info(f"[{label}] {done}/{total} cases")
+        def progress(done, total):
+            log.info(f"[{tag}] {done}/{total} cases")
 
-    rows = evaluate(model, tokenizer, records, settings.max_tokens, settings.batch_size, progress)
-    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
-    return {**summarize(rows), "seconds": round(time.perf_counter() - t0, 1), "results": str(out)}
+        rows = evaluate(
+            model,
+            tokenizer,
+            records,
+            settings.max_tokens,
+            settings.batch_size,
+            progress,
+            constrained,
+        )
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        return {
+            **summarize(rows),
+            "seconds": round(time.perf_counter() - t0, 1),
+            "results": str(path),
+        }
+
+    summary = run(False, out, label)
+    if getattr(settings, "constrained", False):
+        summary["constrained"] = run(True, constrained_path(out), f"{label}, constrained")
+    return summary

@@ -3,9 +3,12 @@
     python -m mlxlab eval chunk                                     # base gemma3-270m, test split
     python -m mlxlab eval chunk adapter=outputs/chunk_seg4/<run>    # a run dir means its final adapter
     python -m mlxlab eval chunk data=data/chunk split=valid cases=8 batch_size=1 out=valid.jsonl
+    python -m mlxlab eval chunk constrained=true    # also decoded under the answer's JSON schema
 
 Greedy decoding; per-case results (output, scores, repairs) go to `out` as JSONL and the
-summary table to stdout. Without `data=`, the chunk dataset is built with its defaults (the same
+summary table to stdout (with `constrained=true` a second row, "<model>, constrained", from a
+second decode of the split under the answer's JSON schema; its cases go next to `out`, named
+`<stem>.constrained.jsonl`). Without `data=`, the chunk dataset is built with its defaults (the same
 one `train +exp=chunk_seg4` trains and tests on).
 """
 
@@ -30,7 +33,9 @@ def run(cfg: EvalConfig) -> dict:
     data_dir = Path(cfg.data).expanduser() if cfg.data else None
     if data_dir is None:
         data_dir = chunk.write_jsonl(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
-    records = ev.read_split(data_dir, cfg)  # read (and fail on a missing split) before loading the model
+    records = ev.read_split(
+        data_dir, cfg
+    )  # read (and fail on a missing split) before loading the model
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
     if cfg.adapter:
@@ -40,6 +45,9 @@ def run(cfg: EvalConfig) -> dict:
     summary = ev.evaluate_model(model, tokenizer, records, cfg, out, cfg.task)
     print(ev.table({name: summary}))
     log.info(f"per-case results: {out} ({summary['seconds']:.0f} s)")
+    if "constrained" in summary:
+        c = summary["constrained"]
+        log.info(f"constrained per-case results: {c['results']} ({c['seconds']:.0f} s)")
     return summary
 
 

@@ -48,9 +48,11 @@ class ChunkTaskConfig:
 
 CONFIG = ChunkTaskConfig
 
-QUESTION = ("Does LoRA trained with the {how} teach {model} to split a conversation "
-            "into topical chunks and answer in the exact JSON schema, on topics it never saw in "
-            "training, within a {budget} run on this machine?")
+QUESTION = (
+    "Does LoRA trained with the {how} teach {model} to split a conversation "
+    "into topical chunks and answer in the exact JSON schema, on topics it never saw in "
+    "training, within a {budget} run on this machine?"
+)
 
 
 def hooks(cfg: ChunkTaskConfig, command: str | None = None) -> ChunkTask:
@@ -95,8 +97,16 @@ class ChunkTask(Hooks):
         from mlxlab.eval.chunk import table
         from mlxlab.fsutil import atomic_write_text, writable_dir
 
-        text = report(run.cfg, self.cfg, run.run_dir, summary, self.evals, summary["gradients"],
-                      summary["wall_s"], self.command)
+        text = report(
+            run.cfg,
+            self.cfg,
+            run.run_dir,
+            summary,
+            self.evals,
+            summary["gradients"],
+            summary["wall_s"],
+            self.command,
+        )
         atomic_write_text(run.run_dir / "README.md", text)
         if self.cfg.report:
             report_path = Path(self.cfg.report).expanduser().absolute()
@@ -119,8 +129,14 @@ class ChunkTask(Hooks):
         train = Path(run.data.train)
         data_dir = train if train.is_dir() else train.parent
         mx.reset_peak_memory()
-        summary = evaluate_model(run.model, run.tokenizer, read_split(data_dir, self.cfg.eval),
-                                 self.cfg.eval, run.run_dir / f"eval_{which}.jsonl", which)
+        summary = evaluate_model(
+            run.model,
+            run.tokenizer,
+            read_split(data_dir, self.cfg.eval),
+            self.cfg.eval,
+            run.run_dir / f"eval_{which}.jsonl",
+            which,
+        )
         summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
         atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
         return summary
@@ -142,58 +158,110 @@ def failure_modes(rows: list[dict]) -> list[tuple[str, int]]:
     return reasons.most_common()
 
 
-def report(cfg: TrainConfig, task: ChunkTaskConfig, run_dir: Path, summary: dict,
-           evals: dict[str, dict], how: str, wall_s: float, command: str | None = None) -> str:
+def report(
+    cfg: TrainConfig,
+    task: ChunkTaskConfig,
+    run_dir: Path,
+    summary: dict,
+    evals: dict[str, dict],
+    how: str,
+    wall_s: float,
+    command: str | None = None,
+) -> str:
     """The experiment's README: question, command, config, result table, memory and time."""
     import mlx.core as mx
 
     from mlxlab.eval import chunk as ev
 
     budget = "90-minute"
-    lines = [f"# {cfg.name}", "",
-             "## Question", "", QUESTION.format(model=cfg.model, budget=budget, how=how.split(":")[0]), "",
-             "## Command", "", "```bash",
-             "python -m mlxlab train " + (command or "..."), "```", "",
-             "Evaluate any adapter on the same split: `python -m mlxlab eval chunk "
-             f"data={run_dir / 'data'} adapter={run_dir}`.", "",
-             "## Config", "",
-             f"- model: {cfg.model} ({cfg.dtype}), LoRA rank {cfg.lora.rank}, scale {cfg.lora.scale}, "
-             f"targets {', '.join(cfg.lora.targets)}, layers {cfg.lora.layers}",
-             f"- gradients: {how}",
-             f"- steps {cfg.iters} x batch {cfg.batch_size} (accumulation {cfg.grad_accum}), "
-             f"{cfg.optim.name} lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup}, {cfg.optim.schedule}, "
-             f"max_seq_length {cfg.data.max_seq_length}",
-             f"- data: {json.dumps(dataclasses.asdict(task.data))}",
-             f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
-             f"batch {task.eval.batch_size}",
-             f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
-             f"mlx {getattr(mx, '__version__', '?')}", "",
-             f"## Result ({task.eval.split} split, topics never seen in training)", "",
-             ev.table(evals), ""]
+    lines = [
+        f"# {cfg.name}",
+        "",
+        "## Question",
+        "",
+        QUESTION.format(model=cfg.model, budget=budget, how=how.split(":")[0]),
+        "",
+        "## Command",
+        "",
+        "```bash",
+        "python -m mlxlab train " + (command or "..."),
+        "```",
+        "",
+        "Evaluate any adapter on the same split: `python -m mlxlab eval chunk "
+        f"data={run_dir / 'data'} adapter={run_dir}`.",
+        "",
+        "## Config",
+        "",
+        f"- model: {cfg.model} ({cfg.dtype}), LoRA rank {cfg.lora.rank}, scale {cfg.lora.scale}, "
+        f"targets {', '.join(cfg.lora.targets)}, layers {cfg.lora.layers}",
+        f"- gradients: {how}",
+        f"- steps {cfg.iters} x batch {cfg.batch_size} (accumulation {cfg.grad_accum}), "
+        f"{cfg.optim.name} lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup}, {cfg.optim.schedule}, "
+        f"max_seq_length {cfg.data.max_seq_length}",
+        f"- data: {json.dumps(dataclasses.asdict(task.data))}",
+        f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
+        f"batch {task.eval.batch_size}"
+        + (
+            "; also decoded under the answer's JSON schema (rows marked constrained)"
+            if task.eval.constrained
+            else ""
+        ),
+        f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
+        f"mlx {getattr(mx, '__version__', '?')}",
+        "",
+        f"## Result ({task.eval.split} split, topics never seen in training)",
+        "",
+        ev.table(evals),
+        "",
+    ]
     val0, val1 = summary.get("initial_val_loss"), summary.get("val_loss")
     if val1 is not None:
-        lines.append(f"- validation loss: {val0:.4f} -> {val1:.4f}" if val0 is not None
-                     else f"- validation loss: {val1:.4f}")
-    lines += [f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
-              + "".join(f", {k} evaluation {v['peak_mem_gb']:.2f} GB" for k, v in evals.items()),
-              f"- wall time: {_fmt_minutes(wall_s)} in all; training {_fmt_minutes(summary['seconds'])}"
-              + "".join(f", {k} evaluation {_fmt_minutes(v['seconds'])}" for k, v in evals.items()),
-              "", "Metrics: well-formedness = 100 x (0.30 schema + 0.35 anchors + 0.15 labels + 0.20 "
-              "nonempty), after JSON extraction and validation with repairs; boundary F1 over chunk "
-              "starts; exact chunks = share of gold chunks reproduced exactly (mlxlab/eval/chunk.py).", ""]
+        lines.append(
+            f"- validation loss: {val0:.4f} -> {val1:.4f}"
+            if val0 is not None
+            else f"- validation loss: {val1:.4f}"
+        )
+    lines += [
+        f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
+        + "".join(f", {k} evaluation {v['peak_mem_gb']:.2f} GB" for k, v in evals.items()),
+        f"- wall time: {_fmt_minutes(wall_s)} in all; training {_fmt_minutes(summary['seconds'])}"
+        + "".join(f", {k} evaluation {_fmt_minutes(v['seconds'])}" for k, v in evals.items()),
+        "",
+        "Metrics: well-formedness = 100 x (0.30 schema + 0.35 anchors + 0.15 labels + 0.20 "
+        "nonempty), after JSON extraction and validation with repairs; boundary F1 over chunk "
+        "starts; exact chunks = share of gold chunks reproduced exactly (mlxlab/eval/chunk.py).",
+        "",
+    ]
     tuned_rows = run_dir / "eval_tuned.jsonl"
     if tuned_rows.is_file():
         rows = [json.loads(x) for x in tuned_rows.read_text().splitlines()]
-        lines += ["## Where the tuned model loses points", "",
-                  "The validator's verdict per test case (repairs cost anchor points; a gap or overlap "
-                  "between chunks cannot be repaired and zeroes them):", "",
-                  "| verdict | cases |", "|---|---|"]
+        lines += [
+            "## Where the tuned model loses points",
+            "",
+            "The validator's verdict per test case (repairs cost anchor points; a gap or overlap "
+            "between chunks cannot be repaired and zeroes them):",
+            "",
+            "| verdict | cases |",
+            "|---|---|",
+        ]
         lines += [f"| {reason} | {n} |" for reason, n in failure_modes(rows)]
         lines.append("")
         first = json.loads(tuned_rows.read_text().splitlines()[0])
-        lines += ["## A tuned answer (first test case)", "", "```json", first["output"].strip(), "```",
-                  f"well-formedness {first['wellformed']:.1f}, boundary F1 {first['boundary_f1']:.2f}, "
-                  f"exact chunks {first['exact_match']:.2f}", ""]
-    lines += ["## Files", "", f"Run directory `{run_dir}`: `adapter/`, `metrics.jsonl`, `summary.json`, "
-              "`config.yaml`, `data/`, per-case `eval_base.jsonl` / `eval_tuned.jsonl`.", ""]
+        lines += [
+            "## A tuned answer (first test case)",
+            "",
+            "```json",
+            first["output"].strip(),
+            "```",
+            f"well-formedness {first['wellformed']:.1f}, boundary F1 {first['boundary_f1']:.2f}, "
+            f"exact chunks {first['exact_match']:.2f}",
+            "",
+        ]
+    lines += [
+        "## Files",
+        "",
+        f"Run directory `{run_dir}`: `adapter/`, `metrics.jsonl`, `summary.json`, "
+        "`config.yaml`, `data/`, per-case `eval_base.jsonl` / `eval_tuned.jsonl`.",
+        "",
+    ]
     return "\n".join(lines)
