@@ -25,8 +25,6 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes a converted model's weights are stored in."""
 MEMORY_MODES = ("full", "checkpoint", "segN", "auto", "mlx_lm", "mlx_lm_gc")
 """`diag memory` modes; segN is seg1, seg2, ... (segments of N layers)."""
-KV_QUANT = ("off", "4", "8", "config", "PATH.json")
-"""`serve.kv_quant` settings."""
 
 
 def config_dir() -> Path:
@@ -538,8 +536,10 @@ class ServeConfig:
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)
-        if not is_kv_quant(self.kv_quant):
-            check_choice("kv_quant", self.kv_quant, KV_QUANT)
+        if not is_kv_quant(self.kv_quant):  # the wording kv_quant.parse uses for the same problem
+            raise UserError(
+                f"serve.kv_quant={self.kv_quant!r}: use off, 4, 8, config, or a kv_config.json path"
+            )
         if not 0 < self.port < 65536:
             raise UserError(f"port must be in 1..65535, got {self.port}")
         if self.max_queue < 1 or self.max_tokens < 1 or self.prefill_step < 1:
