@@ -514,55 +514,6 @@ def test_batched_server_with_concurrent_sdk_clients(served, real_model_dir):
         assert proc.wait(60) == 0
 
 
-def test_port_taken_and_sigterm_drain(served, real_model_dir):
-    url, proc, _ = served
-    port = int(url.rsplit(":", 1)[1])
-    clash = subprocess.run(
-        [sys.executable, "-m", "mlxlab", "serve", f"port={port}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (
-        clash.returncode == 1
-        and "cannot listen" in clash.stderr
-        and "Traceback" not in clash.stderr
-    )
-    # A request in flight when SIGTERM arrives still completes; new requests get 503; exit 0.
-    result = {}
-
-    def long_request():
-        r = httpx.post(
-            url + "/v1/chat/completions",
-            timeout=120,
-            json={
-                "messages": [{"role": "user", "content": "Count from 1 to 100."}],
-                "max_tokens": 48,
-                "temperature": 0,
-            },
-        )
-        result["status"], result["body"] = r.status_code, r.json()
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    deadline = time.time() + 30
-    while time.time() < deadline and not httpx.get(url + "/stats").json()["queue"]["running"]:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    refused = httpx.post(
-        url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
-    )
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-    t.join(120)
-    assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] in (
-        "length",
-        "stop",
-    )
-    assert proc.wait(60) == 0
-
-
 def test_structured_output_and_forced_tools_with_the_sdks(served):
     """On the base model: json_schema output that validates (openai SDK's parse() too), a tool call
     forced where the model answers in text, through the openai, anthropic and Responses SDKs."""
@@ -673,3 +624,52 @@ def test_structured_output_and_forced_tools_with_the_sdks(served):
             },
         )
     assert e.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_port_taken_and_sigterm_drain(served, real_model_dir):
+    url, proc, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    clash = subprocess.run(
+        [sys.executable, "-m", "mlxlab", "serve", f"port={port}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        clash.returncode == 1
+        and "cannot listen" in clash.stderr
+        and "Traceback" not in clash.stderr
+    )
+    # A request in flight when SIGTERM arrives still completes; new requests get 503; exit 0.
+    result = {}
+
+    def long_request():
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "messages": [{"role": "user", "content": "Count from 1 to 100."}],
+                "max_tokens": 48,
+                "temperature": 0,
+            },
+        )
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not httpx.get(url + "/stats").json()["queue"]["running"]:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    refused = httpx.post(
+        url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+    )
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    t.join(120)
+    assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] in (
+        "length",
+        "stop",
+    )
+    assert proc.wait(60) == 0
