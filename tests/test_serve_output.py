@@ -147,3 +147,17 @@ def test_whitespace_between_and_after_tool_calls_is_not_content():
     q = OutputParser(tool=tool, tools=tools)
     out = q.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone.') + q.finish()
     assert out == [("content", "\nDone.")]
+
+
+def test_a_call_cut_by_max_tokens_after_complete_calls_is_dropped():
+    """A small model forced to call repeats the call until max_tokens: the complete call is the
+    answer, token by token; neither the newline before the cut call nor its markup is content."""
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    cut = '\n<tool_call>\n{"name": "get_weather", "'
+    for split in (chars, lambda s: [s]):
+        events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), split(first + cut))
+        assert events == [] and [c["name"] for c in p.calls] == ["get_weather"]
+        assert p.cut_call == '\n{"name": "get_weather", "'
+    # Alone, an unterminated call is still released as text (the answer is a cut prefix).
+    events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), chars(cut))
+    assert p.calls == [] and text(events) == cut

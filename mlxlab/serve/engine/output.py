@@ -12,7 +12,8 @@ incomplete UTF-8 never reaches it) and returns `(kind, text)` deltas, kind "cont
   <tool_call|>`, Qwen/Hermes `<tool_call>{json}</tool_call>`, MiniCPM `<function name=...>`).
   Markup that does not parse, or names a tool the request did not offer, is released as plain
   content instead, so a malformed call is never an error; whitespace between or after calls
-  is not content;
+  is not content; a call cut by the end of generation (max_tokens) after complete calls is
+  dropped (`cut_call`), the complete ones being the answer;
 - the reasoning markers: text between think-start and think-end is "reasoning".
 
 Stop sequences are matched on decoded text (so one spanning tokens fires) in content and
@@ -91,6 +92,7 @@ class OutputParser:
         self.pending = ""
         self.stopped: str | None = None
         self.calls: list[dict] = []
+        self.cut_call: str | None = None  # the markup of a call cut by the end of generation
 
     def _markers(self) -> list[tuple[str, str]]:
         """(marker, what it does) active in the current state."""
@@ -122,10 +124,8 @@ class OutputParser:
                 if self.state == "tool":
                     return out  # markup is withheld until its end marker (or the end)
                 keep = _holdback(self.pending, [m for m, _ in markers])
-                if self.calls and not self.pending.strip():
-                    keep = len(
-                        self.pending
-                    )  # whitespace after a call waits: another call may follow
+                if self.calls and not self.pending[: len(self.pending) - keep].strip():
+                    keep = len(self.pending)  # whitespace after a call waits: a call may follow
                 emit = self.pending[: len(self.pending) - keep]
                 self.pending = self.pending[len(emit) :]
                 if emit:
@@ -147,29 +147,40 @@ class OutputParser:
 
     def _close_tool(self, body: str, out: list, end_marker: str) -> None:
         self.state = "content"
+        if not end_marker and self.calls:
+            # Generation ended inside a call after complete ones (max_tokens while the model
+            # wrote another): the complete calls are the answer; the cut one is not text.
+            try:
+                self.calls.extend(self._parsed(body))
+            except Exception:
+                self.cut_call = body
+            return
         try:
-            parsed = self.tool.parse(body, self.tools)
-            calls = parsed if isinstance(parsed, list) else [parsed]
-            new = []
-            for c in calls:
-                name, args = c["name"], c.get("arguments", {})
-                if self.names and name not in self.names:
-                    raise ValueError(f"unknown tool {name!r}")
-                if isinstance(args, str):
-                    args = json.loads(args)
-                if not isinstance(args, dict):
-                    raise ValueError("arguments must be an object")
-                new.append(
-                    {
-                        "id": "call_" + uuid.uuid4().hex[:24],
-                        "name": name,
-                        "arguments": json.dumps(args, ensure_ascii=False),
-                    }
-                )
-            self.calls.extend(new)
+            self.calls.extend(self._parsed(body))
         except Exception:
             # Not a well-formed call: the markup is plain text after all.
             out.append(("content", self.tool.start + body + end_marker))
+
+    def _parsed(self, body: str) -> list[dict]:
+        """The calls in one markup body (mlx-lm's parser), checked against the offered tools."""
+        parsed = self.tool.parse(body, self.tools)
+        new = []
+        for c in parsed if isinstance(parsed, list) else [parsed]:
+            name, args = c["name"], c.get("arguments", {})
+            if self.names and name not in self.names:
+                raise ValueError(f"unknown tool {name!r}")
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be an object")
+            new.append(
+                {
+                    "id": "call_" + uuid.uuid4().hex[:24],
+                    "name": name,
+                    "arguments": json.dumps(args, ensure_ascii=False),
+                }
+            )
+        return new
 
     def finish(self) -> list[tuple[str, str]]:
         """Release what is left at the end of generation (held-back text, unterminated markup)."""

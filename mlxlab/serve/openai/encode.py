@@ -53,7 +53,8 @@ class _Stream(Encoder):
         )
 
     def failed(self, ev: Failed) -> list[str]:
-        return [sse(error_shape(APIError(500, ev.message, type="server_error"))[1])]
+        kind = "server_error" if ev.status == 500 else "service_unavailable"
+        return [sse(error_shape(APIError(ev.status, ev.message, type=kind, code=ev.code))[1])]
 
     def end(self) -> list[str]:
         return ["data: [DONE]\n\n"]
@@ -105,6 +106,7 @@ def chat_body(head: dict, got: Collector, logprobs: bool) -> dict:
         message["reasoning_content"] = got.reasoning
     if done.tool_calls:
         message["tool_calls"] = tool_calls_of(done)
+        message["content"] = got.content or None  # as OpenAI: a message of only calls has none
     return {
         **head,
         "object": "chat.completion",
