@@ -74,22 +74,11 @@ class SlowClient(threading.Thread):
         return body.decode()
 
 
-def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeypatch):
-    """Two streams read slowly, and one answer that is not streamed and is written 6 s after its
-    generation ended (an event loop under load): the drain outlasts uvicorn's 5 s grace period,
-    which the engine's queue alone (empty long before) would not."""
-    tiny_dir("gemma3")
-    collect = pipeline.collect
-
-    async def late_collect(*args, **kwargs):
-        got = await collect(*args, **kwargs)
-        await asyncio.sleep(6)
-        return got
-
-    monkeypatch.setattr(pipeline, "collect", late_collect)
+def start(**overrides) -> tuple[int, Gateway, DrainingServer, threading.Thread]:
+    """A started DrainingServer on tiny-gemma3, on a free port, in a thread."""
     port = free_port()
     cfg = ServeConfig(
-        model="tiny-gemma3", memory_budget_gb=2, port=port, drain_timeout_s=90, prompt_cache_gb=0
+        model="tiny-gemma3", memory_budget_gb=2, port=port, prompt_cache_gb=0, **overrides
     )
     gateway = Gateway(cfg).start()
     assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
@@ -104,10 +93,27 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    return port, gateway, server, thread
+
+
+def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeypatch):
+    """Two streams read slowly, and one answer that is not streamed and is written 6 s after its
+    generation ended (an event loop under load): the drain outlasts uvicorn's 5 s grace period,
+    which the engine's queue alone (empty long before) would not."""
+    tiny_dir("gemma3")
+    collect = pipeline.collect
+
+    async def late_collect(*args, **kwargs):
+        got = await collect(*args, **kwargs)
+        await asyncio.sleep(6)
+        return got
+
+    monkeypatch.setattr(pipeline, "collect", late_collect)
+    port, gateway, server, thread = start(drain_timeout_s=90)
     try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.05)
         # Large answers (20 top logprobs per token), no early end of sequence.
         no_eos = {str(t): -100 for t in gateway.loaded.eos}
         base = {
@@ -161,6 +167,71 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
         assert whole["usage"]["completion_tokens"] == MAX_TOKENS
         assert len(whole["choices"][0]["logprobs"]["tokens"]) == MAX_TOKENS
         assert sum(len(c.raw) for c in clients) > 300_000  # far more than the sockets buffer
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        gateway.stop()
+
+
+def test_answers_unfinished_at_the_drain_timeout_are_aborted_with_a_503(tiny_dir):
+    """A drain timeout shorter than the answers: each client is told the server is shutting
+    down, in its protocol's shape (a 503 before a response started, a stream's error event
+    after), instead of uvicorn cancelling the handler (a plain-text 500)."""
+    tiny_dir("gemma3")
+    port, gateway, server, thread = start(drain_timeout_s=0.2, batch=2)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        no_eos = {str(t): -100 for t in gateway.loaded.eos}
+        chat = {
+            "messages": [{"role": "user", "content": "Count."}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "logit_bias": no_eos,
+        }
+        got: dict = {}
+
+        def post(name, path, body):
+            got[name] = httpx.post(url + path, json=body, timeout=120)
+
+        threads = [
+            threading.Thread(target=post, args=("chat", "/v1/chat/completions", chat)),
+            threading.Thread(
+                target=post, args=("stream", "/v1/chat/completions", {**chat, "stream": True})
+            ),
+            threading.Thread(
+                target=post,
+                args=(
+                    "anthropic",
+                    "/v1/messages",
+                    {"model": "x", "max_tokens": 2000, "messages": chat["messages"]},
+                ),
+            ),
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while gateway.counters["requests"] < 3 and time.time() < deadline:
+            time.sleep(0.02)
+        server.handle_exit(signal.SIGTERM, None)
+        for t in threads:
+            t.join(120)
+        thread.join(60)
+        assert not thread.is_alive() and server.drained.is_set()
+        chat_r = got["chat"]
+        assert chat_r.status_code == 503, chat_r.text[:300]
+        error = chat_r.json()["error"]
+        assert error["code"] == "shutting_down" and "drain timeout" in error["message"]
+        # The third request waited for a row (batch=2) or decoded: overloaded either way (529,
+        # as Anthropic's API answers a 503).
+        anthropic_r = got["anthropic"]
+        assert anthropic_r.status_code == 529, anthropic_r.text[:300]
+        assert anthropic_r.json()["error"]["type"] == "overloaded_error"
+        stream = got["stream"]
+        assert stream.status_code == 200
+        events = [x[6:] for x in stream.text.split("\n\n") if x.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+        assert gateway.pending == 0
     finally:
         server.should_exit = True
         thread.join(30)

@@ -57,9 +57,13 @@ def ready_line(cfg: ServeConfig, gateway: Gateway) -> str:
     )
 
 
+ABORT_GRACE_S = 10.0  # after the drain timeout: for aborted jobs to stop and answer
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain before the exit: the first signal turns new requests into 503s and
-    waits until nothing is left in flight, then exits; a second signal exits at once."""
+    waits until nothing is left in flight (up to the drain timeout, after which the unfinished
+    answers are aborted with a 503), then exits; a second signal exits at once."""
 
     def __init__(self, config: uvicorn.Config, app, gateway: Gateway, drain_timeout_s: float):
         super().__init__(config)
@@ -96,15 +100,29 @@ class DrainingServer(uvicorn.Server):
                 return True
         return False
 
-    def _drain(self):
-        deadline = self.draining_since + self.drain_timeout_s
+    def _wait_idle(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
-        if self.busy():
-            log.warning(
-                "mlxlab serve: drain timeout (%g s): leaving with requests in flight",
-                self.drain_timeout_s,
+        return not self.busy()
+
+    def _drain(self):
+        left = self.draining_since + self.drain_timeout_s - time.monotonic()
+        if not self._wait_idle(left):
+            # Out of time: the answers still being generated end now, and each client is told
+            # why (a 503 in its protocol's shape, or a stream's error event) before uvicorn's
+            # grace period would cancel the handlers mid-answer.
+            n = self.gateway.abort_all(
+                f"the server is shutting down: its drain timeout ({self.drain_timeout_s:g} s, "
+                "serve.drain_timeout_s) ran out before this answer was complete; retry"
             )
+            log.warning(
+                "mlxlab serve: drain timeout (%g s): %d unfinished request(s) aborted",
+                self.drain_timeout_s,
+                n,
+            )
+            if not self._wait_idle(ABORT_GRACE_S):
+                log.warning("mlxlab serve: leaving with requests in flight")
         self.drained.set()
         self.should_exit = True
 

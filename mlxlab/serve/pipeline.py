@@ -358,6 +358,8 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
                         job.cancelled.set()
                         return
                     continue
+            if isinstance(ev, Done) and ev.finish_reason == "cancelled" and job.aborted:
+                ev = Failed(job.aborted, 503, "shutting_down")
             yield ev
             if isinstance(ev, (Done, Failed)):
                 return
@@ -428,7 +430,8 @@ class Collector(Encoder):
         return []
 
     def failed(self, ev: Failed) -> list[str]:
-        raise APIError(500, ev.message, type="server_error")
+        kind = "server_error" if ev.status == 500 else "service_unavailable"
+        raise APIError(ev.status, ev.message, type=kind, code=ev.code)
 
     @property
     def content(self) -> str:
@@ -454,13 +457,15 @@ _END = object()
 
 async def start(gateway: Gateway, job: Job) -> AsyncIterator[Event]:
     """The events of a job for a streamed response, its first event already awaited: submitting
-    happens here, so queue-full and not-ready errors are raised before the response has started
-    (and answer as plain JSON errors)."""
+    happens here, so queue-full and not-ready errors, and a job that failed before its first
+    token, are raised before the response has started (and answer as plain JSON errors)."""
     events = run(gateway, job)
     try:
         first = await events.__anext__()
     except StopAsyncIteration:
         first = _END
+    if isinstance(first, Failed):
+        Collector().failed(first)
 
     async def chained():
         if first is _END:

@@ -148,7 +148,16 @@ class MessageStream(Encoder):
 
     def failed(self, ev: Failed) -> list[str]:
         return [
-            event("error", {"type": "error", "error": {"type": "api_error", "message": ev.message}})
+            event(
+                "error",
+                {
+                    "type": "error",
+                    "error": {
+                        "type": "api_error" if ev.status == 500 else "overloaded_error",
+                        "message": ev.message,
+                    },
+                },
+            )
         ]
 
 

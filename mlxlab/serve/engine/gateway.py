@@ -34,6 +34,7 @@ class Gateway:
         self._loader = loader
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0  # queued + running
+        self._jobs: dict[int, Job] = {}  # queued or running, by id()
         self._lock = threading.Lock()
         self.state = "loading"  # loading | ready | failed | stopped
         self.error: str | None = None
@@ -80,8 +81,17 @@ class Gateway:
                     f"{self._pending} requests are queued or running (max_queue={self.cfg.max_queue})"
                 )
             self._pending += 1
+            self._jobs[id(job)] = job
             self.counters["requests"] += 1
         self._queue.put(job)
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every job queued or running (`Job.abort`); how many there were."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.abort(reason)
+        return len(jobs)
 
     async def call(self, fn: Callable[[], object]):
         """Run `fn` on the engine thread between jobs (never during a forward pass); await its result."""
@@ -206,6 +216,7 @@ class Gateway:
             self.counters["completion_tokens"] += done.completion_tokens
         with self._lock:
             self._pending -= 1
+            self._jobs.pop(id(job), None)
 
     def batch_stats(self) -> dict:
         b = self.batch

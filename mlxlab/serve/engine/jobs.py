@@ -2,7 +2,8 @@
 parsed adapter spec, sink) and its events, `Delta`s then exactly one `Done` or `Failed`.
 
 A job is built once at the edge of a protocol (`serve/pipeline.py`); nothing below re-parses a
-request. Setting `job.cancelled` (client gone) stops its generation before the next token.
+request. Setting `job.cancelled` (client gone) stops its generation before the next token;
+`job.abort(reason)` (the server shutting down) does too, and its client is told why.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Done:
 @dataclass
 class Failed:
     message: str
+    status: int = 500  # the HTTP status of a response that has not started
+    code: str | None = None
 
 
 Event = Delta | Done | Failed
@@ -79,6 +82,13 @@ class Job:
     )
     id: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
+    aborted: str | None = None  # why the server cut it (a shutdown), when it did
+
+    def abort(self, reason: str) -> None:
+        """Stop the job before its next token for a reason of the server's: its client gets
+        `reason` as a 503 (or a stream's error event), not a cut answer."""
+        self.aborted = reason
+        self.cancelled.set()
 
 
 class QueueFull(Exception):

@@ -294,4 +294,4 @@ class ResponseStream(Encoder):
         return out
 
     def failed(self, ev: Failed) -> list[str]:
-        return [self._ev("error", code="server_error", message=ev.message, param=None)]
+        return [self._ev("error", code=ev.code or "server_error", message=ev.message, param=None)]
