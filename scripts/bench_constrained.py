@@ -9,7 +9,8 @@ constraint (mlxlab/grammar.py), on one model in one process.
   complete), the unconstrained run decodes the same number of tokens (end-of-sequence ignored).
   Decode tok/s = (tokens - 1) / (last token - first token); rounds alternate, medians compared
   (target: constrained >= 0.9x unconstrained);
-- compile: `grammar.json_schema(schema)` (schema -> checked llguidance grammar), the tokenizer's
+- compile: `grammar.json_schema(schema)` (schema -> checked llguidance grammar; first call, and
+  the same schema again, whose check grammar.py caches), the tokenizer's
   llguidance vocabulary (built once per tokenizer) and `grammar.constrain` (a matcher);
 - per token: the constraint's matcher work, consuming the sampled token and computing the mask
   (llguidance, on the CPU) and unpacking it to one bool per vocabulary entry;
@@ -221,7 +222,8 @@ def main() -> None:
     eos = set(tokenizer.eos_token_ids)
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
 
-    compile_s = []
+    G.json_schema({"type": "object"})  # imports llguidance
+    compile_s = []  # the first compile is cold; grammar.py caches the check of a repeated schema
     for _ in range(5):
         t0 = time.perf_counter()
         grammar = G.json_schema(SCHEMA)
@@ -268,7 +270,8 @@ def main() -> None:
         "answer_is_json": valid_json,
         "decode_tps": med,
         "ratio": med["constrained"] / med["unconstrained"],
-        "compile_ms": 1e3 * statistics.median(compile_s),
+        "compile_ms": 1e3 * compile_s[0],
+        "compile_again_ms": 1e3 * statistics.median(compile_s[1:]),
         "vocab_ms": 1e3 * vocab_s,
         "matcher_ms": 1e3 * statistics.median(matcher_s),
         "per_token_ms": {
@@ -309,6 +312,7 @@ def main() -> None:
         ("decode tok/s, constrained", f"{med['constrained']:.2f}"),
         ("ratio (target >= 0.9)", f"{report['ratio']:.3f}x"),
         ("schema compile ms", f"{report['compile_ms']:.2f}"),
+        ("same schema again ms", f"{report['compile_again_ms']:.2f}"),
         ("vocabulary build ms (once)", f"{report['vocab_ms']:.0f}"),
         ("matcher create ms", f"{report['matcher_ms']:.2f}"),
         ("per token: consume ms", f"{report['per_token_ms']['consume']:.3f}"),
