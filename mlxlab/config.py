@@ -497,6 +497,20 @@ class ServeConfig:
     """TCP port; the server refuses to start if it is taken."""
     max_queue: int = 16
     """Requests waiting for the model beyond which new ones get 503 + Retry-After."""
+    max_body_mb: float = 16.0
+    """Largest request body, in MB (10^6 bytes); a larger one gets 413 before it is read."""
+    read_timeout_s: float = 30.0
+    """A client has this long to send its request headers, and then this long for its body; a
+    stalled or trickling client is dropped (408 once its headers are in)."""
+    max_connections: int = 256
+    """Open connections (or requests in progress) beyond which a new request gets 503
+    (uvicorn's limit_concurrency)."""
+    max_messages: int = 4096
+    """Messages (input items) in one request; more is a 400 naming the limit."""
+    max_tools: int = 128
+    """Tools offered in one request (OpenAI's own limit); more is a 400."""
+    max_tools_kb: float = 1024.0
+    """Total size of one request's tool definitions, as JSON, in KB (10^3 bytes)."""
     prompt_cache_gb: float = 2.0
     """Byte cap of the prompt (prefix KV) cache, in GB (10^9); 0 disables it."""
     memory_budget_gb: float | None = None
@@ -544,6 +558,12 @@ class ServeConfig:
             raise UserError(f"port must be in 1..65535, got {self.port}")
         if self.max_queue < 1 or self.max_tokens < 1 or self.prefill_step < 1:
             raise UserError("max_queue, max_tokens and prefill_step must be >= 1")
+        for name in ("max_body_mb", "read_timeout_s", "max_tools_kb"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_connections", "max_messages", "max_tools"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prompt_cache_gb < 0:
             raise UserError(f"prompt_cache_gb must be >= 0, got {self.prompt_cache_gb}")
         if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:

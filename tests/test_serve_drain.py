@@ -12,23 +12,13 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve import pipeline
-from mlxlab.serve.app import create_app
-from mlxlab.serve.cli import DrainingServer
-from mlxlab.serve.engine.gateway import Gateway
+from tests.helpers.serve import start_server
 
 pytestmark = pytest.mark.slow  # a real server and slow clients: ~15 s
 
 MAX_TOKENS = 160
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlowClient(threading.Thread):
@@ -74,31 +64,6 @@ class SlowClient(threading.Thread):
         return body.decode()
 
 
-def start(**overrides) -> tuple[int, Gateway, DrainingServer, threading.Thread]:
-    """A started DrainingServer on tiny-gemma3, on a free port, in a thread."""
-    port = free_port()
-    cfg = ServeConfig(
-        model="tiny-gemma3", memory_budget_gb=2, port=port, prompt_cache_gb=0, **overrides
-    )
-    gateway = Gateway(cfg).start()
-    assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
-    app = create_app(cfg, gateway)
-    server = DrainingServer(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
-        ),
-        app,
-        gateway,
-        cfg.drain_timeout_s,
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    return port, gateway, server, thread
-
-
 def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeypatch):
     """Two streams read slowly, and one answer that is not streamed and is written 6 s after its
     generation ended (an event loop under load): the drain outlasts uvicorn's 5 s grace period,
@@ -112,7 +77,7 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
         return got
 
     monkeypatch.setattr(pipeline, "collect", late_collect)
-    port, gateway, server, thread = start(drain_timeout_s=90)
+    port, gateway, server, thread = start_server(drain_timeout_s=90)
     try:
         # Large answers (20 top logprobs per token), no early end of sequence.
         no_eos = {str(t): -100 for t in gateway.loaded.eos}
@@ -178,7 +143,7 @@ def test_answers_unfinished_at_the_drain_timeout_are_aborted_with_a_503(tiny_dir
     down, in its protocol's shape (a 503 before a response started, a stream's error event
     after), instead of uvicorn cancelling the handler (a plain-text 500)."""
     tiny_dir("gemma3")
-    port, gateway, server, thread = start(drain_timeout_s=0.2, batch=2)
+    port, gateway, server, thread = start_server(drain_timeout_s=0.2, batch=2)
     url = f"http://127.0.0.1:{port}"
     try:
         no_eos = {str(t): -100 for t in gateway.loaded.eos}

@@ -8,7 +8,9 @@
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`). Every response carries `X-Request-ID` (the client's, or a new one); each router
 answers its errors in its own protocol's shape (`http.protocol_route`); paths no router has get
-404/405 in the OpenAI shape (the Anthropic one under /v1/messages).
+404/405 in the OpenAI shape (the Anthropic one under /v1/messages: `shape_for`), and so do
+bodies over serve.max_body_mb (413) or slower than serve.read_timeout_s (408), which
+`http.BodyLimit` answers before any router runs.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ from mlxlab.serve.admin import router as admin
 from mlxlab.serve.anthropic import router as anthropic
 from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
 from mlxlab.serve.engine.gateway import Gateway
-from mlxlab.serve.http import APIError, Exchanges, InFlight, respond
+from mlxlab.serve.http import APIError, BodyLimit, Exchanges, InFlight, respond
 from mlxlab.serve.openai import router as openai
 from mlxlab.serve.openai.protocol import error_shape
 from mlxlab.serve.responses import router as responses
 from mlxlab.serve.responses.store import ResponseStore
+
+
+def shape_for(path: str):
+    """The error shape of an answer no router gives (no route, a body over its limit): the
+    Anthropic shape under its prefix, else OpenAI's."""
+    return anthropic_error_shape if path.startswith("/v1/messages") else error_shape
 
 
 def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
@@ -35,6 +43,14 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
     app.state.draining = False
     app.state.response_store = ResponseStore()
     app.state.in_flight = InFlight()
+    # Outermost last: every response gets X-Request-ID; bodies are read within their limits
+    # before any router runs.
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=int(cfg.max_body_mb * 1e6),
+        timeout_s=cfg.read_timeout_s,
+        shape_for=shape_for,
+    )
     app.add_middleware(Exchanges, counter=app.state.in_flight)
     for router in (
         admin.health_router,
@@ -45,19 +61,18 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
     ):
         app.include_router(router)
 
-    def shape_for(request: Request):
-        """No router took the request: the Anthropic shape under its prefix, else OpenAI's."""
-        return anthropic_error_shape if request.url.path.startswith("/v1/messages") else error_shape
-
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
-        return respond(APIError(exc.status_code, str(exc.detail), type=kind), shape_for(request))
+        return respond(
+            APIError(exc.status_code, str(exc.detail), type=kind), shape_for(request.url.path)
+        )
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
         return respond(
-            APIError(500, f"internal error: {exc}", type="server_error"), shape_for(request)
+            APIError(500, f"internal error: {exc}", type="server_error"),
+            shape_for(request.url.path),
         )
 
     return app

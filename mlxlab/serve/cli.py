@@ -7,11 +7,13 @@ The port is checked before anything loads; the model loads on the engine thread 
 answers 503; a ready line (URL, model, context ceiling, cache) is logged once it can serve.
 Ctrl-C or SIGTERM drains: new requests get 503; the server exits 0 once every request in flight
 has been answered in full (each response's last byte handed to its socket) or its client has
-gone, or after `drain_timeout_s`; a second signal exits at once.
+gone, or after `drain_timeout_s`; a second signal exits at once. Request heads must arrive
+within `read_timeout_s` (`HeaderTimeout`), and at most `max_connections` are served at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -20,6 +22,7 @@ import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxlab.cli import run_hydra
 from mlxlab.config import ServeConfig
@@ -127,21 +130,74 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run(cfg: ServeConfig) -> None:
-    check_port(cfg.host, cfg.port)
-    gateway = Gateway(cfg).start()
-    app = create_app(cfg, gateway)
+class HeaderTimeout(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for request headers: a connection that has
+    not sent a whole request head within `timeout_s` of opening (or of its previous response)
+    is closed, so clients that trickle or stall their headers (slowloris) hold no connection
+    slot. The body's own deadline is `http.BodyLimit`'s."""
+
+    timeout_s = 30.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            log.info(
+                "mlxlab serve: closed a connection that sent no request head within %gs",
+                self.timeout_s,
+            )
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request head arrived
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        self._arm()  # for the next request on this connection (a pipelined one disarms it)
+        super().on_response_complete()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def uvicorn_config(cfg: ServeConfig, app) -> uvicorn.Config:
+    """uvicorn's settings for `cfg`: h11 with the header deadline, the connection cap."""
+    protocol = type("HeaderTimeout", (HeaderTimeout,), {"timeout_s": cfg.read_timeout_s})
     # The drain has already waited for every response; uvicorn's own grace period only closes
     # the idle connections.
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
         log_level="warning",
         access_log=cfg.log_requests,
         timeout_graceful_shutdown=5,
+        http=protocol,
+        limit_concurrency=cfg.max_connections,
     )
-    server = DrainingServer(config, app, gateway, cfg.drain_timeout_s)
+
+
+def run(cfg: ServeConfig) -> None:
+    check_port(cfg.host, cfg.port)
+    gateway = Gateway(cfg).start()
+    app = create_app(cfg, gateway)
+    server = DrainingServer(uvicorn_config(cfg, app), app, gateway, cfg.drain_timeout_s)
     failed = []
 
     def announce():

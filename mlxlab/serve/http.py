@@ -1,6 +1,7 @@
 """HTTP plumbing every API folder shares: the protocol-neutral `APIError`, a route class that
-answers a router's errors in that protocol's shape, and the ASGI middleware that stamps
-`X-Request-ID` and counts exchanges in flight (the drain waits on that count).
+answers a router's errors in that protocol's shape, the ASGI middleware that stamps
+`X-Request-ID` and counts exchanges in flight (the drain waits on that count), and the one that
+reads each request's body within a size cap and a deadline before the app sees it (`BodyLimit`).
 
 Each protocol owns its error shape: its router is built with `protocol_route(shape)`, where
 `shape(err) -> (status, body)`. The route answers, in that shape: `APIError`s raised by the
@@ -10,6 +11,7 @@ and, while the server drains, every new request (503 + Retry-After).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Callable
@@ -147,3 +149,87 @@ class Exchanges:
             await self.app(scope, receive, stamped)
         finally:
             self.counter.count -= 1
+
+
+DISCARD_FACTOR = 4
+"""A body over the cap is read and thrown away (so its client, still sending, reads the 413)
+up to this many times the cap; beyond it, or when Content-Length says so, the answer is at once
+and the connection closes."""
+
+
+class BodyLimit:
+    """Pure ASGI middleware: reads each request's whole body before the app runs, at most
+    `max_bytes` of it (413 above) and within `timeout_s` of the request's start (408 after: a
+    client that stalls or trickles its body holds no handler). Errors take the shape
+    `shape_for(path)` names and close the connection. The app then reads the body from memory;
+    later `receive` calls (a streaming response listening for the client leaving) go through."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float, shape_for: Callable[[str], Shape]):
+        self.app, self.max_bytes, self.timeout_s, self.shape_for = (
+            app,
+            max_bytes,
+            timeout_s,
+            shape_for,
+        )
+
+    async def _refuse(self, scope, receive, send, err: APIError) -> None:
+        err.headers = {**err.headers, "Connection": "close"}
+        await respond(err, self.shape_for(scope.get("path", "")))(scope, receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"request body over {self.max_bytes / 1e6:g} MB (serve.max_body_mb)",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = None
+        for name, value in scope.get("headers") or []:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = None
+        if declared is not None and declared > DISCARD_FACTOR * self.max_bytes:
+            return await self._refuse(scope, receive, send, self._too_large())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                return await self._refuse(
+                    scope,
+                    receive,
+                    send,
+                    APIError(
+                        408,
+                        f"the request body did not arrive within {self.timeout_s:g} s "
+                        "(serve.read_timeout_s)",
+                        code="request_timeout",
+                    ),
+                )
+            if message["type"] != "http.request":  # the client left before sending it all
+                return None
+            body = message.get("body", b"")
+            size += len(body)
+            if size <= self.max_bytes:
+                chunks.append(body)
+            elif size > DISCARD_FACTOR * self.max_bytes:
+                return await self._refuse(scope, receive, send, self._too_large())
+            if not message.get("more_body", False):
+                break
+        if size > self.max_bytes:
+            return await self._refuse(scope, receive, send, self._too_large())
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        pending = [whole]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        return await self.app(scope, replay, send)

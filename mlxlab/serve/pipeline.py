@@ -1,13 +1,16 @@
 """The request path every protocol shares, between its router and the engine.
 
-    router: body --protocol.to_ask()--> Ask --make_job()--> Job --run()--> events --pump()--> encoder
+    router: body --protocol.to_ask()--> Ask --prepare()--> Job --run()--> events --pump()--> encoder
 
 - `Ask` is one generation request normalized at the edge of its protocol (chat messages in the
   chat-template form, or a completion prompt; the sampling fields the client gave; stops, tools,
   limits; the adapter spec already parsed). Nothing below re-parses a request.
-- `make_job` renders the prompt, resolves sampling defaults (request > serve flag > the model's
-  generation_config.json > fallback), applies memory admission, builds the grammar a structured
-  answer or a forced tool call needs (`structured.py`) and checks the adapters are mounted; every refusal is a 4xx `APIError` before anything is queued.
+- `prepare` runs `make_job` on the render thread (never on the event loop): it checks the
+  per-request ceilings (messages, tools, top_logprobs), renders the prompt, resolves sampling
+  defaults (request > serve flag > the model's generation_config.json > fallback), applies memory
+  admission, builds the grammar a structured answer or a forced tool call needs
+  (`structured.py`) and checks the adapters are mounted; every refusal is a 4xx `APIError`
+  before anything is queued.
 - `run` submits the job and yields its events; `pump` is the one Delta/Done/Failed dispatch,
   feeding a protocol's `Encoder` (its stream chunks), or the `Collector` for a response that is
   not streamed.
@@ -18,7 +21,9 @@ So stops, tools, the prompt cache and admission behave the same on every surface
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import json
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -44,6 +49,7 @@ from mlxlab.serve.http import SSE_HEADERS, APIError
 from mlxlab.serve.structured import Shape, grammar_for
 
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, on every protocol
 
 
 # --- the normalized request ------------------------------------------------------------------
@@ -80,6 +86,7 @@ class Ask:
     """One generation request, normalized at the edge of its protocol."""
 
     messages: list[dict] | None = None  # chat, in the chat-template form (normalize_messages)
+    messages_field: str = "messages"  # the request field they came from, for errors
     prompt: str | list[int] | None = None  # a completion prompt: text or token ids
     tools: list[dict] | None = None  # function tools offered to the model
     template_kwargs: dict | None = None
@@ -280,8 +287,60 @@ def completion_limit(
     return requested
 
 
+def check_ceilings(cfg: ServeConfig, ask: Ask) -> None:
+    """The per-request bounds on work that serve flags set (a 400 naming the limit)."""
+    n = len(ask.messages or [])
+    if n > cfg.max_messages:
+        raise APIError(
+            400,
+            f"{ask.messages_field}: {n} messages exceed serve.max_messages ({cfg.max_messages})",
+            param=ask.messages_field,
+            code="too_many_messages",
+        )
+    tools = ask.tools or []
+    if len(tools) > cfg.max_tools:
+        raise APIError(
+            400,
+            f"tools: {len(tools)} tools exceed serve.max_tools ({cfg.max_tools})",
+            param="tools",
+            code="too_many_tools",
+        )
+    if tools:
+        size = len(json.dumps(tools, ensure_ascii=False).encode())
+        if size > cfg.max_tools_kb * 1e3:
+            raise APIError(
+                400,
+                f"tools: the tool definitions take {size / 1e3:.0f} KB, over serve.max_tools_kb "
+                f"({cfg.max_tools_kb:g} KB)",
+                param="tools",
+                code="tools_too_large",
+            )
+    if ask.top_logprobs > MAX_TOP_LOGPROBS:
+        raise APIError(
+            400,
+            f"top_logprobs: at most {MAX_TOP_LOGPROBS}, got {ask.top_logprobs}",
+            param="top_logprobs",
+        )
+
+
+# A render thread: prompt rendering and tokenization (seconds for a multi-megabyte prompt) run
+# here, one at a time, never on the event loop, so one large request cannot stall the others.
+_RENDER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxlab-render")
+
+
+async def off_loop(fn, *args):
+    """`fn(*args)` on the render thread, awaited; its exceptions (APIError) raise here."""
+    return await asyncio.get_running_loop().run_in_executor(_RENDER, functools.partial(fn, *args))
+
+
+async def prepare(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
+    """`make_job` off the event loop: what every router calls."""
+    return await off_loop(make_job, gateway, cfg, ask)
+
+
 def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     """The engine job for `ask`; a 4xx APIError for anything that cannot run, before queueing."""
+    check_ceilings(cfg, ask)
     loaded = ready_loaded(gateway)
     checkpoint, reasoning = 0, False
     if ask.messages is not None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 
 from fastapi.testclient import TestClient
 
 from mlxlab.config import LoraConfig, ServeConfig
 from mlxlab.serve.app import create_app
+from mlxlab.serve.cli import DrainingServer, uvicorn_config
 from mlxlab.serve.engine.gateway import Gateway
 
 SYSTEM = (
@@ -22,6 +26,37 @@ def make_client(**overrides) -> tuple[TestClient, Gateway]:
     gateway = Gateway(cfg).start()
     assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
     return TestClient(create_app(cfg, gateway)), gateway
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(**overrides) -> tuple[int, Gateway, DrainingServer, threading.Thread]:
+    """A real uvicorn server, as `serve` configures it, on tiny-gemma3 (unless overridden), on a
+    free loopback port, in a thread; stop it with `server.should_exit = True`."""
+    port = free_port()
+    cfg = ServeConfig(
+        **{
+            "model": "tiny-gemma3",
+            "memory_budget_gb": 2,
+            "port": port,
+            "prompt_cache_gb": 0,
+            **overrides,
+        }
+    )
+    gateway = Gateway(cfg).start()
+    assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
+    app = create_app(cfg, gateway)
+    server = DrainingServer(uvicorn_config(cfg, app), app, gateway, cfg.drain_timeout_s)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    return port, gateway, server, thread
 
 
 def sse_events(text: str) -> list:

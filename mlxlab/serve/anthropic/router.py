@@ -24,7 +24,7 @@ router = APIRouter(route_class=protocol_route(error_shape))
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    job = pipeline.make_job(gateway, cfg, to_ask(body))
+    job = await pipeline.prepare(gateway, cfg, to_ask(body))
     job.id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
         return await pipeline.stream(
@@ -38,5 +38,7 @@ async def messages(body: MessagesRequest, request: Request):
 async def count_tokens(body: CountRequest, request: Request):
     chat, tools = to_chat(body)
     loaded = pipeline.ready_loaded(request.app.state.gateway)
-    prompt, _, _ = pipeline.render_chat(loaded, chat, tools, template_kwargs(body))
+    prompt, _, _ = await pipeline.off_loop(
+        pipeline.render_chat, loaded, chat, tools, template_kwargs(body)
+    )
     return {"input_tokens": len(prompt)}

@@ -223,6 +223,7 @@ def to_ask(body: ResponsesRequest, messages: list[dict], instructions: str | Non
     chat = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     return Ask(
         messages=normalize_messages(chat),
+        messages_field="input",
         tools=function_tools(body),
         max_tokens=body.max_output_tokens,
         sampling=SamplingAsk.of(body),

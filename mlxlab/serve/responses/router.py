@@ -79,7 +79,7 @@ async def create(body: ResponsesRequest, request: Request):
             param="store",
             code="store_entry_too_large",
         )
-    job = pipeline.make_job(gateway, cfg, to_ask(body, messages, instructions))
+    job = await pipeline.prepare(gateway, cfg, to_ask(body, messages, instructions))
     draft = Draft(body, cfg.model, instructions, int(time.time()))
 
     def on_final(resp: dict, done: Done, text: str) -> None:
