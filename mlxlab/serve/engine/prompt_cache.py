@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import threading
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
 
@@ -54,6 +55,9 @@ class PromptCache:
         if not self.enabled or not tokens:
             return
         entry = copy.deepcopy(cache) if copy_cache else cache
+        # Materialized now: a cache extracted from a batch is a lazy slice whose graph would
+        # keep the whole batch's KV buffers alive, far more memory than the entry's nbytes.
+        mx.eval([c.state for c in entry])
         if sum(c.nbytes for c in entry) > self.max_bytes:
             return
         with self._lock:
