@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlxlab.serve.responses.store import ResponseStore
-from tests.helpers.serve import make_client, named_events
+from tests.helpers.serve import SYSTEM, make_client, named_events
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +18,15 @@ def client(tiny_dir):
 
 
 CONVO = [{"role": "user", "content": "Name a prime number."}]
+
+
+def anthropic_prompt(usage: dict) -> int:
+    """The prompt's length from Anthropic usage (input_tokens is the uncached part)."""
+    return (
+        usage["input_tokens"]
+        + usage["cache_read_input_tokens"]
+        + usage["cache_creation_input_tokens"]
+    )
 
 
 def test_same_text_on_all_three_surfaces(client):
@@ -52,10 +61,41 @@ def test_same_text_on_all_three_surfaces(client):
     ).json()
     assert resp["output"][0]["content"][0]["text"] == text and resp["status"] == "incomplete"
     assert (
-        msg["usage"]["input_tokens"]
+        anthropic_prompt(msg["usage"])
         == chat["usage"]["prompt_tokens"]
         == resp["usage"]["input_tokens"]
     )
+
+
+def test_usage_with_cached_input_adds_up_on_every_protocol(client):
+    """The same long-system-prompt request twice: the second reads most of its prompt from the
+    cache. Anthropic counts input_tokens apart from the cache reads (prompt = input + read +
+    creation); OpenAI's cached_tokens are a part of prompt_tokens / input_tokens."""
+    user = [{"role": "user", "content": "Which module parses command-line options?"}]
+    body = {"model": "x", "system": SYSTEM, "messages": user, "max_tokens": 3, "temperature": 0}
+    total = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    first = client.post("/v1/messages", json=body).json()["usage"]
+    again = client.post("/v1/messages", json=body).json()["usage"]
+    assert anthropic_prompt(first) == anthropic_prompt(again) == total
+    assert again["cache_read_input_tokens"] >= total - 1 and again["input_tokens"] >= 1
+    ev = named_events(client.post("/v1/messages", json={**body, "stream": True}).text)
+    for name, data in ev:
+        if name in ("message_start", "message_delta"):
+            u = data["message"]["usage"] if name == "message_start" else data["usage"]
+            assert anthropic_prompt(u) == total and u["cache_read_input_tokens"] >= total - 1, u
+
+    chat = {"messages": [{"role": "system", "content": SYSTEM}, *user], "max_tokens": 3}
+    for _ in range(2):
+        u = client.post("/v1/chat/completions", json={**chat, "temperature": 0}).json()["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < u["prompt_tokens"] == total
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    resp = {"instructions": SYSTEM, "input": user[0]["content"], "max_output_tokens": 3}
+    for _ in range(2):
+        u = client.post("/v1/responses", json={**resp, "temperature": 0}).json()["usage"]
+    cached = u["input_tokens_details"]["cached_tokens"]
+    assert 0 < cached < u["input_tokens"] == total
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
 
 
 def test_messages_stream_grammar_and_count_tokens(client):
@@ -87,7 +127,7 @@ def test_messages_stream_grammar_and_count_tokens(client):
         and ev[-2][1]["usage"]["output_tokens"] == 10
     )
     count = client.post("/v1/messages/count_tokens", json={"model": "x", "messages": CONVO}).json()
-    assert count["input_tokens"] == plain["usage"]["input_tokens"]
+    assert count["input_tokens"] == anthropic_prompt(plain["usage"])
 
 
 def test_messages_tool_blocks_map_onto_the_tool_path(client):
