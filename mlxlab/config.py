@@ -516,8 +516,10 @@ class ServeConfig:
     adapters: dict[str, str] = field(default_factory=dict)
     """Adapters mounted at start, id -> adapter directory or training run directory (its final
     adapter): `adapters.chunk=outputs/chunk_seg4/<run>`."""
-    adapter_root: str = "."
-    """Runtime mounts (POST /v1/adapters) must resolve inside this directory (symlinks followed)."""
+    adapter_root: str | None = None
+    """Runtime mounts (POST /v1/adapters) must resolve inside this directory (symlinks followed),
+    and GET /v1/adapters/available lists what is under it. Default: the runs directory `outputs/`
+    under the working directory if it exists, else MLXLAB_HOME/adapters (created)."""
     allow_adapter_mount: bool = True
     """Allow POST/DELETE /v1/adapters."""
     drain_timeout_s: float = 30.0
