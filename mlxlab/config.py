@@ -526,6 +526,9 @@ class ServeConfig:
     """On Ctrl-C/SIGTERM: how long in-flight requests may finish before the server exits."""
     log_requests: bool = False
     """Log one line per HTTP request."""
+    openapi: bool = True
+    """Serve GET /openapi.json, the server's schema (its routes, request models and error
+    shapes: what API fuzzers such as schemathesis read); /docs stays off."""
     batch: int = 1
     """Rows decoded together by the continuous-batching lane; 1 serves one request at a time.
     Requests that cannot batch (explicit seed, repetition/presence/frequency penalties, KV

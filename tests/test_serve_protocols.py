@@ -368,3 +368,55 @@ def test_oversized_store_entry_is_refused_before_generation(client):
         assert ok.status_code == 200
     finally:
         store.max_bytes = old
+
+
+def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client):
+    from fastapi.routing import APIRoute
+    from fastapi.testclient import TestClient
+
+    from mlxlab.config import ServeConfig
+    from mlxlab.serve.admin import router as admin
+    from mlxlab.serve.anthropic import router as anthropic
+    from mlxlab.serve.app import create_app
+    from mlxlab.serve.openai import router as openai
+    from mlxlab.serve.responses import router as responses
+
+    r = client.get("/openapi.json")
+    assert r.status_code == 200 and "x-request-id" in r.headers
+    schema = r.json()
+    routers = (admin.health_router, admin.router, openai.router, anthropic.router, responses.router)
+    routes = {
+        (m.lower(), route.path.replace(":path", ""))
+        for router in routers
+        for route in router.routes
+        if isinstance(route, APIRoute) and route.include_in_schema
+        for m in route.methods
+    }
+    documented = {(m, p) for p, ops in schema["paths"].items() for m in ops}
+    assert documented == routes and ("post", "/v1/responses") in documented
+
+    def body_ref(path):
+        content = schema["paths"][path]["post"]["requestBody"]["content"]
+        return content["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+
+    assert body_ref("/v1/chat/completions") == "ChatRequest"
+    assert body_ref("/v1/messages") == "MessagesRequest"
+    assert body_ref("/v1/responses") == "ResponsesRequest"
+    # Errors are documented as answered: 4XX in the protocol's shape, never FastAPI's 422.
+    for path, ops in schema["paths"].items():
+        for op in ops.values():
+            assert "422" not in op["responses"], path
+    errors = {
+        path: ops["post"]["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"]
+        for path, ops in schema["paths"].items()
+        if "post" in ops
+    }
+    assert errors["/v1/messages"].endswith("/AnthropicError")
+    assert errors["/v1/chat/completions"].endswith("/OpenAIError")
+    stream = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert "text/event-stream" in stream
+
+    cfg = ServeConfig(model="tiny-gemma3", openapi=False)
+    off = TestClient(create_app(cfg, client.app.state.gateway)).get("/openapi.json")
+    assert off.status_code == 404 and off.json()["error"]["type"] == "not_found_error"
+    assert client.get("/docs").status_code == 404

@@ -3,7 +3,7 @@
     openai/     POST /v1/chat/completions, /v1/completions
     anthropic/  POST /v1/messages, /v1/messages/count_tokens
     responses/  POST /v1/responses, GET/DELETE /v1/responses/{id}
-    admin/      GET /health, /v1/models[/{id}], /stats; the adapter API
+    admin/      GET /health, /v1/models[/{id}], /stats, /openapi.json; the adapter API
 
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`). Every response carries `X-Request-ID` (the client's, or a new one); each router
@@ -29,7 +29,8 @@ from mlxlab.serve.responses.store import ResponseStore
 
 
 def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="mlxlab", docs_url=None, redoc_url=None)
+    # /openapi.json is an admin route (serve.openapi), answering like every other route.
+    app = FastAPI(title="mlxlab", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cfg = cfg
     app.state.gateway = gateway
     app.state.draining = False

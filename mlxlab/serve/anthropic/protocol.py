@@ -28,6 +28,18 @@ ERROR_TYPES = {
 }
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """The body `error_shape` answers (for the OpenAPI schema)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 def error_shape(err: APIError) -> tuple[int, dict]:
     """(status, body) in the Anthropic shape: {"type": "error", "error": {"type", "message"}};
     an overloaded server (503) answers 529, as Anthropic's API does."""

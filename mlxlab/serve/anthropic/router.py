@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from mlxlab.serve import pipeline
 from mlxlab.serve.anthropic import encode
 from mlxlab.serve.anthropic.protocol import (
+    AnthropicError,
     CountRequest,
     MessagesRequest,
     error_shape,
@@ -16,12 +17,12 @@ from mlxlab.serve.anthropic.protocol import (
     to_ask,
     to_chat,
 )
-from mlxlab.serve.http import protocol_route
+from mlxlab.serve.http import STREAMED, protocol_route
 
-router = APIRouter(route_class=protocol_route(error_shape))
+router = APIRouter(route_class=protocol_route(error_shape, AnthropicError))
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", responses=STREAMED)
 async def messages(body: MessagesRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     job = pipeline.make_job(gateway, cfg, to_ask(body))

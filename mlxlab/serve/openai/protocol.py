@@ -17,6 +17,19 @@ from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_mess
 from mlxlab.serve.structured import Shape, named
 
 
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(BaseModel):
+    """The body `error_shape` answers (for the OpenAPI schema)."""
+
+    error: OpenAIErrorDetail
+
+
 def error_shape(err: APIError) -> tuple[int, dict]:
     """(status, body) in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
     return err.status, {

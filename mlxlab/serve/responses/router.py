@@ -11,13 +11,13 @@ from fastapi import APIRouter, Request
 
 from mlxlab.serve import pipeline
 from mlxlab.serve.engine.jobs import Done
-from mlxlab.serve.http import APIError, protocol_route
-from mlxlab.serve.openai.protocol import error_shape
+from mlxlab.serve.http import STREAMED, APIError, protocol_route
+from mlxlab.serve.openai.protocol import OpenAIError, error_shape
 from mlxlab.serve.responses.encode import Draft, ResponseStream
 from mlxlab.serve.responses.protocol import ResponsesRequest, to_ask, to_chat
 from mlxlab.serve.responses.store import ResponseStore
 
-router = APIRouter(route_class=protocol_route(error_shape))
+router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
 
 
 def not_found(rid: str, param: str | None = None) -> APIError:
@@ -55,7 +55,7 @@ def remember(
     store.put(resp["id"], {"messages": convo, "instructions": instructions, "response": resp})
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", responses=STREAMED)
 async def create(body: ResponsesRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     store: ResponseStore = request.app.state.response_store
