@@ -420,3 +420,188 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
     off = TestClient(create_app(cfg, client.app.state.gateway)).get("/openapi.json")
     assert off.status_code == 404 and off.json()["error"]["type"] == "not_found_error"
     assert client.get("/docs").status_code == 404
+
+
+BAD_SCHEMA = {"type": 12, "properties": "x"}
+GOOD_TOOL = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}}
+
+
+def post_each_protocol(client, tools_openai, tools_anthropic, tools_responses):
+    """(OpenAI chat, Anthropic, Responses) answers to one question offering these tools."""
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"messages": CONVO, "max_tokens": 2, "tools": tools_openai},
+    )
+    msg = client.post(
+        "/v1/messages",
+        json={"model": "x", "messages": CONVO, "max_tokens": 2, "tools": tools_anthropic},
+    )
+    resp = client.post(
+        "/v1/responses",
+        json={"input": "Name a prime number.", "max_output_tokens": 2, "tools": tools_responses},
+    )
+    return chat, msg, resp
+
+
+def test_an_invalid_tool_schema_is_a_400_naming_it_even_when_no_call_is_forced(client):
+    chat, msg, resp = post_each_protocol(
+        client,
+        [GOOD_TOOL, {"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+        [
+            {"type": "web_search_20250305", "name": "web_search"},
+            {"name": "f", "input_schema": BAD_SCHEMA},
+        ],
+        [
+            {"type": "web_search_preview"},
+            {"type": "function", "name": "f", "parameters": BAD_SCHEMA},
+        ],
+    )
+    assert chat.status_code == 400, chat.text
+    err = chat.json()["error"]
+    assert err["param"] == "tools[1].function.parameters" and err["code"] == "invalid_schema"
+    assert err["message"].startswith("tools[1].function.parameters: ")
+    assert msg.status_code == 400 and msg.json()["type"] == "error"
+    assert msg.json()["error"]["message"].startswith("tools[1].input_schema: ")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools[1].parameters"
+    count = client.post(
+        "/v1/messages/count_tokens",
+        json={
+            "model": "x",
+            "messages": CONVO,
+            "tools": [{"name": "f", "input_schema": BAD_SCHEMA}],
+        },
+    )
+    assert count.status_code == 400 and "tools[0].input_schema" in count.json()["error"]["message"]
+    # tool_choice none still sends the definitions: they are checked all the same (as OpenAI does).
+    none = client.post(
+        "/v1/responses",
+        json={
+            "input": "x",
+            "tool_choice": "none",
+            "tools": [{"type": "function", "name": "f", "parameters": {"required": "a"}}],
+        },
+    )
+    assert none.status_code == 400 and none.json()["error"]["param"] == "tools[0].parameters"
+
+
+def test_valid_schemas_the_grammar_engine_cannot_enforce_are_offered_unforced(client):
+    """A JSON schema is valid though llguidance lacks some of it (uniqueItems, propertyNames,
+    if/then, look-ahead patterns, custom formats): fine unless a call is forced."""
+    params = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "name": {"type": "string", "pattern": "^(?!tmp).*$", "format": "x-custom"},
+            "env": {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"}},
+        },
+        "if": {"required": ["name"]},
+        "then": {"required": ["tags"]},
+    }
+    chat, msg, resp = post_each_protocol(
+        client,
+        [{"type": "function", "function": {"name": "f", "parameters": params}}],
+        [{"name": "f", "input_schema": params}],
+        [{"type": "function", "name": "f", "parameters": params}],
+    )
+    assert [r.status_code for r in (chat, msg, resp)] == [200, 200, 200], (chat.text, msg.text)
+    forced = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": CONVO,
+            "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+            "tool_choice": "required",
+        },
+    )
+    assert forced.status_code == 400 and forced.json()["error"]["code"] == "invalid_schema"
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "messages,param",
+    [
+        (
+            [*CONVO, {"role": "tool", "tool_call_id": "call_1", "content": "7"}],
+            "messages[1]",
+        ),
+        (
+            [
+                *CONVO,
+                {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+                {"role": "user", "content": "And?"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+            ],
+            "messages[4]",
+        ),
+        (
+            [
+                *CONVO,
+                {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "7"},
+            ],
+            "messages[2].tool_call_id",
+        ),
+    ],
+)
+def test_openai_tool_message_must_answer_a_preceding_call(client, messages, param):
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param + ": ")
+
+
+def test_a_tool_message_answering_the_call_before_it_is_accepted(client):
+    messages = [
+        *CONVO,
+        {"role": "assistant", "content": "", "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "11"},
+    ]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+STRICT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}{{ m['role'] }}: {{ m['content'] }}\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}assistant: {%- endif -%}"
+)
+
+
+def two_assistant_turns(client):
+    """(OpenAI, Anthropic, Responses) answers to a conversation with two assistant turns in a
+    row (the third message, after the system prompt where one is given)."""
+    turns = [
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "2."},
+        {"role": "assistant", "content": "Also 3."},
+        {"role": "user", "content": "Another?"},
+    ]
+    chat = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2})
+    msg = client.post(
+        "/v1/messages",
+        json={"model": "x", "system": "Be brief.", "messages": turns, "max_tokens": 2},
+    )
+    resp = client.post(
+        "/v1/responses",
+        json={"instructions": "Be brief.", "input": turns, "max_output_tokens": 2, "store": False},
+    )
+    return chat, msg, resp
+
+
+def test_consecutive_assistant_messages_render_where_the_template_takes_them(client, monkeypatch):
+    chat, msg, resp = two_assistant_turns(client)  # mlxlab's Gemma template renders them
+    assert [r.status_code for r in (chat, msg, resp)] == [200, 200, 200], (chat.text, msg.text)
+
+    tokenizer = client.app.state.gateway.loaded.tokenizer._tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", STRICT_TEMPLATE)
+    chat, msg, resp = two_assistant_turns(client)
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages[2]", chat.text
+    assert "two assistant messages in a row" in chat.json()["error"]["message"]
+    assert msg.status_code == 400 and msg.json()["error"]["message"].startswith("messages[2]: ")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input[2]", resp.text

@@ -35,7 +35,7 @@ async def messages(body: MessagesRequest, request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountRequest, request: Request):
-    chat, tools = to_chat(body)
+    chat, tools, origins = to_chat(body)
     loaded = pipeline.ready_loaded(request.app.state.gateway)
-    prompt, _, _ = pipeline.render_chat(loaded, chat, tools, template_kwargs(body))
+    prompt, _, _ = pipeline.render_chat(loaded, chat, tools, template_kwargs(body), origins)
     return {"input_tokens": len(prompt)}

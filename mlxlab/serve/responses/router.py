@@ -64,7 +64,7 @@ async def create(body: ResponsesRequest, request: Request):
         previous = store.get(body.previous_response_id)
         if previous is None:
             raise not_found(body.previous_response_id, "previous_response_id")
-    messages, instructions = to_chat(body, previous)
+    messages, instructions, origins = to_chat(body, previous)
     if not messages:
         raise APIError(400, "input has no messages", param="input")
     if (
@@ -79,7 +79,7 @@ async def create(body: ResponsesRequest, request: Request):
             param="store",
             code="store_entry_too_large",
         )
-    job = pipeline.make_job(gateway, cfg, to_ask(body, messages, instructions))
+    job = pipeline.make_job(gateway, cfg, to_ask(body, messages, instructions, origins))
     draft = Draft(body, cfg.model, instructions, int(time.time()))
 
     def on_final(resp: dict, done: Done, text: str) -> None:
