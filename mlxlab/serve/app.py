@@ -3,10 +3,10 @@
     openai/     POST /v1/chat/completions, /v1/completions
     anthropic/  POST /v1/messages, /v1/messages/count_tokens
     responses/  POST /v1/responses, GET/DELETE /v1/responses/{id}
-    admin/      GET /health, /v1/models[/{id}], /stats, /openapi.json; the adapter API
+    admin/      GET /health, /v1/models[/{id}], /stats, /metrics, /openapi.json; the adapter API
 
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
-`in_flight`). Every response carries `X-Request-ID` (the client's, or a new one); each router
+`in_flight`, `metrics`). Every response carries `X-Request-ID` (the client's, or a new one); each router
 answers its errors in its own protocol's shape (`http.protocol_route`); paths no router has get
 404/405 in the OpenAI shape (the Anthropic one under /v1/messages).
 """
@@ -22,6 +22,7 @@ from mlxlab.serve.anthropic import router as anthropic
 from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.http import APIError, Exchanges, InFlight, respond
+from mlxlab.serve.metrics import Metrics, Requests
 from mlxlab.serve.openai import router as openai
 from mlxlab.serve.openai.protocol import error_shape
 from mlxlab.serve.responses import router as responses
@@ -36,6 +37,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
     app.state.draining = False
     app.state.response_store = ResponseStore()
     app.state.in_flight = InFlight()
+    app.state.metrics = Metrics(gateway, app.state.response_store)
+    app.add_middleware(Requests, metrics=app.state.metrics)
     app.add_middleware(Exchanges, counter=app.state.in_flight)
     for router in (
         admin.health_router,

@@ -1,5 +1,5 @@
 """Status and admin routes: `GET /health` (503 while loading or draining), `GET /v1/models[/{id}]`,
-`GET /stats`, `GET /openapi.json` (`serve.openapi`), and the adapter API (`GET/POST
+`GET /stats`, `GET /metrics` (Prometheus), `GET /openapi.json` (`serve.openapi`), and the adapter API (`GET/POST
 /v1/adapters`, `DELETE /v1/adapters/{id}`, `GET /v1/adapters/available`). Errors answer in the
 OpenAI shape."""
 
@@ -8,12 +8,13 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlxlab.errors import UserError
 from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.http import APIError, protocol_route
+from mlxlab.serve.metrics import CONTENT_TYPE
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
 from mlxlab.serve.pipeline import ready_loaded
 
@@ -79,6 +80,16 @@ async def openapi(request: Request):
     if not request.app.state.cfg.openapi:
         raise APIError(404, "Not Found", type="not_found_error")
     return request.app.openapi()
+
+
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE: {}}}},
+)
+async def metrics(request: Request):
+    """The server's metrics in Prometheus' text format (`serve/metrics.py`)."""
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 @router.get("/stats")

@@ -80,6 +80,7 @@ class Adapters:
         self.root = resolve_root(root)
         self.selection = multi.Selection()
         self.mounted: dict[str, Mounted] = {}
+        self.mounts = self.unmounts = 0  # since start
 
     # --- paths (HTTP side) ----------------------------------------------------------------------
 
@@ -133,6 +134,7 @@ class Adapters:
             sorted(plan.layers),
         )
         self.mounted[adapter_id] = m
+        self.mounts += 1
         return m
 
     def unmount(self, adapter_id: str) -> None:
@@ -140,6 +142,7 @@ class Adapters:
             raise KeyError(adapter_id)
         multi.detach(self.model, adapter_id)
         del self.mounted[adapter_id]
+        self.unmounts += 1
 
     def check(self, ids: AdapterSpec) -> None:
         """KeyError naming every id in `ids` that is not mounted."""
@@ -151,4 +154,9 @@ class Adapters:
             )
 
     def stats(self) -> dict:
-        return {"mounted": [m.card() for m in self.mounted.values()], "root": str(self.root)}
+        return {
+            "mounted": [m.card() for m in self.mounted.values()],
+            "root": str(self.root),
+            "mounts": self.mounts,
+            "unmounts": self.unmounts,
+        }
