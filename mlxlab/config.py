@@ -530,14 +530,19 @@ class ServeConfig:
     adapters: dict[str, str] = field(default_factory=dict)
     """Adapters mounted at start, id -> adapter directory or training run directory (its final
     adapter): `adapters.chunk=outputs/chunk_seg4/<run>`."""
-    adapter_root: str = "."
-    """Runtime mounts (POST /v1/adapters) must resolve inside this directory (symlinks followed)."""
+    adapter_root: str | None = None
+    """Runtime mounts (POST /v1/adapters) must resolve inside this directory (symlinks followed),
+    and GET /v1/adapters/available lists what is under it. Default: the runs directory `outputs/`
+    under the working directory if it exists, else MLXLAB_HOME/adapters (created)."""
     allow_adapter_mount: bool = True
     """Allow POST/DELETE /v1/adapters."""
     drain_timeout_s: float = 30.0
     """On Ctrl-C/SIGTERM: how long in-flight requests may finish before the server exits."""
     log_requests: bool = False
     """Log one line per HTTP request."""
+    openapi: bool = True
+    """Serve GET /openapi.json, the server's schema (its routes, request models and error
+    shapes: what API fuzzers such as schemathesis read); /docs stays off."""
     batch: int = 1
     """Rows decoded together by the continuous-batching lane; 1 serves one request at a time.
     Requests that cannot batch (explicit seed, repetition/presence/frequency penalties, KV

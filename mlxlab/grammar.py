@@ -138,6 +138,35 @@ def json_schema(schema: dict, what: str = "json schema") -> Grammar:
     return _checked(text, what)
 
 
+# What llguidance cannot enforce in a schema that is still a JSON schema: regex features it lacks
+# (look-around, backreferences), references it does not fetch, constraints no value satisfies.
+# (Compiling leniently already passes keywords it has not implemented and unknown formats.)
+_UNENFORCEABLE = (
+    "regex parse error",
+    "Resource ",
+    "Unsatisfiable schema",
+    "Unimplemented",
+    "Unknown format",
+)
+
+
+def schema_problem(schema, what: str = "json schema") -> str | None:
+    """Why `schema` is not a JSON schema at all (one line: a keyword of the wrong kind, an
+    unknown type name, ...), or None; what llguidance merely cannot enforce in it is no problem
+    here (`json_schema` is the check for a schema that must be enforced). Cheap: llguidance
+    checks each distinct schema once."""
+    import llguidance
+
+    if not isinstance(schema, dict):
+        return f"{what}: a JSON schema must be an object"
+    try:
+        text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"lenient": True})
+    except (ValueError, TypeError) as e:
+        return f"{what}: {e}"
+    problem = _problem(text)
+    return None if problem is None or problem.startswith(_UNENFORCEABLE) else f"{what}: {problem}"
+
+
 def lark(text: str, what: str = "grammar") -> Grammar:
     """A Lark grammar in llguidance's dialect (`%json {...}` embeds a schema)."""
     import llguidance

@@ -288,3 +288,46 @@ def test_mlx_lm_trained_adapter_mounts(served, tiny_dir, root):
         assert reply(client, "m")["choices"][0]["finish_reason"] in ("length", "stop")
     finally:
         client.delete("/v1/adapters/m")
+
+
+def fake_adapter_dir(path) -> None:
+    """What GET /v1/adapters/available looks for (the two file names), nothing loadable."""
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapters.safetensors").write_bytes(b"")
+
+
+def test_default_adapter_root_belongs_to_mlxlab(tiny_dir, tmp_path, monkeypatch):
+    """Started from a shared directory, the server neither lists nor confines mounts to it: the
+    default root is ./outputs (the runs directory) when it exists, else MLXLAB_HOME/adapters
+    (created); the ready line names it; adapter_root= still chooses."""
+    from mlxlab.serve.cli import ready_line
+    from mlxlab.serve.engine.adapters import resolve_root
+
+    model = str(tiny_dir("gemma3"))  # a directory: found whatever MLXLAB_HOME says
+    shared, home = tmp_path / "shared", tmp_path / "home"
+    fake_adapter_dir(shared / "left_by_someone")
+    monkeypatch.chdir(shared)
+    monkeypatch.setenv("MLXLAB_HOME", str(home))
+    assert resolve_root("elsewhere") == shared / "elsewhere"
+
+    client, gateway = make_client(model=model)
+    try:
+        got = client.get("/v1/adapters/available").json()
+        assert got == {"root": str(home / "adapters"), "adapters": []}
+        assert (home / "adapters").is_dir()
+        assert f"adapter root {home / 'adapters'}" in ready_line(gateway.cfg, gateway)
+        r = client.post("/v1/adapters", json={"id": "x", "path": str(shared / "left_by_someone")})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "outside_adapter_root"
+    finally:
+        gateway.stop()
+
+    fake_adapter_dir(shared / "outputs" / "quickstart" / "run1" / "adapter")
+    assert resolve_root(None) == shared / "outputs"
+    client, gateway = make_client(model=model)
+    try:
+        got = client.get("/v1/adapters/available").json()
+        assert got["root"] == str(shared / "outputs")
+        assert [a["path"] for a in got["adapters"]] == ["quickstart/run1/adapter"]
+    finally:
+        gateway.stop()

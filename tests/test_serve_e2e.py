@@ -273,7 +273,9 @@ def test_anthropic_sdk(served):
         "end_turn",
         "max_tokens",
     )
-    assert msg.usage.input_tokens == chat.usage.prompt_tokens
+    # Anthropic's input_tokens is the uncached part; the prompt is that plus the cache reads.
+    prompt = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert prompt == chat.usage.prompt_tokens
     with claude.messages.stream(
         model="claude-x",
         max_tokens=16,
@@ -286,7 +288,7 @@ def test_anthropic_sdk(served):
     count = claude.messages.count_tokens(
         model="x", messages=[{"role": "user", "content": "Name the day after Monday."}]
     )
-    assert count.input_tokens == msg.usage.input_tokens
+    assert count.input_tokens == prompt
     tools = [
         {
             "name": "get_weather",
@@ -339,7 +341,10 @@ def test_anthropic_sdk(served):
     after = claude.messages.create(
         model="x", max_tokens=16, extra_body={"temperature": 0}, tools=tools, messages=history
     )
-    assert after.usage.input_tokens > call.usage.input_tokens
+    assert (
+        after.usage.input_tokens + after.usage.cache_read_input_tokens
+        > call.usage.input_tokens + call.usage.cache_read_input_tokens
+    )
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(
             model="x",

@@ -9,7 +9,7 @@ import pytest
 
 from mlxlab.serve import pipeline
 from mlxlab.serve.anthropic.encode import MessageStream, message_body
-from mlxlab.serve.engine.jobs import Delta, Done, Failed
+from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job
 from mlxlab.serve.http import APIError
 from mlxlab.serve.openai.encode import ChatStream, CompletionStream, chat_body, completion_body
 from mlxlab.serve.responses.encode import Draft, ResponseStream
@@ -143,7 +143,9 @@ def test_anthropic_stream_grammar():
         Delta("content", "sunny"),
         done("tool_calls", [CALL]),
     ]
-    out = named(pipeline.encode(MessageStream("msg_1", "m", input_tokens=7), events))
+    out = named(
+        pipeline.encode(MessageStream("msg_1", "m", Job([0] * 7, 1, None, cached_tokens=5)), events)
+    )
     names = [n for n, _ in out]
     assert names == [
         "message_start",
@@ -161,7 +163,12 @@ def test_anthropic_stream_grammar():
         "message_delta",
         "message_stop",
     ]
-    assert out[0][1]["message"]["usage"]["input_tokens"] == 7
+    assert out[0][1]["message"]["usage"] == {
+        "input_tokens": 2,
+        "output_tokens": 0,
+        "cache_read_input_tokens": 5,
+        "cache_creation_input_tokens": 0,
+    }
     assert out[1][1]["content_block"] == {"type": "thinking", "thinking": ""}
     assert out[3][1]["delta"] == {"type": "thinking_delta", "thinking": "hm"}
     assert [d["index"] for n, d in out if n.startswith("content_block")] == [
@@ -191,10 +198,12 @@ def test_anthropic_stream_grammar():
 
 def test_anthropic_stop_sequence_failure_and_body():
     stopped = named(
-        pipeline.encode(MessageStream("m", "m", 1), [Delta("content", "a"), done(stop="\n\n")])
+        pipeline.encode(
+            MessageStream("m", "m", Job([0], 1, None)), [Delta("content", "a"), done(stop="\n\n")]
+        )
     )
     assert stopped[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}
-    failed = named(pipeline.encode(MessageStream("m", "m", 1), [Failed("boom")]))
+    failed = named(pipeline.encode(MessageStream("m", "m", Job([0], 1, None)), [Failed("boom")]))
     assert failed[-1] == (
         "error",
         {"type": "error", "error": {"type": "api_error", "message": "boom"}},

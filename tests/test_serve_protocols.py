@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlxlab.serve.responses.store import ResponseStore
-from tests.helpers.serve import make_client, named_events
+from tests.helpers.serve import SYSTEM, make_client, named_events
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +18,15 @@ def client(tiny_dir):
 
 
 CONVO = [{"role": "user", "content": "Name a prime number."}]
+
+
+def anthropic_prompt(usage: dict) -> int:
+    """The prompt's length from Anthropic usage (input_tokens is the uncached part)."""
+    return (
+        usage["input_tokens"]
+        + usage["cache_read_input_tokens"]
+        + usage["cache_creation_input_tokens"]
+    )
 
 
 def test_same_text_on_all_three_surfaces(client):
@@ -52,10 +61,41 @@ def test_same_text_on_all_three_surfaces(client):
     ).json()
     assert resp["output"][0]["content"][0]["text"] == text and resp["status"] == "incomplete"
     assert (
-        msg["usage"]["input_tokens"]
+        anthropic_prompt(msg["usage"])
         == chat["usage"]["prompt_tokens"]
         == resp["usage"]["input_tokens"]
     )
+
+
+def test_usage_with_cached_input_adds_up_on_every_protocol(client):
+    """The same long-system-prompt request twice: the second reads most of its prompt from the
+    cache. Anthropic counts input_tokens apart from the cache reads (prompt = input + read +
+    creation); OpenAI's cached_tokens are a part of prompt_tokens / input_tokens."""
+    user = [{"role": "user", "content": "Which module parses command-line options?"}]
+    body = {"model": "x", "system": SYSTEM, "messages": user, "max_tokens": 3, "temperature": 0}
+    total = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    first = client.post("/v1/messages", json=body).json()["usage"]
+    again = client.post("/v1/messages", json=body).json()["usage"]
+    assert anthropic_prompt(first) == anthropic_prompt(again) == total
+    assert again["cache_read_input_tokens"] >= total - 1 and again["input_tokens"] >= 1
+    ev = named_events(client.post("/v1/messages", json={**body, "stream": True}).text)
+    for name, data in ev:
+        if name in ("message_start", "message_delta"):
+            u = data["message"]["usage"] if name == "message_start" else data["usage"]
+            assert anthropic_prompt(u) == total and u["cache_read_input_tokens"] >= total - 1, u
+
+    chat = {"messages": [{"role": "system", "content": SYSTEM}, *user], "max_tokens": 3}
+    for _ in range(2):
+        u = client.post("/v1/chat/completions", json={**chat, "temperature": 0}).json()["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < u["prompt_tokens"] == total
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    resp = {"instructions": SYSTEM, "input": user[0]["content"], "max_output_tokens": 3}
+    for _ in range(2):
+        u = client.post("/v1/responses", json={**resp, "temperature": 0}).json()["usage"]
+    cached = u["input_tokens_details"]["cached_tokens"]
+    assert 0 < cached < u["input_tokens"] == total
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
 
 
 def test_messages_stream_grammar_and_count_tokens(client):
@@ -87,7 +127,7 @@ def test_messages_stream_grammar_and_count_tokens(client):
         and ev[-2][1]["usage"]["output_tokens"] == 10
     )
     count = client.post("/v1/messages/count_tokens", json={"model": "x", "messages": CONVO}).json()
-    assert count["input_tokens"] == plain["usage"]["input_tokens"]
+    assert count["input_tokens"] == anthropic_prompt(plain["usage"])
 
 
 def test_messages_tool_blocks_map_onto_the_tool_path(client):
@@ -328,3 +368,240 @@ def test_oversized_store_entry_is_refused_before_generation(client):
         assert ok.status_code == 200
     finally:
         store.max_bytes = old
+
+
+def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client):
+    from fastapi.routing import APIRoute
+    from fastapi.testclient import TestClient
+
+    from mlxlab.config import ServeConfig
+    from mlxlab.serve.admin import router as admin
+    from mlxlab.serve.anthropic import router as anthropic
+    from mlxlab.serve.app import create_app
+    from mlxlab.serve.openai import router as openai
+    from mlxlab.serve.responses import router as responses
+
+    r = client.get("/openapi.json")
+    assert r.status_code == 200 and "x-request-id" in r.headers
+    schema = r.json()
+    routers = (admin.health_router, admin.router, openai.router, anthropic.router, responses.router)
+    routes = {
+        (m.lower(), route.path.replace(":path", ""))
+        for router in routers
+        for route in router.routes
+        if isinstance(route, APIRoute) and route.include_in_schema
+        for m in route.methods
+    }
+    documented = {(m, p) for p, ops in schema["paths"].items() for m in ops}
+    assert documented == routes and ("post", "/v1/responses") in documented
+
+    def body_ref(path):
+        content = schema["paths"][path]["post"]["requestBody"]["content"]
+        return content["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+
+    assert body_ref("/v1/chat/completions") == "ChatRequest"
+    assert body_ref("/v1/messages") == "MessagesRequest"
+    assert body_ref("/v1/responses") == "ResponsesRequest"
+    # Errors are documented as answered: 4XX in the protocol's shape, never FastAPI's 422.
+    for path, ops in schema["paths"].items():
+        for op in ops.values():
+            assert "422" not in op["responses"], path
+    errors = {
+        path: ops["post"]["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"]
+        for path, ops in schema["paths"].items()
+        if "post" in ops
+    }
+    assert errors["/v1/messages"].endswith("/AnthropicError")
+    assert errors["/v1/chat/completions"].endswith("/OpenAIError")
+    stream = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert "text/event-stream" in stream
+
+    cfg = ServeConfig(model="tiny-gemma3", openapi=False)
+    off = TestClient(create_app(cfg, client.app.state.gateway)).get("/openapi.json")
+    assert off.status_code == 404 and off.json()["error"]["type"] == "not_found_error"
+    assert client.get("/docs").status_code == 404
+
+
+BAD_SCHEMA = {"type": 12, "properties": "x"}
+GOOD_TOOL = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}}
+
+
+def post_each_protocol(client, tools_openai, tools_anthropic, tools_responses):
+    """(OpenAI chat, Anthropic, Responses) answers to one question offering these tools."""
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"messages": CONVO, "max_tokens": 2, "tools": tools_openai},
+    )
+    msg = client.post(
+        "/v1/messages",
+        json={"model": "x", "messages": CONVO, "max_tokens": 2, "tools": tools_anthropic},
+    )
+    resp = client.post(
+        "/v1/responses",
+        json={"input": "Name a prime number.", "max_output_tokens": 2, "tools": tools_responses},
+    )
+    return chat, msg, resp
+
+
+def test_an_invalid_tool_schema_is_a_400_naming_it_even_when_no_call_is_forced(client):
+    chat, msg, resp = post_each_protocol(
+        client,
+        [GOOD_TOOL, {"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+        [
+            {"type": "web_search_20250305", "name": "web_search"},
+            {"name": "f", "input_schema": BAD_SCHEMA},
+        ],
+        [
+            {"type": "web_search_preview"},
+            {"type": "function", "name": "f", "parameters": BAD_SCHEMA},
+        ],
+    )
+    assert chat.status_code == 400, chat.text
+    err = chat.json()["error"]
+    assert err["param"] == "tools[1].function.parameters" and err["code"] == "invalid_schema"
+    assert err["message"].startswith("tools[1].function.parameters: ")
+    assert msg.status_code == 400 and msg.json()["type"] == "error"
+    assert msg.json()["error"]["message"].startswith("tools[1].input_schema: ")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools[1].parameters"
+    count = client.post(
+        "/v1/messages/count_tokens",
+        json={
+            "model": "x",
+            "messages": CONVO,
+            "tools": [{"name": "f", "input_schema": BAD_SCHEMA}],
+        },
+    )
+    assert count.status_code == 400 and "tools[0].input_schema" in count.json()["error"]["message"]
+    # tool_choice none still sends the definitions: they are checked all the same (as OpenAI does).
+    none = client.post(
+        "/v1/responses",
+        json={
+            "input": "x",
+            "tool_choice": "none",
+            "tools": [{"type": "function", "name": "f", "parameters": {"required": "a"}}],
+        },
+    )
+    assert none.status_code == 400 and none.json()["error"]["param"] == "tools[0].parameters"
+
+
+def test_valid_schemas_the_grammar_engine_cannot_enforce_are_offered_unforced(client):
+    """A JSON schema is valid though llguidance lacks some of it (uniqueItems, propertyNames,
+    if/then, look-ahead patterns, custom formats): fine unless a call is forced."""
+    params = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "name": {"type": "string", "pattern": "^(?!tmp).*$", "format": "x-custom"},
+            "env": {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"}},
+        },
+        "if": {"required": ["name"]},
+        "then": {"required": ["tags"]},
+    }
+    chat, msg, resp = post_each_protocol(
+        client,
+        [{"type": "function", "function": {"name": "f", "parameters": params}}],
+        [{"name": "f", "input_schema": params}],
+        [{"type": "function", "name": "f", "parameters": params}],
+    )
+    assert [r.status_code for r in (chat, msg, resp)] == [200, 200, 200], (chat.text, msg.text)
+    forced = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": CONVO,
+            "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+            "tool_choice": "required",
+        },
+    )
+    assert forced.status_code == 400 and forced.json()["error"]["code"] == "invalid_schema"
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "messages,param",
+    [
+        (
+            [*CONVO, {"role": "tool", "tool_call_id": "call_1", "content": "7"}],
+            "messages[1]",
+        ),
+        (
+            [
+                *CONVO,
+                {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+                {"role": "user", "content": "And?"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+            ],
+            "messages[4]",
+        ),
+        (
+            [
+                *CONVO,
+                {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "7"},
+            ],
+            "messages[2].tool_call_id",
+        ),
+    ],
+)
+def test_openai_tool_message_must_answer_a_preceding_call(client, messages, param):
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param + ": ")
+
+
+def test_a_tool_message_answering_the_call_before_it_is_accepted(client):
+    messages = [
+        *CONVO,
+        {"role": "assistant", "content": "", "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "11"},
+    ]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+STRICT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}{{ m['role'] }}: {{ m['content'] }}\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}assistant: {%- endif -%}"
+)
+
+
+def two_assistant_turns(client):
+    """(OpenAI, Anthropic, Responses) answers to a conversation with two assistant turns in a
+    row (the third message, after the system prompt where one is given)."""
+    turns = [
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "2."},
+        {"role": "assistant", "content": "Also 3."},
+        {"role": "user", "content": "Another?"},
+    ]
+    chat = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2})
+    msg = client.post(
+        "/v1/messages",
+        json={"model": "x", "system": "Be brief.", "messages": turns, "max_tokens": 2},
+    )
+    resp = client.post(
+        "/v1/responses",
+        json={"instructions": "Be brief.", "input": turns, "max_output_tokens": 2, "store": False},
+    )
+    return chat, msg, resp
+
+
+def test_consecutive_assistant_messages_render_where_the_template_takes_them(client, monkeypatch):
+    chat, msg, resp = two_assistant_turns(client)  # mlxlab's Gemma template renders them
+    assert [r.status_code for r in (chat, msg, resp)] == [200, 200, 200], (chat.text, msg.text)
+
+    tokenizer = client.app.state.gateway.loaded.tokenizer._tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", STRICT_TEMPLATE)
+    chat, msg, resp = two_assistant_turns(client)
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages[2]", chat.text
+    assert "two assistant messages in a row" in chat.json()["error"]["message"]
+    assert msg.status_code == 400 and msg.json()["error"]["message"].startswith("messages[2]: ")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input[2]", resp.text

@@ -3,10 +3,10 @@
     openai/     POST /v1/chat/completions, /v1/completions
     anthropic/  POST /v1/messages, /v1/messages/count_tokens
     responses/  POST /v1/responses, GET/DELETE /v1/responses/{id}
-    admin/      GET /health, /v1/models[/{id}], /stats; the adapter API
+    admin/      GET /health, /v1/models[/{id}], /stats, /metrics, /openapi.json; the adapter API
 
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
-`in_flight`). Every response carries `X-Request-ID` (the client's, or a new one); each router
+`in_flight`, `metrics`). Every response carries `X-Request-ID` (the client's, or a new one); each router
 answers its errors in its own protocol's shape (`http.protocol_route`); paths no router has get
 404/405 in the OpenAI shape (the Anthropic one under /v1/messages: `shape_for`), and so do
 bodies over serve.max_body_mb (413) or slower than serve.read_timeout_s (408), which
@@ -24,6 +24,7 @@ from mlxlab.serve.anthropic import router as anthropic
 from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.http import APIError, BodyLimit, Exchanges, InFlight, respond
+from mlxlab.serve.metrics import Metrics, Requests
 from mlxlab.serve.openai import router as openai
 from mlxlab.serve.openai.protocol import error_shape
 from mlxlab.serve.responses import router as responses
@@ -37,20 +38,23 @@ def shape_for(path: str):
 
 
 def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="mlxlab", docs_url=None, redoc_url=None)
+    # /openapi.json is an admin route (serve.openapi), answering like every other route.
+    app = FastAPI(title="mlxlab", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cfg = cfg
     app.state.gateway = gateway
     app.state.draining = False
     app.state.response_store = ResponseStore()
     app.state.in_flight = InFlight()
-    # Outermost last: every response gets X-Request-ID; bodies are read within their limits
-    # before any router runs.
+    app.state.metrics = Metrics(gateway, app.state.response_store)
+    # Outermost last: every response gets X-Request-ID and is counted (413s and 408s too);
+    # bodies are read within their limits before any router runs.
     app.add_middleware(
         BodyLimit,
         max_bytes=int(cfg.max_body_mb * 1e6),
         timeout_s=cfg.read_timeout_s,
         shape_for=shape_for,
     )
+    app.add_middleware(Requests, metrics=app.state.metrics)
     app.add_middleware(Exchanges, counter=app.state.in_flight)
     for router in (
         admin.health_router,

@@ -57,6 +57,7 @@ def ready_line(cfg: ServeConfig, gateway: Gateway) -> str:
         f"{'' if adm.explicit_budget else ', 75% of RAM'}) | {cache} | queue {cfg.max_queue}"
         f" | {'batch ' + str(cfg.batch) if gateway.batch else 'serial'}"
         f"{' | kv ' + loaded.kv.mode if loaded.kv.enabled else ''}"
+        f" | adapter root {loaded.adapters.root}"
     )
 
 

@@ -81,11 +81,37 @@ def respond(err: APIError, shape: Shape) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=dict(err.headers))
 
 
-def protocol_route(shape: Shape, drains: bool = True) -> type[APIRoute]:
+STREAMED = {
+    200: {
+        "description": "The answer; with `stream: true`, server-sent events in the protocol's "
+        "event grammar",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
+"""OpenAPI `responses` of a route that can stream."""
+
+
+def protocol_route(
+    shape: Shape, error_model: type | None = None, drains: bool = True
+) -> type[APIRoute]:
     """A route class whose errors take `shape`; `drains=False` keeps answering while draining
-    (health checks)."""
+    (health checks). `error_model`: the pydantic model of that shape's body, which the OpenAPI
+    schema gives for 4XX and 5XX answers (so it says what the route really answers: 400, not
+    FastAPI's 422)."""
+    documented = (
+        {
+            "4XX": {"model": error_model, "description": "A request the server refuses"},
+            "5XX": {"model": error_model, "description": "Busy, loading, draining, or a bug"},
+        }
+        if error_model is not None
+        else {}
+    )
 
     class ProtocolRoute(APIRoute):
+        def __init__(self, path, endpoint, **kwargs):
+            kwargs["responses"] = {**documented, **(kwargs.get("responses") or {})}
+            super().__init__(path, endpoint, **kwargs)
+
         def get_route_handler(self):
             handler = super().get_route_handler()
 

@@ -87,6 +87,7 @@ class Ask:
 
     messages: list[dict] | None = None  # chat, in the chat-template form (normalize_messages)
     messages_field: str = "messages"  # the request field they came from, for errors
+    origins: list[str] | None = None  # the request field of each message (None: messages[i])
     prompt: str | list[int] | None = None  # a completion prompt: text or token ids
     tools: list[dict] | None = None  # function tools offered to the model
     template_kwargs: dict | None = None
@@ -178,13 +179,32 @@ def ready_loaded(gateway: Gateway) -> Loaded:
     return gateway.loaded
 
 
+def template_refusal(e: Exception, messages: list[dict], origins: list[str] | None) -> APIError:
+    """The 400 for messages the chat template rejected: naming the first message that repeats
+    the role before it (what templates that insist on alternating turns reject), if one does.
+    Templates that render such turns (mlxlab's own, most others) get them as they are."""
+    for i in range(1, len(messages)):
+        role = messages[i]["role"]
+        if role in ("user", "assistant") and messages[i - 1]["role"] == role:
+            where = origins[i] if origins else f"messages[{i}]"
+            return APIError(
+                400,
+                f"{where}: this model's chat template does not take two {role} messages in a "
+                f"row (merge them into one): {e}",
+                param=where,
+            )
+    return APIError(400, f"the chat template rejected these messages: {e}", param="messages")
+
+
 def render_chat(
     loaded: Loaded,
     messages: list[dict],
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    origins: list[str] | None = None,
 ) -> tuple[list[int], int, bool]:
-    """(prompt tokens, end of the system prompt in tokens or 0, starts inside a reasoning block)."""
+    """(prompt tokens, end of the system prompt in tokens or 0, starts inside a reasoning block);
+    `origins`: the request field of each message, for errors."""
     tok = loaded.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "the model has no chat template; use /v1/completions")
@@ -195,12 +215,8 @@ def render_chat(
         prompt = tok.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, **kwargs
         )
-    except (
-        Exception
-    ) as e:  # jinja's TemplateError and friends: the messages do not fit the template
-        raise APIError(
-            400, f"the chat template rejected these messages: {e}", param="messages"
-        ) from None
+    except Exception as e:  # jinja's TemplateError and friends: the messages do not fit it
+        raise template_refusal(e, messages, origins) from None
     prompt = list(prompt)
     checkpoint = 0
     n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
@@ -345,7 +361,7 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     checkpoint, reasoning = 0, False
     if ask.messages is not None:
         prompt, checkpoint, reasoning = render_chat(
-            loaded, ask.messages, ask.tools, ask.template_kwargs
+            loaded, ask.messages, ask.tools, ask.template_kwargs, ask.origins
         )
     else:
         prompt = render_text(loaded, ask.prompt)

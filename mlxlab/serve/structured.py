@@ -55,6 +55,17 @@ def named(name: str) -> str:
     return "=" + name
 
 
+def check_tool_schema(params, where: str) -> None:
+    """A 400 naming `where` (the request field) when a function tool's parameter schema is not a
+    JSON schema: checked at each protocol's edge for every tool offered, forced or not, as
+    OpenAI does (a forced call also needs the schema to compile: `_tool_specs`)."""
+    if params is None:
+        return
+    problem = G.schema_problem(params, where)
+    if problem:
+        raise APIError(400, problem, param=where, code="invalid_schema")
+
+
 def _tool_specs(tools: list[dict]) -> list[tuple[str, dict]]:
     """(name, parameter schema) per offered function tool; a 400 naming the tool when its schema
     is not one (checked by compiling it, so the markup builders only see valid schemas)."""

@@ -1,4 +1,4 @@
-"""Admin request models (errors answer in the OpenAI shape)."""
+"""Admin request and response models (errors answer in the OpenAI shape)."""
 
 from __future__ import annotations
 
@@ -10,3 +10,11 @@ class MountRequest(BaseModel):
 
     id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     path: str = Field(min_length=1)
+
+
+class Health(BaseModel):
+    """GET /health's body (200 when ready, 503 while loading, failed or draining)."""
+
+    status: str
+    model: str
+    error: str | None = None

@@ -1,26 +1,34 @@
 """Status and admin routes: `GET /health` (503 while loading or draining), `GET /v1/models[/{id}]`,
-`GET /stats`, and the adapter API (`GET/POST /v1/adapters`, `DELETE /v1/adapters/{id}`,
-`GET /v1/adapters/available`). Errors answer in the OpenAI shape."""
+`GET /stats`, `GET /metrics` (Prometheus), `GET /openapi.json` (`serve.openapi`), and the adapter API (`GET/POST
+/v1/adapters`, `DELETE /v1/adapters/{id}`, `GET /v1/adapters/available`). Errors answer in the
+OpenAI shape."""
 
 from __future__ import annotations
 
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlxlab.errors import UserError
-from mlxlab.serve.admin.protocol import MountRequest
+from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.http import APIError, protocol_route
-from mlxlab.serve.openai.protocol import error_shape
+from mlxlab.serve.metrics import CONTENT_TYPE
+from mlxlab.serve.openai.protocol import OpenAIError, error_shape
 from mlxlab.serve.pipeline import ready_loaded
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
-router = APIRouter(route_class=protocol_route(error_shape))
+router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
 
 
-@health_router.get("/health")
+@health_router.get(
+    "/health",
+    responses={
+        200: {"model": Health, "description": "Ready"},
+        503: {"model": Health, "description": "Loading, failed to load, or draining"},
+    },
+)
 async def health(request: Request):
     state = request.app.state
     g = state.gateway
@@ -63,6 +71,25 @@ async def model(model_id: str, request: Request):
             code="model_not_found",
         )
     return model_card(request)
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request):
+    """The server's OpenAPI schema: every route with its request model and error shape. Served
+    on purpose (`serve.openapi`, default on: API fuzzers read it); interactive /docs stay off."""
+    if not request.app.state.cfg.openapi:
+        raise APIError(404, "Not Found", type="not_found_error")
+    return request.app.openapi()
+
+
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE: {}}}},
+)
+async def metrics(request: Request):
+    """The server's metrics in Prometheus' text format (`serve/metrics.py`)."""
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 @router.get("/stats")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from mlxlab.serve.engine.jobs import Delta, Done, Failed
+from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job
 from mlxlab.serve.pipeline import Collector, Encoder
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -19,13 +19,20 @@ def event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def usage_of(done: Done) -> dict:
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """Anthropic's usage: `input_tokens` is the uncached part of the prompt, so the prompt is
+    input_tokens + cache_read_input_tokens + cache_creation_input_tokens (entries are written
+    as a side effect of serving, never billed apart: creation is 0)."""
     return {
-        "input_tokens": done.prompt_tokens,
-        "output_tokens": done.completion_tokens,
-        "cache_read_input_tokens": done.cached_tokens,
+        "input_tokens": prompt_tokens - cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached_tokens,
         "cache_creation_input_tokens": 0,
     }
+
+
+def usage_of(done: Done) -> dict:
+    return usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
 
 
 def tool_id(call: dict) -> str:
@@ -39,8 +46,12 @@ def stop_reason(done: Done) -> str:
 
 
 class MessageStream(Encoder):
-    def __init__(self, message_id: str, model: str, input_tokens: int):
-        self.id, self.model, self.input_tokens = message_id, model, input_tokens
+    """`job`: read when the stream starts, which `pipeline.stream` does after the job's first
+    event, so the lane has already looked the prompt up in the cache (`job.cached_tokens`) and
+    message_start's usage is the final one's input side."""
+
+    def __init__(self, message_id: str, model: str, job: Job):
+        self.id, self.model, self.job = message_id, model, job
         self.index, self.open = -1, None  # the current content block and its kind
 
     def start(self) -> list[str]:
@@ -57,12 +68,7 @@ class MessageStream(Encoder):
                         "content": [],
                         "stop_reason": None,
                         "stop_sequence": None,
-                        "usage": {
-                            "input_tokens": self.input_tokens,
-                            "output_tokens": 0,
-                            "cache_read_input_tokens": 0,
-                            "cache_creation_input_tokens": 0,
-                        },
+                        "usage": usage(len(self.job.prompt), self.job.cached_tokens, 0),
                     },
                 },
             )

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, text_of
-from mlxlab.serve.structured import Shape, named
+from mlxlab.serve.structured import Shape, check_tool_schema, named
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -26,6 +26,18 @@ ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """The body `error_shape` answers (for the OpenAPI schema)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 def error_shape(err: APIError) -> tuple[int, dict]:
@@ -81,16 +93,19 @@ class CountRequest(_Base):
     thinking: dict[str, Any] | None = None
 
 
-def to_chat(body) -> tuple[list[dict], list[dict] | None]:
-    """(chat messages for the template, function tools) from a Messages body."""
+def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str]]:
+    """(chat messages for the template, function tools, the request field each chat message
+    came from) from a Messages body."""
     messages: list[dict] = []
     if body.system:
         messages.append({"role": "system", "content": text_of(body.system, "system", ("text",))})
+    origins = ["system"] * len(messages)
     open_calls: set[str] = set()
     for i, m in enumerate(body.messages):
         where = f"messages[{i}].content"
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
+            origins.append(f"messages[{i}]")
             continue
         text, calls = [], []
         for j, block in enumerate(m.content):
@@ -153,6 +168,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None]:
             messages.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
         elif text or m.role == "assistant":
             messages.append({"role": m.role, "content": "".join(text)})
+        origins += [f"messages[{i}]"] * (len(messages) - len(origins))
     tools = []
     for i, t in enumerate(body.tools or []):
         if t.get("type") not in (None, "custom"):
@@ -161,6 +177,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None]:
             raise APIError(
                 400, f"tools[{i}]: a tool needs a string name and an object input_schema"
             )
+        check_tool_schema(t.get("input_schema"), f"tools[{i}].input_schema")
         tools.append(
             {
                 "type": "function",
@@ -173,7 +190,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None]:
         )
     if body.tool_choice is not None and body.tool_choice.type == "none":
         tools = []
-    return messages, tools or None
+    return messages, tools or None, origins
 
 
 def template_kwargs(body) -> dict | None:
@@ -195,9 +212,10 @@ def shape_of(choice: ToolChoice | None) -> Shape:
 
 
 def to_ask(body: MessagesRequest) -> Ask:
-    messages, tools = to_chat(body)
+    messages, tools, origins = to_chat(body)
     return Ask(
         messages=messages,
+        origins=origins,
         tools=tools,
         template_kwargs=template_kwargs(body),
         max_tokens=body.max_tokens,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from mlxlab.serve import pipeline
 from mlxlab.serve.anthropic import encode
 from mlxlab.serve.anthropic.protocol import (
+    AnthropicError,
     CountRequest,
     MessagesRequest,
     error_shape,
@@ -16,29 +17,27 @@ from mlxlab.serve.anthropic.protocol import (
     to_ask,
     to_chat,
 )
-from mlxlab.serve.http import protocol_route
+from mlxlab.serve.http import STREAMED, protocol_route
 
-router = APIRouter(route_class=protocol_route(error_shape))
+router = APIRouter(route_class=protocol_route(error_shape, AnthropicError))
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", responses=STREAMED)
 async def messages(body: MessagesRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     job = await pipeline.prepare(gateway, cfg, to_ask(body))
     job.id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return await pipeline.stream(
-            gateway, job, encode.MessageStream(job.id, cfg.model, len(job.prompt))
-        )
+        return await pipeline.stream(gateway, job, encode.MessageStream(job.id, cfg.model, job))
     got = await pipeline.collect(gateway, job, request.is_disconnected)
     return encode.message_body(job.id, cfg.model, got)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountRequest, request: Request):
-    chat, tools = to_chat(body)
+    chat, tools, origins = to_chat(body)
     loaded = pipeline.ready_loaded(request.app.state.gateway)
     prompt, _, _ = await pipeline.off_loop(
-        pipeline.render_chat, loaded, chat, tools, template_kwargs(body)
+        pipeline.render_chat, loaded, chat, tools, template_kwargs(body), origins
     )
     return {"input_tokens": len(prompt)}

@@ -4,7 +4,8 @@ The per-row LoRA arithmetic is `lora/multi.py` (`MultiLoRA` wrappers and their s
 `Selection`); this module decides what may be mounted. Mounting and unmounting run on the engine
 thread between jobs (`Gateway.call`), never in the middle of a forward pass. Files are read with
 `lora.io.read_plan` (safetensors + JSON only; every problem reported at once, nothing mounted on
-any problem). Runtime paths are confined to `serve.adapter_root` after resolving symlinks.
+any problem). Runtime paths are confined to the adapter root (`resolve_root`: `serve.adapter_root`,
+or by default a directory of mlxlab's) after resolving symlinks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxlab import runtime
 from mlxlab.errors import UserError
 from mlxlab.lora import io as lora_io
 from mlxlab.lora import multi
@@ -44,14 +46,41 @@ class Mounted:
         }
 
 
-class Adapters:
-    """The registry; its methods that touch the model run on the engine thread."""
+RUNS_DIR = "outputs"  # where `train` writes its runs, under the working directory
 
-    def __init__(self, model, root: str | Path):
+
+def resolve_root(root: str | Path | None) -> Path:
+    """The adapter root, absolute: `root` when given (`serve.adapter_root`), else a directory
+    that belongs to mlxlab, never the bare working directory (started from a shared temporary
+    directory it would list and mount whatever other programs left there): the runs directory
+    `outputs/` under the working directory if there is one, else `MLXLAB_HOME/adapters`,
+    created if needed."""
+    if root is not None:
+        return Path(root).expanduser().resolve()
+    runs = Path(RUNS_DIR)
+    if runs.is_dir():
+        return runs.resolve()
+    home = runtime.home() / "adapters"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot create the adapter root {home} ({e.strerror or e}); set "
+            "serve.adapter_root=DIR or MLXLAB_HOME"
+        ) from None
+    return home.resolve()
+
+
+class Adapters:
+    """The registry; its methods that touch the model run on the engine thread. `root`:
+    `serve.adapter_root` (None: the default `resolve_root` picks)."""
+
+    def __init__(self, model, root: str | Path | None):
         self.model = model
-        self.root = Path(root).expanduser().resolve()
+        self.root = resolve_root(root)
         self.selection = multi.Selection()
         self.mounted: dict[str, Mounted] = {}
+        self.mounts = self.unmounts = 0  # since start
 
     # --- paths (HTTP side) ----------------------------------------------------------------------
 
@@ -105,6 +134,7 @@ class Adapters:
             sorted(plan.layers),
         )
         self.mounted[adapter_id] = m
+        self.mounts += 1
         return m
 
     def unmount(self, adapter_id: str) -> None:
@@ -112,6 +142,7 @@ class Adapters:
             raise KeyError(adapter_id)
         multi.detach(self.model, adapter_id)
         del self.mounted[adapter_id]
+        self.unmounts += 1
 
     def check(self, ids: AdapterSpec) -> None:
         """KeyError naming every id in `ids` that is not mounted."""
@@ -123,4 +154,9 @@ class Adapters:
             )
 
     def stats(self) -> dict:
-        return {"mounted": [m.card() for m in self.mounted.values()], "root": str(self.root)}
+        return {
+            "mounted": [m.card() for m in self.mounted.values()],
+            "root": str(self.root),
+            "mounts": self.mounts,
+            "unmounts": self.unmounts,
+        }

@@ -42,6 +42,7 @@ class Admission:
     score_bytes_per_token: int
     model_context: int | None
     max_safe_context: int
+    rejected: int = 0  # requests `check` refused
 
     def bytes_for(self, tokens: int) -> int:
         return self.bytes_for_rows([tokens])
@@ -63,6 +64,7 @@ class Admission:
         """None when the request fits, else the reason."""
         need = prompt_tokens + max_tokens
         if need > self.max_safe_context:
+            self.rejected += 1
             return (
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {need} exceeds the "
                 f"max safe context of {self.max_safe_context} tokens under the memory budget of "

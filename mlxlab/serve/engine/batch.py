@@ -142,7 +142,7 @@ class BatchLane:
         m, job = self.m, row.job
         cache, cached = m.cache.fetch(cache_namespace(m, row.ids), job.prompt)
         row.cache = cache if cache is not None else make_prompt_cache(m.model)
-        row.out.cached = cached
+        job.cached_tokens = cached
         row.segments = [
             Segment(job.prompt[a:b], b, kind) for a, b, kind in prompt_segments(job, cached)
         ]
@@ -173,7 +173,7 @@ class BatchLane:
             model=self.m.model,
             uids=[r.uid for r in rows],
             caches=[r.cache for r in rows],
-            tokens=[list(r.job.prompt[: r.out.cached]) for r in rows],
+            tokens=[list(r.job.prompt[: r.job.cached_tokens]) for r in rows],
             prefill_step_size=self.cfg.prefill_step,
             samplers=[r.sampler for r in rows],
             fallback_sampler=self._fallback,

@@ -50,6 +50,9 @@ class Gateway:
             "prompt_tokens": 0,
             "completion_tokens": 0,
         }
+        # Called with (job, its Done or None when it failed) as each job leaves the engine, on
+        # the engine thread (the server's metrics observe timings here); must not raise.
+        self.observers: list[Callable[[Job, Done | None], None]] = []
         self.running: Job | None = None  # on the serial lane
         self.serial: SerialLane | None = None
         self.batch: BatchLane | None = (
@@ -217,6 +220,11 @@ class Gateway:
         with self._lock:
             self._pending -= 1
             self._jobs.pop(id(job), None)
+        for observe in self.observers:
+            try:
+                observe(job, done if error is None else None)
+            except Exception:  # noqa: BLE001 - an observer's bug costs its numbers, not the job
+                log.exception("mlxlab serve: a job observer failed")
 
     def batch_stats(self) -> dict:
         b = self.batch

@@ -81,6 +81,9 @@ class Job:
         None  # the output must match it (structured output, forced tool calls)
     )
     id: str = ""
+    cached_tokens: int = (
+        0  # prompt tokens the prompt cache supplied: set by the lane before any event
+    )
     cancelled: threading.Event = field(default_factory=threading.Event)
     aborted: str | None = None  # why the server cut it (a shutdown), when it did
 

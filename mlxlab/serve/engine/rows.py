@@ -71,7 +71,6 @@ class RowOutput:
         self.detok = m.tokenizer.detokenizer  # a fresh copy per call
         self.detok.reset()
         self.tokens: list[int] = []
-        self.cached = 0
         self.t0 = time.perf_counter()
         self.ttft = 0.0
 
@@ -114,7 +113,7 @@ class RowOutput:
             finish,
             len(self.job.prompt),
             len(self.tokens),
-            self.cached,
+            self.job.cached_tokens,
             parser.calls,
             parser.stopped,
             time.perf_counter() - self.t0,

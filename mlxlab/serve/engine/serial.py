@@ -55,7 +55,7 @@ class SerialLane:
         cache, cached = m.cache.fetch(namespace, job.prompt)
         if cache is None:
             cache = m.kv.make_cache(m.model)
-        out.cached = cached
+        job.cached_tokens = cached
         *pieces, (end, _, _) = prompt_segments(job, cached)
         for start, stop, kind in pieces:
             self._prefill(cache, job.prompt[start:stop])

@@ -14,7 +14,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages
-from mlxlab.serve.structured import Shape, named
+from mlxlab.serve.structured import Shape, check_tool_schema, named
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(BaseModel):
+    """The body `error_shape` answers (for the OpenAPI schema)."""
+
+    error: OpenAIErrorDetail
 
 
 def error_shape(err: APIError) -> tuple[int, dict]:
@@ -148,6 +161,33 @@ def choice_shape(choice, parallel: bool, shape: Shape) -> Shape:
     return shape
 
 
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """As OpenAI: a `tool` message answers a call of the assistant message it follows (directly or
+    after other tool messages); its tool_call_id, when both sides have ids, is one of that
+    message's calls. A 400 naming the message otherwise."""
+    calls: ChatMessage | None = None  # the assistant message the tool messages answer
+    for i, m in enumerate(messages):
+        if m.role != "tool":
+            calls = m if m.role == "assistant" and m.tool_calls else None
+            continue
+        where = f"messages[{i}]"
+        if calls is None:
+            raise APIError(
+                400,
+                f"{where}: a 'tool' message must follow an assistant message with 'tool_calls' "
+                "(or another tool message answering one)",
+                param=where,
+            )
+        ids = {c.id for c in calls.tool_calls if c.id}
+        if m.tool_call_id is not None and ids and m.tool_call_id not in ids:
+            raise APIError(
+                400,
+                f"{where}.tool_call_id: {m.tool_call_id!r} is not among the tool_calls of the "
+                f"assistant message before it ({', '.join(sorted(ids))})",
+                param=f"{where}.tool_call_id",
+            )
+
+
 class ChatRequest(Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -178,6 +218,9 @@ class ChatRequest(Sampled):
         )
 
     def to_ask(self) -> Ask:
+        for i, t in enumerate(self.tools or []):
+            check_tool_schema(t.function.parameters, f"tools[{i}].function.parameters")
+        check_tool_messages(self.messages)
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         shape = self.response_format.shape() if self.response_format else Shape()
         choice = self.tool_choice

@@ -8,14 +8,14 @@ import uuid
 from fastapi import APIRouter, Request
 
 from mlxlab.serve import pipeline
-from mlxlab.serve.http import protocol_route
+from mlxlab.serve.http import STREAMED, protocol_route
 from mlxlab.serve.openai import encode
-from mlxlab.serve.openai.protocol import ChatRequest, CompletionRequest, error_shape
+from mlxlab.serve.openai.protocol import ChatRequest, CompletionRequest, OpenAIError, error_shape
 
-router = APIRouter(route_class=protocol_route(error_shape))
+router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=STREAMED)
 async def chat(body: ChatRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     job = await pipeline.prepare(gateway, cfg, body.to_ask())
@@ -27,7 +27,7 @@ async def chat(body: ChatRequest, request: Request):
     return encode.chat_body(head, got, body.logprobs)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     job = await pipeline.prepare(gateway, cfg, body.to_ask())

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages, text_of
-from mlxlab.serve.structured import Shape, named
+from mlxlab.serve.structured import Shape, check_tool_schema, named
 
 
 class TextFormat(BaseModel):
@@ -70,9 +70,13 @@ def _item_text(content, where: str) -> str:
     return text_of(content, where)
 
 
-def to_chat(body: ResponsesRequest, previous: dict | None) -> tuple[list[dict], str | None]:
-    """(conversation messages without the system message, instructions in force)."""
+def to_chat(
+    body: ResponsesRequest, previous: dict | None
+) -> tuple[list[dict], str | None, list[str]]:
+    """(conversation messages without the system message, instructions in force, the request
+    field each message came from)."""
     messages = list(previous["messages"]) if previous else []
+    origins = ["previous_response_id"] * len(messages)
     instructions = (
         body.instructions if body.instructions is not None else (previous or {}).get("instructions")
     )
@@ -143,13 +147,17 @@ def to_chat(body: ResponsesRequest, previous: dict | None) -> tuple[list[dict], 
             continue
         else:
             raise APIError(400, f"{where}: unsupported item type {kind!r}", param=where)
+        origins += [where] * (len(messages) - len(origins))
     if system_extra:
         instructions = "\n\n".join([*([instructions] if instructions else []), *system_extra])
-    return messages, instructions
+    return messages, instructions, origins
 
 
 def function_tools(body: ResponsesRequest) -> list[dict] | None:
     """The function tools offered to the model (those tool_choice allowed_tools lists, if it does)."""
+    for i, t in enumerate(body.tools or []):  # each one's schema, offered this time or not
+        if t.get("type") == "function":
+            check_tool_schema(t.get("parameters"), f"tools[{i}].parameters")
     if body.tool_choice == "none":
         return None
     allowed = None
@@ -218,12 +226,15 @@ def shape_of(body: ResponsesRequest) -> Shape:
     return shape
 
 
-def to_ask(body: ResponsesRequest, messages: list[dict], instructions: str | None) -> Ask:
+def to_ask(
+    body: ResponsesRequest, messages: list[dict], instructions: str | None, origins: list[str]
+) -> Ask:
     """The generation request: the instructions as a leading system message, then the conversation."""
     chat = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     return Ask(
         messages=normalize_messages(chat),
         messages_field="input",
+        origins=(["instructions"] if instructions else []) + origins,
         tools=function_tools(body),
         max_tokens=body.max_output_tokens,
         sampling=SamplingAsk.of(body),

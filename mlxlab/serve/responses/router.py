@@ -11,13 +11,13 @@ from fastapi import APIRouter, Request
 
 from mlxlab.serve import pipeline
 from mlxlab.serve.engine.jobs import Done
-from mlxlab.serve.http import APIError, protocol_route
-from mlxlab.serve.openai.protocol import error_shape
+from mlxlab.serve.http import STREAMED, APIError, protocol_route
+from mlxlab.serve.openai.protocol import OpenAIError, error_shape
 from mlxlab.serve.responses.encode import Draft, ResponseStream
 from mlxlab.serve.responses.protocol import ResponsesRequest, to_ask, to_chat
 from mlxlab.serve.responses.store import ResponseStore
 
-router = APIRouter(route_class=protocol_route(error_shape))
+router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
 
 
 def not_found(rid: str, param: str | None = None) -> APIError:
@@ -55,7 +55,7 @@ def remember(
     store.put(resp["id"], {"messages": convo, "instructions": instructions, "response": resp})
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", responses=STREAMED)
 async def create(body: ResponsesRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     store: ResponseStore = request.app.state.response_store
@@ -64,7 +64,7 @@ async def create(body: ResponsesRequest, request: Request):
         previous = store.get(body.previous_response_id)
         if previous is None:
             raise not_found(body.previous_response_id, "previous_response_id")
-    messages, instructions = to_chat(body, previous)
+    messages, instructions, origins = to_chat(body, previous)
     if not messages:
         raise APIError(400, "input has no messages", param="input")
     if (
@@ -79,7 +79,7 @@ async def create(body: ResponsesRequest, request: Request):
             param="store",
             code="store_entry_too_large",
         )
-    job = await pipeline.prepare(gateway, cfg, to_ask(body, messages, instructions))
+    job = await pipeline.prepare(gateway, cfg, to_ask(body, messages, instructions, origins))
     draft = Draft(body, cfg.model, instructions, int(time.time()))
 
     def on_final(resp: dict, done: Done, text: str) -> None:
