@@ -8,7 +8,8 @@
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`). Every response carries `X-Request-ID` (the client's, or a new one); each router
 answers its errors in its own protocol's shape (`http.protocol_route`); paths no router has get
-404/405 in the OpenAI shape (the Anthropic one under /v1/messages).
+404/405 in the shape `shape_for` picks, and so do the Host/Origin/API-key refusals of
+`guard.Guard`, which answers before routing.
 """
 
 from __future__ import annotations
@@ -21,43 +22,55 @@ from mlxlab.serve.admin import router as admin
 from mlxlab.serve.anthropic import router as anthropic
 from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
 from mlxlab.serve.engine.gateway import Gateway
-from mlxlab.serve.http import APIError, Exchanges, InFlight, respond
+from mlxlab.serve.guard import Guard, Keys, load_keys
+from mlxlab.serve.http import APIError, Exchanges, InFlight, Shape, respond
 from mlxlab.serve.openai import router as openai
 from mlxlab.serve.openai.protocol import error_shape
 from mlxlab.serve.responses import router as responses
 from mlxlab.serve.responses.store import ResponseStore
 
 
-def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
+def shape_for(path: str) -> Shape:
+    """The error shape for a request no route has answered (yet): the Anthropic shape under its
+    prefix, else OpenAI's (which Responses and admin use too)."""
+    return anthropic_error_shape if path.startswith("/v1/messages") else error_shape
+
+
+def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> FastAPI:
+    """The app over a started gateway; `keys` default to `guard.load_keys(cfg)`."""
     app = FastAPI(title="mlxlab", docs_url=None, redoc_url=None)
     app.state.cfg = cfg
     app.state.gateway = gateway
     app.state.draining = False
     app.state.response_store = ResponseStore()
     app.state.in_flight = InFlight()
+    # The last added runs first: Exchanges (X-Request-ID, in-flight count), then Guard.
+    app.add_middleware(
+        Guard, cfg=cfg, keys=load_keys(cfg) if keys is None else keys, shape_for=shape_for
+    )
     app.add_middleware(Exchanges, counter=app.state.in_flight)
     for router in (
         admin.health_router,
         admin.router,
+        admin.admin_router,
         openai.router,
         anthropic.router,
         responses.router,
     ):
         app.include_router(router)
 
-    def shape_for(request: Request):
-        """No router took the request: the Anthropic shape under its prefix, else OpenAI's."""
-        return anthropic_error_shape if request.url.path.startswith("/v1/messages") else error_shape
-
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
-        return respond(APIError(exc.status_code, str(exc.detail), type=kind), shape_for(request))
+        return respond(
+            APIError(exc.status_code, str(exc.detail), type=kind), shape_for(request.url.path)
+        )
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
         return respond(
-            APIError(500, f"internal error: {exc}", type="server_error"), shape_for(request)
+            APIError(500, f"internal error: {exc}", type="server_error"),
+            shape_for(request.url.path),
         )
 
     return app

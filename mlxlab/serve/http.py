@@ -79,9 +79,19 @@ def respond(err: APIError, shape: Shape) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=dict(err.headers))
 
 
-def protocol_route(shape: Shape, drains: bool = True) -> type[APIRoute]:
+ADMIN_REFUSAL = "admin_refusal"
+"""The `request.state` field where serve/guard.py leaves what an admin route answers for the
+request's credentials: an APIError, or None to go ahead."""
+UNGUARDED = APIError(
+    403, "admin routes are closed: the app runs without serve/guard.py", type="permission_error"
+)
+
+
+def protocol_route(shape: Shape, drains: bool = True, admin: bool = False) -> type[APIRoute]:
     """A route class whose errors take `shape`; `drains=False` keeps answering while draining
-    (health checks)."""
+    (health checks); `admin=True` marks routes that change the server's state: they answer
+    what serve/guard.py decided for the request's credentials (`serve.admin_key`), before the
+    body is read."""
 
     class ProtocolRoute(APIRoute):
         def get_route_handler(self):
@@ -90,6 +100,10 @@ def protocol_route(shape: Shape, drains: bool = True) -> type[APIRoute]:
             async def route(request):
                 if drains and request.app.state.draining:
                     return respond(draining_error(), shape)
+                if admin:  # before the body is read
+                    refusal = request.scope.get("state", {}).get(ADMIN_REFUSAL, UNGUARDED)
+                    if refusal is not None:
+                        return respond(refusal, shape)
                 try:
                     return await handler(request)
                 except APIError as e:

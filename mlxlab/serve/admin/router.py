@@ -1,6 +1,7 @@
 """Status and admin routes: `GET /health` (503 while loading or draining), `GET /v1/models[/{id}]`,
 `GET /stats`, and the adapter API (`GET/POST /v1/adapters`, `DELETE /v1/adapters/{id}`,
-`GET /v1/adapters/available`). Errors answer in the OpenAI shape."""
+`GET /v1/adapters/available`). Errors answer in the OpenAI shape. The routes that change the
+server's state (mount, unmount) are on `admin_router`, which `serve.admin_key` guards."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from mlxlab.serve.pipeline import ready_loaded
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
 router = APIRouter(route_class=protocol_route(error_shape))
+admin_router = APIRouter(route_class=protocol_route(error_shape, admin=True))
 
 
-@health_router.get("/health")
+@health_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request):
     state = request.app.state
     g = state.gateway
@@ -112,7 +114,7 @@ async def available(request: Request):
     return {"root": str(reg.root), "adapters": reg.available()}
 
 
-@router.post("/v1/adapters")
+@admin_router.post("/v1/adapters")
 async def mount(body: MountRequest, request: Request):
     reg = registry(request, mutating=True)
     try:
@@ -128,7 +130,7 @@ async def mount(body: MountRequest, request: Request):
     return mounted.card()
 
 
-@router.delete("/v1/adapters/{adapter_id}")
+@admin_router.delete("/v1/adapters/{adapter_id}")
 async def unmount(adapter_id: str, request: Request):
     reg = registry(request, mutating=True)
     try:
