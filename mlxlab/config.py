@@ -533,12 +533,12 @@ class ServeConfig:
     kv_quant: str = "off"
     """KV-cache quantization: off, 4 or 8 (uniform bits, group 64), config (the model's
     kv_config.json: a list of {layer_idx, bits, group_size}) or a path to such a JSON file."""
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     """Key clients must send (`Authorization: Bearer <key>` or `x-api-key: <key>`) on every route
     but /health; default: the MLXLAB_API_KEY environment variable, else no key is required."""
     api_key_file: str | None = None
     """File of further API keys, one a line (`#` comments and blank lines ignored), one per client."""
-    admin_key: str | None = None
+    admin_key: str | None = field(default=None, repr=False)
     """If set (or MLXLAB_ADMIN_KEY), the only key that opens the routes that change the server's
     state (POST /v1/adapters, DELETE /v1/adapters/{id}); an API key gets 403 there."""
     allowed_hosts: list[str] = field(default_factory=list)

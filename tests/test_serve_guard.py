@@ -209,6 +209,7 @@ def test_bad_key_files_and_keys_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="must differ"):
         load_keys(ServeConfig(api_key="same", admin_key="same"), {})
     assert repr(load_keys(ServeConfig(api_key="secret"), {})) == "Keys(api=1, admin=False)"
+    assert "secret" not in repr(ServeConfig(api_key="secret", admin_key="secret-admin"))
 
 
 @pytest.mark.slow
