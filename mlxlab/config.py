@@ -552,6 +552,22 @@ class ServeConfig:
     kv_quant: str = "off"
     """KV-cache quantization: off, 4 or 8 (uniform bits, group 64), config (the model's
     kv_config.json: a list of {layer_idx, bits, group_size}) or a path to such a JSON file."""
+    api_key: str | None = field(default=None, repr=False)
+    """Key clients must send (`Authorization: Bearer <key>` or `x-api-key: <key>`) on every route
+    but /health; default: the MLXLAB_API_KEY environment variable, else no key is required."""
+    api_key_file: str | None = None
+    """File of further API keys, one a line (`#` comments and blank lines ignored), one per client."""
+    admin_key: str | None = field(default=None, repr=False)
+    """If set (or MLXLAB_ADMIN_KEY), the only key that opens the routes that change the server's
+    state (POST /v1/adapters, DELETE /v1/adapters/{id}); an API key gets 403 there."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host header names accepted besides loopback ones (localhost, 127.0.0.1, [::1]) when bound to
+    loopback; bound elsewhere, the only ones accepted if set. `*` accepts any:
+    `allowed_hosts=[box.lan,10.0.0.5]`."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Browser origins (scheme://host[:port]) that may call the API cross-origin and get CORS
+    headers; others get 403 on POST/PUT/PATCH/DELETE. `*` allows any; the server's own origin is
+    always allowed: `cors_origins=[http://localhost:3000]`."""
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)
@@ -578,6 +594,36 @@ class ServeConfig:
                 f"batch and prefill_batch must be >= 1, got {self.batch} and {self.prefill_batch}"
             )
         self.kv_quant = str(self.kv_quant)
+        for name in ("api_key", "admin_key"):
+            if getattr(self, name) is not None:
+                check_api_key(getattr(self, name), f"serve.{name}")
+        if self.api_key_file is not None and not str(self.api_key_file).strip():
+            raise UserError("serve.api_key_file is empty: give the path of a file of keys")
+        for host in self.allowed_hosts:
+            if not isinstance(host, str) or not host or re.search(r"[\s/]", host):
+                raise UserError(
+                    f"serve.allowed_hosts: {host!r} is not a host name or address "
+                    "(a name, an IP address, or *)"
+                )
+        for origin in self.cors_origins:
+            if not isinstance(origin, str) or not (origin == "*" or ORIGIN.fullmatch(origin)):
+                raise UserError(
+                    f"serve.cors_origins: {origin!r} is not an origin: scheme://host[:port] "
+                    "without a path (http://localhost:3000), or *"
+                )
+
+
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", re.IGNORECASE)
+"""A browser origin as an `Origin` header carries it: scheme://host[:port], no path."""
+
+
+def check_api_key(key, where: str) -> None:
+    """UserError unless `key` can travel in a header: printable ASCII without spaces (the message
+    names where the key came from, never the key)."""
+    if not isinstance(key, str) or not key or not all(33 <= ord(c) <= 126 for c in key):
+        raise UserError(
+            f"{where}: an API key must be a non-empty string of printable ASCII without spaces"
+        )
 
 
 SCHEMAS = {

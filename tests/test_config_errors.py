@@ -74,7 +74,8 @@ FREE = {
     "diag": {"model", "adapter", "out"},
     "data": {"out"},
     "eval": {"model", "adapter", "data", "out"},
-    "serve": {"model", "host", "adapter_root"},
+    "serve": {"model", "host", "adapter_root"}
+    | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"},  # format-checked
 }
 TASK_FREE = {"chunk": {"report"}}
 

@@ -37,7 +37,7 @@ class SlowClient(threading.Thread):
         s.connect(("127.0.0.1", self.port))
         payload = json.dumps(self.body).encode()
         s.sendall(
-            f"POST {self.path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST {self.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
             + payload
         )

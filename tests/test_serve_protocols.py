@@ -384,7 +384,14 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
     r = client.get("/openapi.json")
     assert r.status_code == 200 and "x-request-id" in r.headers
     schema = r.json()
-    routers = (admin.health_router, admin.router, openai.router, anthropic.router, responses.router)
+    routers = (
+        admin.health_router,
+        admin.router,
+        admin.admin_router,
+        openai.router,
+        anthropic.router,
+        responses.router,
+    )
     routes = {
         (m.lower(), route.path.replace(":path", ""))
         for router in routers
@@ -417,7 +424,8 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
     assert "text/event-stream" in stream
 
     cfg = ServeConfig(model="tiny-gemma3", openapi=False)
-    off = TestClient(create_app(cfg, client.app.state.gateway)).get("/openapi.json")
+    off = TestClient(create_app(cfg, client.app.state.gateway), base_url="http://localhost")
+    off = off.get("/openapi.json")
     assert off.status_code == 404 and off.json()["error"]["type"] == "not_found_error"
     assert client.get("/docs").status_code == 404
 

@@ -8,9 +8,10 @@
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`, `metrics`). Every response carries `X-Request-ID` (the client's, or a new one); each router
 answers its errors in its own protocol's shape (`http.protocol_route`); paths no router has get
-404/405 in the OpenAI shape (the Anthropic one under /v1/messages: `shape_for`), and so do
-bodies over serve.max_body_mb (413) or slower than serve.read_timeout_s (408), which
-`http.BodyLimit` answers before any router runs.
+404/405 in the shape `shape_for` picks (the Anthropic one under /v1/messages, else OpenAI's),
+and so do the Host/Origin/API-key refusals of `guard.Guard` and the bodies over
+serve.max_body_mb (413) or slower than serve.read_timeout_s (408), which `http.BodyLimit`
+answers: both before any router runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from mlxlab.serve.admin import router as admin
 from mlxlab.serve.anthropic import router as anthropic
 from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
 from mlxlab.serve.engine.gateway import Gateway
-from mlxlab.serve.http import APIError, BodyLimit, Exchanges, InFlight, respond
+from mlxlab.serve.guard import Guard, Keys, load_keys
+from mlxlab.serve.http import APIError, BodyLimit, Exchanges, InFlight, Shape, respond
 from mlxlab.serve.metrics import Metrics, Requests
 from mlxlab.serve.openai import router as openai
 from mlxlab.serve.openai.protocol import error_shape
@@ -31,13 +33,14 @@ from mlxlab.serve.responses import router as responses
 from mlxlab.serve.responses.store import ResponseStore
 
 
-def shape_for(path: str):
-    """The error shape of an answer no router gives (no route, a body over its limit): the
-    Anthropic shape under its prefix, else OpenAI's."""
+def shape_for(path: str) -> Shape:
+    """The error shape for a request no route has answered (yet): the Anthropic shape under its
+    prefix, else OpenAI's (which Responses and admin use too)."""
     return anthropic_error_shape if path.startswith("/v1/messages") else error_shape
 
 
-def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
+def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> FastAPI:
+    """The app over a started gateway; `keys` default to `guard.load_keys(cfg)`."""
     # /openapi.json is an admin route (serve.openapi), answering like every other route.
     app = FastAPI(title="mlxlab", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cfg = cfg
@@ -46,19 +49,24 @@ def create_app(cfg: ServeConfig, gateway: Gateway) -> FastAPI:
     app.state.response_store = ResponseStore()
     app.state.in_flight = InFlight()
     app.state.metrics = Metrics(gateway, app.state.response_store)
-    # Outermost last: every response gets X-Request-ID and is counted (413s and 408s too);
-    # bodies are read within their limits before any router runs.
+    # The last added runs first: Exchanges (X-Request-ID, in-flight count), Requests (metrics:
+    # every answer counted, refusals too), Guard (Host, Origin, keys: before any body is read),
+    # BodyLimit (the body read within its cap and deadline), then the routers.
     app.add_middleware(
         BodyLimit,
         max_bytes=int(cfg.max_body_mb * 1e6),
         timeout_s=cfg.read_timeout_s,
         shape_for=shape_for,
     )
+    app.add_middleware(
+        Guard, cfg=cfg, keys=load_keys(cfg) if keys is None else keys, shape_for=shape_for
+    )
     app.add_middleware(Requests, metrics=app.state.metrics)
     app.add_middleware(Exchanges, counter=app.state.in_flight)
     for router in (
         admin.health_router,
         admin.router,
+        admin.admin_router,
         openai.router,
         anthropic.router,
         responses.router,

@@ -3,7 +3,9 @@
     python -m mlxlab serve                                  # gemma3-270m on http://127.0.0.1:8090
     python -m mlxlab serve model=tiny-qwen3 port=8091 memory_budget_gb=4 prompt_cache_gb=1
 
-The port is checked before anything loads; the model loads on the engine thread while /health
+The keys (serve.api_key, api_key_file, MLXLAB_API_KEY, admin_key) are read first: a key file that
+is missing or holds no key is a one-line error; bound to a non-loopback host without a key, or
+with cors_origins=[*] and no key, the server warns. The port is checked before anything loads; the model loads on the engine thread while /health
 answers 503; a ready line (URL, model, context ceiling, cache) is logged once it can serve.
 Ctrl-C or SIGTERM drains: new requests get 503; the server exits 0 once every request in flight
 has been answered in full (each response's last byte handed to its socket) or its client has
@@ -29,6 +31,7 @@ from mlxlab.config import ServeConfig
 from mlxlab.errors import UserError
 from mlxlab.serve.app import create_app
 from mlxlab.serve.engine.gateway import Gateway
+from mlxlab.serve.guard import Keys, is_loopback, load_keys
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,28 @@ def check_port(host: str, port: int) -> None:
                 f"cannot listen on {host}:{port} ({e.strerror or e}); is another server "
                 "running there? pick another with port=..."
             ) from None
+
+
+def check_security(cfg: ServeConfig) -> Keys:
+    """The configured keys (a UserError for a bad key file), with a warning for each way the
+    settings leave the server open to others."""
+    keys = load_keys(cfg)
+    if keys.api:
+        return keys
+    if not is_loopback(cfg.host):
+        mounts = cfg.allow_adapter_mount and keys.admin is None
+        log.warning(
+            "mlxlab serve: warning: listening on %s without an API key: anyone who can reach "
+            "this address can use the model%s; set api_key=... (or MLXLAB_API_KEY, api_key_file=)",
+            cfg.host,
+            " and mount adapters" if mounts else "",
+        )
+    if "*" in cfg.cors_origins:
+        log.warning(
+            "mlxlab serve: warning: cors_origins=[*] without an API key: any web page open in a "
+            "browser on this machine can use the server; set api_key=... or list the origins"
+        )
+    return keys
 
 
 def ready_line(cfg: ServeConfig, gateway: Gateway) -> str:
@@ -195,9 +220,10 @@ def uvicorn_config(cfg: ServeConfig, app) -> uvicorn.Config:
 
 
 def run(cfg: ServeConfig) -> None:
+    keys = check_security(cfg)
     check_port(cfg.host, cfg.port)
     gateway = Gateway(cfg).start()
-    app = create_app(cfg, gateway)
+    app = create_app(cfg, gateway, keys)
     server = DrainingServer(uvicorn_config(cfg, app), app, gateway, cfg.drain_timeout_s)
     failed = []
 

@@ -81,6 +81,13 @@ def respond(err: APIError, shape: Shape) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=dict(err.headers))
 
 
+ADMIN_REFUSAL = "admin_refusal"
+"""The `request.state` field where serve/guard.py leaves what an admin route answers for the
+request's credentials: an APIError, or None to go ahead."""
+UNGUARDED = APIError(
+    403, "admin routes are closed: the app runs without serve/guard.py", type="permission_error"
+)
+
 STREAMED = {
     200: {
         "description": "The answer; with `stream: true`, server-sent events in the protocol's "
@@ -92,10 +99,12 @@ STREAMED = {
 
 
 def protocol_route(
-    shape: Shape, error_model: type | None = None, drains: bool = True
+    shape: Shape, error_model: type | None = None, drains: bool = True, admin: bool = False
 ) -> type[APIRoute]:
     """A route class whose errors take `shape`; `drains=False` keeps answering while draining
-    (health checks). `error_model`: the pydantic model of that shape's body, which the OpenAPI
+    (health checks); `admin=True` marks routes that change the server's state: they answer
+    what serve/guard.py decided for the request's credentials (`serve.admin_key`) before their
+    handler runs. `error_model`: the pydantic model of that shape's body, which the OpenAPI
     schema gives for 4XX and 5XX answers (so it says what the route really answers: 400, not
     FastAPI's 422)."""
     documented = (
@@ -118,6 +127,10 @@ def protocol_route(
             async def route(request):
                 if drains and request.app.state.draining:
                     return respond(draining_error(), shape)
+                if admin:  # before the handler parses the body
+                    refusal = request.scope.get("state", {}).get(ADMIN_REFUSAL, UNGUARDED)
+                    if refusal is not None:
+                        return respond(refusal, shape)
                 try:
                     return await handler(request)
                 except APIError as e:

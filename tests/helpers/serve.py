@@ -20,12 +20,18 @@ SYSTEM = (
 )
 
 
-def make_client(**overrides) -> tuple[TestClient, Gateway]:
-    """A started gateway (tiny-gemma3 unless overridden) and a TestClient over its app."""
+BASE_URL = "http://localhost"
+"""The TestClient's base URL: a loopback Host, which the server (bound to loopback) accepts."""
+
+
+def make_client(gateway: Gateway | None = None, **overrides) -> tuple[TestClient, Gateway]:
+    """A started gateway (tiny-gemma3 unless overridden) and a TestClient over its app; with
+    `gateway`, a new app over that one (the overrides then set the HTTP side only: keys, hosts)."""
     cfg = ServeConfig(**{"model": "tiny-gemma3", "memory_budget_gb": 2, **overrides})
-    gateway = Gateway(cfg).start()
-    assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
-    return TestClient(create_app(cfg, gateway)), gateway
+    if gateway is None:
+        gateway = Gateway(cfg).start()
+        assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
+    return TestClient(create_app(cfg, gateway), base_url=BASE_URL), gateway
 
 
 def free_port() -> int:

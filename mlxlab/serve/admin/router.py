@@ -1,7 +1,8 @@
 """Status and admin routes: `GET /health` (503 while loading or draining), `GET /v1/models[/{id}]`,
-`GET /stats`, `GET /metrics` (Prometheus), `GET /openapi.json` (`serve.openapi`), and the adapter API (`GET/POST
-/v1/adapters`, `DELETE /v1/adapters/{id}`, `GET /v1/adapters/available`). Errors answer in the
-OpenAI shape."""
+`GET /stats`, `GET /metrics` (Prometheus), `GET /openapi.json` (`serve.openapi`), and the adapter
+API (`GET/POST /v1/adapters`, `DELETE /v1/adapters/{id}`, `GET /v1/adapters/available`). Errors
+answer in the OpenAI shape. The routes that change the server's state (mount, unmount) are on
+`admin_router`, which `serve.admin_key` guards."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from mlxlab.serve.pipeline import ready_loaded
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
+admin_router = APIRouter(route_class=protocol_route(error_shape, OpenAIError, admin=True))
 
 
+@health_router.head("/health", include_in_schema=False)  # HEAD: the same answer, no body
 @health_router.get(
     "/health",
     responses={
@@ -139,7 +142,7 @@ async def available(request: Request):
     return {"root": str(reg.root), "adapters": reg.available()}
 
 
-@router.post("/v1/adapters")
+@admin_router.post("/v1/adapters")
 async def mount(body: MountRequest, request: Request):
     reg = registry(request, mutating=True)
     try:
@@ -155,7 +158,7 @@ async def mount(body: MountRequest, request: Request):
     return mounted.card()
 
 
-@router.delete("/v1/adapters/{adapter_id}")
+@admin_router.delete("/v1/adapters/{adapter_id}")
 async def unmount(adapter_id: str, request: Request):
     reg = registry(request, mutating=True)
     try:
