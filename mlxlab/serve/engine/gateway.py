@@ -23,6 +23,7 @@ from mlxlab.config import ServeConfig
 from mlxlab.serve.engine.batch import BatchLane, batchable
 from mlxlab.serve.engine.jobs import Done, Failed, Job, JobError, NotReady, QueueFull
 from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.rows import heal_random_state
 from mlxlab.serve.engine.serial import SerialLane
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class Gateway:
                     batch.step()
                 except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine carries on
                     log.exception("mlxlab serve: a batched forward pass failed")
+                    heal_random_state()
                     batch.fail_all(f"generation failed: {e}")
                 continue
             item = held.pop() if held else self._queue.get()
@@ -186,6 +188,7 @@ class Gateway:
             self._finish(job, None, str(e))
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
             log.exception("mlxlab serve: adding a row failed")
+            heal_random_state()
             self._finish(job, None, f"generation failed: {e}")
 
     def _run_serial(self, job: Job) -> None:
@@ -200,6 +203,7 @@ class Gateway:
             error = str(e)
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
             log.exception("mlxlab serve: a request failed")
+            heal_random_state()
             error = f"generation failed: {e}"
         finally:
             self.running = None

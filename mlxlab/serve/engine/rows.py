@@ -3,12 +3,15 @@ and cache, and its output side (`RowOutput`: tokens -> Delta events -> one Done)
 
 from __future__ import annotations
 
+import logging
 import time
 
 from mlxlab.grammar import constrain
 from mlxlab.serve.engine.jobs import AdapterSpec, Delta, Done, Job, JobError, spec_name
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.output import OutputParser
+
+log = logging.getLogger(__name__)
 
 
 def claim_adapters(m: Loaded, job: Job) -> AdapterSpec:
@@ -28,14 +31,37 @@ def cache_namespace(m: Loaded, ids: AdapterSpec) -> tuple[str, str]:
     return (m.model_id, spec_name(ids))
 
 
+def heal_random_state() -> bool:
+    """Reseed MLX's global random state (from os.urandom) if it is broken; whether it was.
+
+    mlx-lm's samplers are compiled with the random state as input and output: one that raises
+    while being traced (any bug or unchecked input in a sampler) leaves `mx.random.state`
+    holding a tracer, and every later sample fails ("eval an array without a primitive"). The
+    engine calls this after a failed generation, so one bad request cannot break the server."""
+    import os
+
+    import mlx.core as mx
+
+    try:
+        mx.eval(mx.random.state)
+        return False
+    except Exception:  # noqa: BLE001 - the state is unusable, whatever the error says
+        mx.random.seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        log.warning("mlxlab serve: MLX's random state was broken by a failed generation; reseeded")
+        return True
+
+
 def make_sampling(m: Loaded, job: Job):
     """(sampler, logits processors) for one row: mlx-lm's, then the job's grammar constraint
     (its own matcher state) last, so it masks what the others produced."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     s = job.sampling
+    # top_k at or above the vocabulary keeps every token: off (mlx-lm refuses it, and its
+    # compiled sampler raising mid-trace would poison the random state: heal_random_state).
+    top_k = s.top_k if 0 < s.top_k < m.n_vocab else 0
     sampler = make_sampler(
-        temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, min_p=s.min_p, top_k=s.top_k
+        temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, min_p=s.min_p, top_k=top_k
     )
     processors = make_logits_processors(
         s.logit_bias, s.repetition_penalty, 64, s.presence_penalty, 64, s.frequency_penalty, 64
