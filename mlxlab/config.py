@@ -498,7 +498,7 @@ class ServeConfig:
     max_queue: int = 16
     """Requests waiting for the model beyond which new ones get 503 + Retry-After."""
     max_body_mb: float = 16.0
-    """Largest request body, in MB (10^6 bytes); a larger one gets 413 before it is read."""
+    """Largest request body, in MB (10^6 bytes); a larger one gets 413 before any router runs."""
     read_timeout_s: float = 30.0
     """A client has this long to send its request headers, and then this long for its body; a
     stalled or trickling client is dropped (408 once its headers are in)."""

@@ -32,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -334,13 +335,17 @@ def soak(
 
 def start_server(model: str, serve_args: list[str], port: int, env=None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "mlxlab", "serve", f"model={model}", f"port={port}", *serve_args]
+    # Its log goes to a file: a pipe nobody reads would fill and block the server's logging.
+    log = tempfile.NamedTemporaryFile("w+", prefix="mlxlab-soak-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env
     )
+    proc.log_path = log.name
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server failed: {' '.join(cmd)}\n{proc.stderr.read()[-2000:]}")
+            tail = Path(log.name).read_text()[-2000:]
+            raise SystemExit(f"server failed: {' '.join(cmd)}\n{tail}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc

@@ -154,15 +154,28 @@ def test_answers_unfinished_at_the_drain_timeout_are_aborted_with_a_503(tiny_dir
             "logit_bias": no_eos,
         }
         got: dict = {}
+        streaming = threading.Event()
 
         def post(name, path, body):
             got[name] = httpx.post(url + path, json=body, timeout=120)
 
+        def stream():  # started first, so it holds a row and has streamed before the signal
+            with httpx.stream(
+                "POST", url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=120
+            ) as r:
+                text = ""
+                for piece in r.iter_text():
+                    text += piece
+                    streaming.set()
+                got["stream"] = (r.status_code, text)
+            streaming.set()
+
+        first = threading.Thread(target=stream)
+        first.start()
+        assert streaming.wait(60)
         threads = [
+            first,
             threading.Thread(target=post, args=("chat", "/v1/chat/completions", chat)),
-            threading.Thread(
-                target=post, args=("stream", "/v1/chat/completions", {**chat, "stream": True})
-            ),
             threading.Thread(
                 target=post,
                 args=(
@@ -172,7 +185,7 @@ def test_answers_unfinished_at_the_drain_timeout_are_aborted_with_a_503(tiny_dir
                 ),
             ),
         ]
-        for t in threads:
+        for t in threads[1:]:
             t.start()
         deadline = time.time() + 60
         while gateway.counters["requests"] < 3 and time.time() < deadline:
@@ -191,13 +204,42 @@ def test_answers_unfinished_at_the_drain_timeout_are_aborted_with_a_503(tiny_dir
         anthropic_r = got["anthropic"]
         assert anthropic_r.status_code == 529, anthropic_r.text[:300]
         assert anthropic_r.json()["error"]["type"] == "overloaded_error"
-        stream = got["stream"]
-        assert stream.status_code == 200
-        events = [x[6:] for x in stream.text.split("\n\n") if x.startswith("data: ")]
+        status, text = got["stream"]
+        assert status == 200
+        events = [x[6:] for x in text.split("\n\n") if x.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "shutting_down"
         assert gateway.pending == 0
     finally:
         server.should_exit = True
         thread.join(30)
+        gateway.stop()
+
+
+def test_after_the_drain_timeout_a_request_still_being_prepared_is_refused(tiny_dir):
+    """One that reached the engine after abort_all (it was rendering, or reading its body)
+    gets the same 503 instead of starting a generation uvicorn would then cut."""
+    from tests.helpers.serve import make_client
+
+    tiny_dir("gemma3")
+    client, gateway = make_client()
+    try:
+        assert gateway.abort_all("the server is shutting down (test)") == 0
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+            (
+                "/v1/messages",
+                {"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+            ),
+        ):
+            r = client.post(path, json=body)
+            assert r.status_code in (503, 529) and "shutting down" in r.text, r.text
+        assert (
+            client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "stream": True},
+            ).status_code
+            == 503
+        )
+    finally:
         gateway.stop()

@@ -106,10 +106,13 @@ def test_a_sampler_that_raised_mid_trace_no_longer_breaks_the_random_state():
     from mlxlab.serve.engine.rows import heal_random_state
 
     logits = mx.zeros((1, 16))
-    with pytest.raises(ValueError):
-        make_sampler(temp=1.0, top_k=99)(logits)  # compiled; raises while tracing
-    with pytest.raises(RuntimeError):
-        mx.eval(mx.random.state)  # what every later request hit
-    assert heal_random_state() is True
+    try:
+        with pytest.raises(ValueError):
+            make_sampler(temp=1.0, top_k=99)(logits)  # compiled; raises while tracing
+        with pytest.raises(RuntimeError):
+            mx.eval(mx.random.state)  # what every later request hit
+        assert heal_random_state() is True
+    finally:
+        heal_random_state()  # the state is the process's: never leave it broken for others
     assert make_sampler(temp=1.0)(logits).shape == (1,)
     assert heal_random_state() is False

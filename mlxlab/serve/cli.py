@@ -201,6 +201,10 @@ class HeaderTimeout(H11Protocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def handle_websocket_upgrade(self, event) -> None:
+        self._disarm()  # the connection now belongs to the WebSocket protocol
+        super().handle_websocket_upgrade(event)
+
 
 def uvicorn_config(cfg: ServeConfig, app) -> uvicorn.Config:
     """uvicorn's settings for `cfg`: h11 with the header deadline, the connection cap."""

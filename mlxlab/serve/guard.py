@@ -198,7 +198,9 @@ class Guard:
                 },
             )
             return preflight, None
-        if origin and method in STATE_CHANGING and not cors:
+        # A WebSocket handshake is a GET that opens a two-way channel: held to the Origin rule.
+        changing = method in STATE_CHANGING or scope.get("type") == "websocket"
+        if origin and changing and not cors:
             return origin_refused(origin), None
         if path == "/health" and method in ("GET", "HEAD"):  # the one route open without a key
             return None, None

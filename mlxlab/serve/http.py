@@ -232,7 +232,13 @@ class BodyLimit:
                     declared = int(value)
                 except ValueError:
                     declared = None
-        if declared is not None and declared > DISCARD_FACTOR * self.max_bytes:
+        expects = any(
+            n == b"expect" and v.lower() == b"100-continue" for n, v in scope.get("headers") or []
+        )
+        if declared is not None and (
+            declared > DISCARD_FACTOR * self.max_bytes
+            or (expects and declared > self.max_bytes)  # refused before the client sends it
+        ):
             return await self._refuse(scope, receive, send, self._too_large())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s

@@ -64,8 +64,9 @@ class Metrics:
         gateway.observers.append(self.observe)
 
     def observe(self, job: Job, done: Done | None) -> None:
-        """A job left the engine (on the engine thread); jobs that produced no token add nothing."""
-        if done is None or done.completion_tokens == 0:
+        """A job left the engine (on the engine thread); jobs that produced no token, or were
+        cancelled (their time is the client's leaving), add nothing."""
+        if done is None or done.completion_tokens == 0 or done.finish_reason == "cancelled":
             return
         self.ttft.observe(done.ttft)
         self.generation.observe(done.seconds)
@@ -177,6 +178,9 @@ def counter(name: str, doc: str, value) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 class Requests:
     """Pure ASGI middleware: counts every HTTP exchange by method, route template (`unmatched`
     when no route took it, so a scan of random paths adds one series) and final status."""
@@ -187,7 +191,7 @@ class Requests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = [500]  # what the client gets if the app fails before starting a response
+        status = [None]
 
         async def watched(message):
             if message["type"] == "http.response.start":
@@ -196,7 +200,13 @@ class Requests:
 
         try:
             await self.app(scope, receive, watched)
+        except Exception:
+            status[0] = status[0] or 500  # the server's error middleware answers 500
+            raise
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(scope["method"], path, str(status[0])).inc()
+            # Any method token h11 accepts would be a new series: the known ones, else "other".
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            # 499: the client left before any answer started (nginx's convention).
+            self.metrics.requests.labels(method, path, str(status[0] or 499)).inc()

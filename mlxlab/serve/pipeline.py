@@ -5,8 +5,9 @@
 - `Ask` is one generation request normalized at the edge of its protocol (chat messages in the
   chat-template form, or a completion prompt; the sampling fields the client gave; stops, tools,
   limits; the adapter spec already parsed). Nothing below re-parses a request.
-- `prepare` runs `make_job` on the render thread (never on the event loop): it checks the
-  per-request ceilings (messages, tools, top_logprobs), renders the prompt, resolves sampling
+- `prepare` runs the protocol's body -> Ask and `make_job` on the render thread (never on the
+  event loop): it checks the per-request ceilings (messages, tools, top_logprobs), then the
+  tools' parameter schemas (`check_request`), renders the prompt, resolves sampling
   defaults (request > serve flag > the model's generation_config.json > fallback), applies memory
   admission, builds the grammar a structured answer or a forced tool call needs
   (`structured.py`) and checks the adapters are mounted; every refusal is a 4xx `APIError`
@@ -25,7 +26,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
@@ -42,11 +43,12 @@ from mlxlab.serve.engine.jobs import (
     NotReady,
     QueueFull,
     Sampling,
+    ShuttingDown,
     parse_adapter_spec,
 )
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.http import SSE_HEADERS, APIError
-from mlxlab.serve.structured import Shape, grammar_for
+from mlxlab.serve.structured import Shape, check_tool_schema, grammar_for
 
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, on every protocol
@@ -90,6 +92,7 @@ class Ask:
     origins: list[str] | None = None  # the request field of each message (None: messages[i])
     prompt: str | list[int] | None = None  # a completion prompt: text or token ids
     tools: list[dict] | None = None  # function tools offered to the model
+    tool_schemas: list[tuple] = field(default_factory=list)  # (schema, field) of every tool sent
     template_kwargs: dict | None = None
     max_tokens: int | None = None  # None: the serve default, clamped to what fits
     stops: list[str] = field(default_factory=list)
@@ -314,10 +317,11 @@ def check_ceilings(cfg: ServeConfig, ask: Ask) -> None:
             code="too_many_messages",
         )
     tools = ask.tools or []
-    if len(tools) > cfg.max_tools:
+    n = max(len(tools), len(ask.tool_schemas))
+    if n > cfg.max_tools:
         raise APIError(
             400,
-            f"tools: {len(tools)} tools exceed serve.max_tools ({cfg.max_tools})",
+            f"tools: {n} tools exceed serve.max_tools ({cfg.max_tools})",
             param="tools",
             code="too_many_tools",
         )
@@ -349,14 +353,23 @@ async def off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_RENDER, functools.partial(fn, *args))
 
 
-async def prepare(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
-    """`make_job` off the event loop: what every router calls."""
-    return await off_loop(make_job, gateway, cfg, ask)
+async def prepare(gateway: Gateway, cfg: ServeConfig, build: Callable[[], Ask]) -> Job:
+    """`build()` (the protocol's body -> Ask) then `make_job`, both on the render thread: what
+    every router calls, so nothing that grows with the request runs on the event loop."""
+    return await off_loop(lambda: make_job(gateway, cfg, build()))
+
+
+def check_request(cfg: ServeConfig, ask: Ask) -> None:
+    """What a request must pass before any rendering: the ceilings, then (bounded by them) each
+    tool's parameter schema, offered or not, as OpenAI checks them."""
+    check_ceilings(cfg, ask)
+    for params, where in ask.tool_schemas:
+        check_tool_schema(params, where)
 
 
 def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     """The engine job for `ask`; a 4xx APIError for anything that cannot run, before queueing."""
-    check_ceilings(cfg, ask)
+    check_request(cfg, ask)
     loaded = ready_loaded(gateway)
     checkpoint, reasoning = 0, False
     if ask.messages is not None:
@@ -417,6 +430,8 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
             code="queue_full",
             headers={"Retry-After": "2"},
         ) from None
+    except ShuttingDown as e:
+        raise failed_error(Failed(str(e), 503, "shutting_down")) from None
     except NotReady as e:
         raise APIError(
             503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
@@ -486,6 +501,13 @@ async def pump(events: AsyncIterator[Event], encoder: Encoder) -> AsyncIterator[
         yield chunk
 
 
+def failed_error(ev: Failed) -> APIError:
+    """The APIError a failed job answers (each protocol's shape maps it): its status and code."""
+    kind = {500: "server_error", 503: "service_unavailable"}.get(ev.status, "invalid_request_error")
+    headers = {"Retry-After": "10"} if ev.status == 503 else {}
+    return APIError(ev.status, ev.message, type=kind, code=ev.code, headers=headers)
+
+
 class Collector(Encoder):
     """The encoder of a response that is not streamed: gathers the text, reasoning and logprobs;
     a failure is a 500."""
@@ -505,8 +527,7 @@ class Collector(Encoder):
         return []
 
     def failed(self, ev: Failed) -> list[str]:
-        kind = "server_error" if ev.status == 500 else "service_unavailable"
-        raise APIError(ev.status, ev.message, type=kind, code=ev.code)
+        raise failed_error(ev)
 
     @property
     def content(self) -> str:

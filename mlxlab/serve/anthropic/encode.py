@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 
+from mlxlab.serve.anthropic.protocol import error_shape
 from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job
-from mlxlab.serve.pipeline import Collector, Encoder
+from mlxlab.serve.pipeline import Collector, Encoder, failed_error
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -153,18 +154,7 @@ class MessageStream(Encoder):
         return out
 
     def failed(self, ev: Failed) -> list[str]:
-        return [
-            event(
-                "error",
-                {
-                    "type": "error",
-                    "error": {
-                        "type": "api_error" if ev.status == 500 else "overloaded_error",
-                        "message": ev.message,
-                    },
-                },
-            )
-        ]
+        return [event("error", error_shape(failed_error(ev))[1])]
 
 
 def message_body(message_id: str, model: str, got: Collector) -> dict:

@@ -14,13 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, text_of
-from mlxlab.serve.structured import Shape, check_tool_schema, named
+from mlxlab.serve.structured import Shape, named
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -93,7 +94,7 @@ class CountRequest(_Base):
     thinking: dict[str, Any] | None = None
 
 
-def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str]]:
+def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str], list[tuple]]:
     """(chat messages for the template, function tools, the request field each chat message
     came from) from a Messages body."""
     messages: list[dict] = []
@@ -169,7 +170,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str]]:
         elif text or m.role == "assistant":
             messages.append({"role": m.role, "content": "".join(text)})
         origins += [f"messages[{i}]"] * (len(messages) - len(origins))
-    tools = []
+    tools, schemas = [], []
     for i, t in enumerate(body.tools or []):
         if t.get("type") not in (None, "custom"):
             continue  # server tools (web_search, bash, ...) are not ours to run
@@ -177,7 +178,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str]]:
             raise APIError(
                 400, f"tools[{i}]: a tool needs a string name and an object input_schema"
             )
-        check_tool_schema(t.get("input_schema"), f"tools[{i}].input_schema")
+        schemas.append((t.get("input_schema"), f"tools[{i}].input_schema"))
         tools.append(
             {
                 "type": "function",
@@ -190,7 +191,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str]]:
         )
     if body.tool_choice is not None and body.tool_choice.type == "none":
         tools = []
-    return messages, tools or None, origins
+    return messages, tools or None, origins, schemas
 
 
 def template_kwargs(body) -> dict | None:
@@ -212,11 +213,12 @@ def shape_of(choice: ToolChoice | None) -> Shape:
 
 
 def to_ask(body: MessagesRequest) -> Ask:
-    messages, tools, origins = to_chat(body)
+    messages, tools, origins, schemas = to_chat(body)
     return Ask(
         messages=messages,
         origins=origins,
         tools=tools,
+        tool_schemas=schemas,
         template_kwargs=template_kwargs(body),
         max_tokens=body.max_tokens,
         stops=list(body.stop_sequences or []),

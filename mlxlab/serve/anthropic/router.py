@@ -25,7 +25,7 @@ router = APIRouter(route_class=protocol_route(error_shape, AnthropicError))
 @router.post("/v1/messages", responses=STREAMED)
 async def messages(body: MessagesRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    job = await pipeline.prepare(gateway, cfg, to_ask(body))
+    job = await pipeline.prepare(gateway, cfg, lambda: to_ask(body))
     job.id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
         return await pipeline.stream(gateway, job, encode.MessageStream(job.id, cfg.model, job))
@@ -35,9 +35,13 @@ async def messages(body: MessagesRequest, request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountRequest, request: Request):
-    chat, tools, origins = to_chat(body)
-    loaded = pipeline.ready_loaded(request.app.state.gateway)
-    prompt, _, _ = await pipeline.off_loop(
-        pipeline.render_chat, loaded, chat, tools, template_kwargs(body), origins
-    )
-    return {"input_tokens": len(prompt)}
+    gateway, cfg = request.app.state.gateway, request.app.state.cfg
+
+    def count() -> int:
+        chat, tools, origins, schemas = to_chat(body)
+        pipeline.check_request(cfg, pipeline.Ask(messages=chat, tools=tools, tool_schemas=schemas))
+        loaded = pipeline.ready_loaded(gateway)
+        prompt, _, _ = pipeline.render_chat(loaded, chat, tools, template_kwargs(body), origins)
+        return len(prompt)
+
+    return {"input_tokens": await pipeline.off_loop(count)}

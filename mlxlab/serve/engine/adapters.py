@@ -49,6 +49,11 @@ class Mounted:
 RUNS_DIR = "outputs"  # where `train` writes its runs, under the working directory
 
 
+def _owned(path: Path) -> bool:
+    getuid = getattr(os, "getuid", None)
+    return getuid is None or path.stat().st_uid == getuid()
+
+
 def resolve_root(root: str | Path | None) -> Path:
     """The adapter root, absolute: `root` when given (`serve.adapter_root`), else a directory
     that belongs to mlxlab, never the bare working directory (started from a shared temporary
@@ -58,7 +63,9 @@ def resolve_root(root: str | Path | None) -> Path:
     if root is not None:
         return Path(root).expanduser().resolve()
     runs = Path(RUNS_DIR)
-    if runs.is_dir():
+    # Only a real directory of this user's (in a shared directory, another program's
+    # outputs/ or a link to elsewhere is not ours to serve from).
+    if runs.is_dir() and not runs.is_symlink() and _owned(runs):
         return runs.resolve()
     home = runtime.home() / "adapters"
     try:

@@ -21,7 +21,15 @@ from collections.abc import Callable
 
 from mlxlab.config import ServeConfig
 from mlxlab.serve.engine.batch import BatchLane, batchable
-from mlxlab.serve.engine.jobs import Done, Failed, Job, JobError, NotReady, QueueFull
+from mlxlab.serve.engine.jobs import (
+    Done,
+    Failed,
+    Job,
+    JobError,
+    NotReady,
+    QueueFull,
+    ShuttingDown,
+)
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.rows import heal_random_state
 from mlxlab.serve.engine.serial import SerialLane
@@ -36,6 +44,7 @@ class Gateway:
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0  # queued + running
         self._jobs: dict[int, Job] = {}  # queued or running, by id()
+        self.closing: str | None = None  # set by abort_all: new jobs are refused with it
         self._lock = threading.Lock()
         self.state = "loading"  # loading | ready | failed | stopped
         self.error: str | None = None
@@ -75,6 +84,8 @@ class Gateway:
         return self._pending
 
     def submit(self, job: Job) -> None:
+        if self.closing is not None:
+            raise ShuttingDown(self.closing)
         if self.state != "ready":
             raise NotReady(self.error or f"the engine is {self.state}")
         with self._lock:
@@ -90,7 +101,9 @@ class Gateway:
         self._queue.put(job)
 
     def abort_all(self, reason: str) -> int:
-        """Abort every job queued or running (`Job.abort`); how many there were."""
+        """Abort every job queued or running (`Job.abort`) and refuse new ones with `reason`
+        (a request still being prepared when the drain ran out); how many were aborted."""
+        self.closing = reason
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
@@ -185,7 +198,7 @@ class Gateway:
         try:
             self.batch.add(job)
         except JobError as e:
-            self._finish(job, None, str(e))
+            self._finish(job, None, Failed(str(e), 400, e.code))
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
             log.exception("mlxlab serve: adding a row failed")
             heal_random_state()
@@ -200,7 +213,7 @@ class Gateway:
             done = self.serial.run(job)
             self.served_serial += 1
         except JobError as e:
-            error = str(e)
+            error = Failed(str(e), 400, e.code)
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
             log.exception("mlxlab serve: a request failed")
             heal_random_state()
@@ -209,11 +222,11 @@ class Gateway:
             self.running = None
             self._finish(job, done, error)
 
-    def _finish(self, job: Job, done: Done | None, error: str | None) -> None:
-        """Count a job that left the engine; `error` is sent to it as Failed."""
+    def _finish(self, job: Job, done: Done | None, error: str | Failed | None) -> None:
+        """Count a job that left the engine; `error` is sent to it (a message: a 500)."""
         if error is not None:
             self.counters["failed"] += 1
-            job.sink(Failed(error))
+            job.sink(error if isinstance(error, Failed) else Failed(error))
         elif done is None or done.finish_reason == "cancelled":
             self.counters["cancelled"] += 1
         else:

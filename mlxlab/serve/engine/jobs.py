@@ -102,8 +102,17 @@ class NotReady(Exception):
     pass
 
 
+class ShuttingDown(NotReady):
+    """The server is shutting down: no new job starts."""
+
+
 class JobError(Exception):
-    """A job that cannot run as asked (e.g. its adapter was unmounted while it waited)."""
+    """A job that cannot run as asked (e.g. its adapter was unmounted while it waited): a 400
+    with `code`."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 def parse_adapter_spec(spec: str | None) -> AdapterSpec:

@@ -55,11 +55,11 @@ class PromptCache:
         if not self.enabled or not tokens:
             return
         entry = copy.deepcopy(cache) if copy_cache else cache
+        if sum(c.nbytes for c in entry) > self.max_bytes:  # from the shapes
+            return
         # Materialized now: a cache extracted from a batch is a lazy slice whose graph would
         # keep the whole batch's KV buffers alive, far more memory than the entry's nbytes.
         mx.eval([c.state for c in entry])
-        if sum(c.nbytes for c in entry) > self.max_bytes:
-            return
         with self._lock:
             self._lru.insert_cache(namespace, list(tokens), entry, cache_type=kind)
             self.inserts += 1

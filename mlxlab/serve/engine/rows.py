@@ -20,7 +20,7 @@ def claim_adapters(m: Loaded, job: Job) -> AdapterSpec:
     try:
         m.adapters.check(job.adapter)
     except KeyError as e:
-        raise JobError(str(e).strip("'\"")) from None
+        raise JobError(str(e).strip("'\""), "unknown_adapter") from None
     for i in job.adapter:
         m.adapters.mounted[i].requests += 1
     return job.adapter

@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 
 from mlxlab.serve.engine.jobs import Delta, Done, Failed
-from mlxlab.serve.http import APIError
 from mlxlab.serve.openai.protocol import error_shape
-from mlxlab.serve.pipeline import Collector, Encoder
+from mlxlab.serve.pipeline import Collector, Encoder, failed_error
 
 
 def sse(obj) -> str:
@@ -53,8 +52,7 @@ class _Stream(Encoder):
         )
 
     def failed(self, ev: Failed) -> list[str]:
-        kind = "server_error" if ev.status == 500 else "service_unavailable"
-        return [sse(error_shape(APIError(ev.status, ev.message, type=kind, code=ev.code))[1])]
+        return [sse(error_shape(failed_error(ev))[1])]
 
     def end(self) -> list[str]:
         return ["data: [DONE]\n\n"]

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages
-from mlxlab.serve.structured import Shape, check_tool_schema, named
+from mlxlab.serve.structured import Shape, named
 
 
 class OpenAIErrorDetail(BaseModel):
@@ -218,8 +218,10 @@ class ChatRequest(Sampled):
         )
 
     def to_ask(self) -> Ask:
-        for i, t in enumerate(self.tools or []):
-            check_tool_schema(t.function.parameters, f"tools[{i}].function.parameters")
+        schemas = [
+            (t.function.parameters, f"tools[{i}].function.parameters")
+            for i, t in enumerate(self.tools or [])
+        ]
         check_tool_messages(self.messages)
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         shape = self.response_format.shape() if self.response_format else Shape()
@@ -234,6 +236,7 @@ class ChatRequest(Sampled):
             tools = [t for t in tools or [] if t["function"]["name"] in allowed] or None
             choice = "required" if spec.get("mode") == "required" else "auto"
         return Ask(
+            tool_schemas=schemas,
             messages=normalize_messages([m.model_dump(exclude_none=True) for m in self.messages]),
             tools=None if self.tool_choice == "none" else tools,
             template_kwargs=self.chat_template_kwargs,

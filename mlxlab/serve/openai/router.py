@@ -18,7 +18,7 @@ router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
 @router.post("/v1/chat/completions", responses=STREAMED)
 async def chat(body: ChatRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    job = await pipeline.prepare(gateway, cfg, body.to_ask())
+    job = await pipeline.prepare(gateway, cfg, body.to_ask)
     job.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     head = {"id": job.id, "created": int(time.time()), "model": cfg.model}
     if body.stream:
@@ -30,7 +30,7 @@ async def chat(body: ChatRequest, request: Request):
 @router.post("/v1/completions", responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    job = await pipeline.prepare(gateway, cfg, body.to_ask())
+    job = await pipeline.prepare(gateway, cfg, body.to_ask)
     job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
     head = {
         "id": job.id,

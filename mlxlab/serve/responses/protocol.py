@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages, text_of
-from mlxlab.serve.structured import Shape, check_tool_schema, named
+from mlxlab.serve.structured import Shape, named
 
 
 class TextFormat(BaseModel):
@@ -153,11 +153,18 @@ def to_chat(
     return messages, instructions, origins
 
 
+def tool_schemas(body: ResponsesRequest) -> list[tuple]:
+    """(parameter schema, field) of every function tool, offered this time or not (checked by
+    `make_job` after the ceilings)."""
+    return [
+        (t.get("parameters"), f"tools[{i}].parameters")
+        for i, t in enumerate(body.tools or [])
+        if t.get("type") == "function"
+    ]
+
+
 def function_tools(body: ResponsesRequest) -> list[dict] | None:
     """The function tools offered to the model (those tool_choice allowed_tools lists, if it does)."""
-    for i, t in enumerate(body.tools or []):  # each one's schema, offered this time or not
-        if t.get("type") == "function":
-            check_tool_schema(t.get("parameters"), f"tools[{i}].parameters")
     if body.tool_choice == "none":
         return None
     allowed = None
@@ -236,6 +243,7 @@ def to_ask(
         messages_field="input",
         origins=(["instructions"] if instructions else []) + origins,
         tools=function_tools(body),
+        tool_schemas=tool_schemas(body),
         max_tokens=body.max_output_tokens,
         sampling=SamplingAsk.of(body),
         adapter=adapter_spec(body.adapter),

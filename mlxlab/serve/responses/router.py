@@ -79,7 +79,9 @@ async def create(body: ResponsesRequest, request: Request):
             param="store",
             code="store_entry_too_large",
         )
-    job = await pipeline.prepare(gateway, cfg, to_ask(body, messages, instructions, origins))
+    job = await pipeline.prepare(
+        gateway, cfg, lambda: to_ask(body, messages, instructions, origins)
+    )
     draft = Draft(body, cfg.model, instructions, int(time.time()))
 
     def on_final(resp: dict, done: Done, text: str) -> None:
