@@ -185,9 +185,13 @@ def test_answers_unfinished_at_the_drain_timeout_are_aborted_with_a_503(tiny_dir
                 ),
             ),
         ]
-        for t in threads[1:]:
-            t.start()
+        # The chat takes the second row; the Anthropic message (which cannot ban end of
+        # sequence) waits for a row, so it is still queued when the drain runs out.
+        threads[1].start()
         deadline = time.time() + 60
+        while gateway.stats()["running"] < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        threads[2].start()
         while gateway.counters["requests"] < 3 and time.time() < deadline:
             time.sleep(0.02)
         server.handle_exit(signal.SIGTERM, None)
@@ -199,8 +203,7 @@ def test_answers_unfinished_at_the_drain_timeout_are_aborted_with_a_503(tiny_dir
         assert chat_r.status_code == 503, chat_r.text[:300]
         error = chat_r.json()["error"]
         assert error["code"] == "shutting_down" and "drain timeout" in error["message"]
-        # The third request waited for a row (batch=2) or decoded: overloaded either way (529,
-        # as Anthropic's API answers a 503).
+        # The queued one: overloaded (529, as Anthropic's API answers a 503).
         anthropic_r = got["anthropic"]
         assert anthropic_r.status_code == 529, anthropic_r.text[:300]
         assert anthropic_r.json()["error"]["type"] == "overloaded_error"
