@@ -18,7 +18,8 @@ adapter: a 4xx is expected), and, when `--adapter` names mounted adapters, reque
 answer is checked for its protocol's shape (a stream must end with its final event). An
 *unexpected error* is any other status, a malformed answer, or an exception that is not the
 scenario's deliberate disconnect. Memory: RSS after a warm-up (the first `--warmup` requests)
-and at the end, and the peak seen. Exits 1 on any unexpected error or if the server died.
+and at the end, and the peak seen, next to the prompt cache's bytes (/stats) at the same times:
+RSS may grow by what the cache fills, up to `prompt_cache_gb`. Exits 1 on any unexpected error or if the server died.
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ class Report:
     latencies: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
     rss_mb: dict = field(default_factory=dict)
+    prompt_cache_mb: dict = field(default_factory=dict)  # its bytes (/stats) at the same times
     requests: int = 0
     seconds: float = 0.0
     alive: bool = True
@@ -232,6 +234,7 @@ class Report:
                 k: round(statistics.median(v), 3) for k, v in self.latencies.items() if v
             },
             "rss_mb": self.rss_mb,
+            "prompt_cache_mb": self.prompt_cache_mb,
             "server_alive": self.alive,
         }
 
@@ -244,6 +247,14 @@ def rss_mb(pid: int | None) -> float | None:
     try:
         return psutil.Process(pid).memory_info().rss / 1e6
     except psutil.Error:
+        return None
+
+
+def cache_mb(url: str) -> float | None:
+    """The prompt cache's bytes as /stats reports them (it may grow up to prompt_cache_gb)."""
+    try:
+        return httpx.get(url + "/stats", timeout=30).json()["prompt_cache"]["bytes"] / 1e6
+    except (httpx.HTTPError, KeyError, ValueError):
         return None
 
 
@@ -317,11 +328,13 @@ def soak(
         t.start()
     warm.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
     report.rss_mb["after_warmup"] = rss_mb(pid)
+    report.prompt_cache_mb["after_warmup"] = cache_mb(url)
     for t in threads:
         t.join()
     report.seconds = time.monotonic() - t0
     time.sleep(1.0)  # let the server settle (cancelled rows end, caches trim)
     report.rss_mb["end"] = rss_mb(pid)
+    report.prompt_cache_mb["end"] = cache_mb(url)
     done.set()
     report.rss_mb["peak"] = peak[0] or None
     start, end = report.rss_mb["after_warmup"], report.rss_mb["end"]
