@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 from tests.helpers.cli import REPO
+from tests.helpers.serve import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]  # a subprocess server on gemma3-270m
 
@@ -35,12 +35,6 @@ TOOLS = [
         },
     }
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(port: int, *args: str) -> subprocess.Popen:
