@@ -431,7 +431,7 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
             headers={"Retry-After": "2"},
         ) from None
     except ShuttingDown as e:
-        raise failed_error(Failed(str(e), 503, "shutting_down")) from None
+        raise failed_error(shutting_down(str(e))) from None
     except NotReady as e:
         raise APIError(
             503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
@@ -449,7 +449,7 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
                         return
                     continue
             if isinstance(ev, Done) and ev.finish_reason == "cancelled" and job.aborted:
-                ev = Failed(job.aborted, 503, "shutting_down")
+                ev = shutting_down(job.aborted)
             yield ev
             if isinstance(ev, (Done, Failed)):
                 return
@@ -499,6 +499,11 @@ async def pump(events: AsyncIterator[Event], encoder: Encoder) -> AsyncIterator[
             yield chunk
     for chunk in encoder.end():
         yield chunk
+
+
+def shutting_down(reason: str) -> Failed:
+    """What a job the shutdown stopped (aborted, or refused at submit) answers."""
+    return Failed(reason, 503, "shutting_down")
 
 
 def failed_error(ev: Failed) -> APIError:
