@@ -431,10 +431,10 @@ class TrainCommandConfig(TrainConfig):
 
 @dataclass
 class DiagConfig:
-    """`python -m mlxlab diag parity|leak|memory`: numerics and memory harnesses."""
+    """`python -m mlxlab diag parity|leak|memory|decode`: numerics, memory and speed harnesses."""
 
     action: str = "parity"
-    """parity | leak | memory."""
+    """parity | leak | memory | decode."""
     model: str = DEFAULT_MODEL
     """Zoo name, mlx-lm model directory, or .gguf file."""
     dtype: str = "auto"
@@ -442,7 +442,7 @@ class DiagConfig:
     adapter: str | None = None
     """parity: adapter to compare (default: a seeded random one, saved in mlx-lm's layout)."""
     length: int = 64
-    """Tokens per test sequence (parity, leak)."""
+    """Tokens per test sequence (parity, leak); decode: tokens of context before the steps."""
     segment_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     """parity: segment sizes checked against the full backward."""
     max_ulp: int = 0
@@ -467,11 +467,13 @@ class DiagConfig:
         default_factory=lambda: ["full", "checkpoint", "seg1", "seg4", "mlx_lm", "mlx_lm_gc"]
     )
     """memory: modes (full checkpoint segN auto mlx_lm mlx_lm_gc)."""
+    decode_steps: int = 16
+    """decode: steps timed (the median is reported)."""
     out: str = "diag"
     """Report path prefix: <out>_<action>.json (and .png)."""
 
     def __post_init__(self):
-        check_choice("action", self.action, ("parity", "leak", "memory"), "diag action")
+        check_choice("action", self.action, ("parity", "leak", "memory", "decode"), "diag action")
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("mode", self.mode, BACKWARD_MODES)
         for mode in self.modes:
@@ -479,6 +481,8 @@ class DiagConfig:
                 check_choice("modes", mode, MEMORY_MODES, "memory mode")
         if self.length < 4:
             raise UserError(f"length must be >= 4, got {self.length}")
+        if self.decode_steps < 1:
+            raise UserError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.steps <= self.warmup + 2:
             raise UserError(f"steps ({self.steps}) must exceed warmup ({self.warmup}) by 3 or more")
 

@@ -1,6 +1,7 @@
 """Serving speed through HTTP: mlxlab serve vs mlx_lm.server on the same model, in one run.
 
     python scripts/bench_serve.py [--model gemma3-270m] [--rounds 3] [--decode-tokens 128]
+                                  [--before REV]
 
 Each server runs alone (started, measured, stopped), driven by the same streaming OpenAI-style
 requests at temperature 0:
@@ -12,8 +13,8 @@ requests at temperature 0:
 
 mlx-lm is measured twice: as users run it (`mlx_lm.server` with its defaults: the stored bf16
 weights, the BLAS mlx[cpu] ships), and matched (float32 weights and the same OpenBLAS mlxlab
-loads), so the ratios separate mlxlab's defaults from the server itself. Prints a table and the
-ratios; `--json` writes them.
+loads), so the ratios separate mlxlab's defaults from the server itself. `--before REV` also
+serves mlxlab at an earlier commit. Prints a table and the ratios; `--json` writes them.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], port: int) -> subprocess.Popen:
+def start(cmd: list[str], port: int, cwd: Path = REPO) -> subprocess.Popen:
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -169,6 +170,9 @@ def main() -> None:
     ap.add_argument(
         "--skip-defaults", action="store_true", help="only mlx-lm at matched dtype and BLAS"
     )
+    ap.add_argument(
+        "--before", help="also serve mlxlab at this git revision (a worktree, as bench_generate.py)"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -178,18 +182,27 @@ def main() -> None:
 
     model_dir = resolve(args.model)
     runs = {}
-    port = free_port()
-    print(f"mlxlab serve ({args.model}) ...", file=sys.stderr)
-    proc = start(
-        [sys.executable, "-m", "mlxlab", "serve", f"model={args.model}", f"port={port}"], port
-    )
-    try:
-        runs["mlxlab"] = measure(
-            f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens, document(args.doc_records)
-        )
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    ours = {"mlxlab": REPO}
+    if args.before:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_generate import worktree
+
+        ours[f"mlxlab {args.before}"] = worktree(args.before)  # `-m` imports from the cwd
+    for name, cwd in ours.items():
+        port = free_port()
+        print(f"{name} serve ({args.model}) ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "mlxlab", "serve", f"model={args.model}", f"port={port}"]
+        proc = start(cmd, port, cwd)
+        try:
+            runs[name] = measure(
+                f"http://127.0.0.1:{port}",
+                args.rounds,
+                args.decode_tokens,
+                document(args.doc_records),
+            )
+        finally:
+            proc.terminate()
+            proc.wait(60)
 
     variants = (
         {}
@@ -230,7 +243,7 @@ def main() -> None:
         if name == "mlxlab":
             continue
         ratios[name] = {
-            "decode (target >= 1.0x)": ours["decode_tok_s"] / r["decode_tok_s"],
+            "decode (target >= 2.0x matched)": ours["decode_tok_s"] / r["decode_tok_s"],
             "TTFT (target <= 1.0x)": ours["ttft_cold_s"] / r["ttft_cold_s"],
         }
         print(f"\nmlxlab vs {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios[name].items()))

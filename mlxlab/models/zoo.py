@@ -145,8 +145,11 @@ def listing() -> list[dict]:
     ]
 
 
-def load(spec: str, dtype: str = "auto"):
-    """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype)."""
+def load(spec: str, dtype: str = "auto", decode_kernel: bool = True):
+    """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype).
+
+    `decode_kernel`: route decode-step products through mlxlab's CPU kernel
+    (models/fastdecode.py); False keeps mlx-lm's code path for every product."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -156,4 +159,8 @@ def load(spec: str, dtype: str = "auto"):
     model, tokenizer = mlx_lm_load(str(resolve(spec)))
     model.set_dtype(target)
     mx.eval(model.parameters())
+    if decode_kernel:
+        from mlxlab.models.fastdecode import accelerate
+
+        accelerate(model)
     return model, tokenizer

@@ -1,0 +1,352 @@
+"""Where one decode step's time goes, against this machine's memory bandwidth.
+
+    python -m mlxlab diag decode [model=gemma3-270m] [length=256] [decode_steps=16]
+
+A decode step reads every weight once (and each layer's K/V cache), so its floor is
+bytes read / memory bandwidth. The profile times a step by op group: the embedding, the layers'
+projections (attention and MLP), attention over the cache (RoPE, the cache update, SDPA: what a
+layer's attention does besides its projections and norms), norms, the rest of each layer
+(residual adds, activations), the LM head, and sampling; each with the bytes it reads and the
+GB/s that makes. Groups are timed by wrapping the model's own modules for the profiled steps
+(each wrapper evaluates its input before starting the clock and its output before stopping it),
+so the sum of the groups carries some synchronization overhead; the step's plain time (no
+wrappers) is measured separately and is the figure the bound is held against.
+
+The bandwidth is measured here, not assumed: numpy's sum over a 512 MB float32 array (which
+streams it through the cores' vector units), on one thread and on all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict
+
+log = logging.getLogger(__name__)
+
+GROUPS = (
+    "embedding",
+    "attn projections",
+    "attention (cache, sdpa)",
+    "mlp projections",
+    "mlp activation",
+    "norms",
+    "residual / other",
+    "lm head",
+    "sampling",
+)
+PROJECTION_NAMES = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "wqkv")}
+
+
+def measure_bandwidth(mb: int = 512, rounds: int = 5) -> dict:
+    """Read bandwidth in GB/s: numpy sums a `mb` MB array (as float64, which its vector units
+    sum faster than the memory delivers it) on one thread and on every core at once."""
+    import numpy as np
+
+    a = np.ones(mb * 2**20 // 8, dtype=np.float64)
+    a.sum()
+    best1 = min(_timed(a.sum) for _ in range(rounds))
+    n = os.cpu_count() or 1
+    parts = np.array_split(a, n)
+
+    def all_threads():  # numpy releases the GIL while it sums
+        threads = [threading.Thread(target=p.sum) for p in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    bestn = min(_timed(all_threads) for _ in range(rounds))
+    return {
+        "one_thread_gbps": round(a.nbytes / best1 / 1e9, 2),
+        "all_threads_gbps": round(a.nbytes / bestn / 1e9, 2),
+        "threads": n,
+    }
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _nbytes(module, recurse: bool = True) -> int:
+    from mlx.utils import tree_flatten
+
+    params = (
+        module.parameters()
+        if recurse
+        else {k: v for k, v in module.items() if hasattr(v, "nbytes")}
+    )
+    return sum(v.nbytes for _, v in tree_flatten(params))
+
+
+class _Clock:
+    """Inclusive times of the wrapped calls of one step; exclusive = inclusive - children."""
+
+    def __init__(self):
+        self.stack: list[list[float]] = []  # per open call: [children's time]
+        self.times: dict[str, float] = defaultdict(float)
+
+    def call(self, group: str | None, fn, *args, **kwargs):
+        import mlx.core as mx
+
+        mx.eval([a for a in args if isinstance(a, mx.array)])
+        self.stack.append([0.0])
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        mx.eval(out)
+        spent = time.perf_counter() - t
+        children = self.stack.pop()[0]
+        if self.stack:
+            self.stack[-1][0] += spent
+        if group:
+            self.times[group] += spent - children
+        return out
+
+
+def _wrapper_class():
+    import mlx.nn as nn
+
+    class Timed(nn.Module):
+        """Stands in for one module of the model while it is profiled."""
+
+        def __init__(self, inner, group, clock):
+            super().__init__()
+            object.__setattr__(self, "_inner", inner)
+            object.__setattr__(self, "_group", group)
+            object.__setattr__(self, "_clock", clock)
+
+        def __call__(self, *args, **kwargs):
+            return self._clock.call(self._group, self._inner, *args, **kwargs)
+
+        def as_linear(self, x):  # a tied embedding used as the LM head
+            return self._clock.call("lm head", self._inner.as_linear, x)
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._inner, name)
+
+    return Timed
+
+
+def _group_of(path: str, module) -> str | None:
+    """The op group a module's own (exclusive) time counts towards, or None: not wrapped."""
+    import mlx.nn as nn
+
+    name = path.rsplit(".", 1)[-1]
+    if "norm" in name.lower() or type(module).__name__.lower().endswith("norm"):
+        return "norms"
+    if path.endswith("embed_tokens"):
+        return "embedding"
+    if name == "lm_head":
+        return "lm head"
+    is_linear = isinstance(module, (nn.Linear, nn.QuantizedLinear)) or hasattr(module, "linear")
+    if is_linear:
+        return "attn projections" if name in PROJECTION_NAMES["attn"] else "mlp projections"
+    if name in ("self_attn", "attn", "attention"):
+        return "attention (cache, sdpa)"
+    if name in ("mlp", "feed_forward", "ffn"):
+        return "mlp activation"
+    if name.isdigit() and ".layers" in f".{path}":
+        return "residual / other"
+    return None
+
+
+def _instrument(model, clock) -> list:
+    """Wrap the model's modules in place; returns the undo list [(parent, key, module)]."""
+    Timed = _wrapper_class()
+    undo = []
+    modules = dict(model.named_modules())  # resolved before any is replaced
+    modules[""] = model
+    for path, module in list(modules.items()):
+        group = _group_of(path, module) if path else None
+        if group is None:
+            continue
+        parent_path, _, key = path.rpartition(".")
+        if parent_path in modules:
+            container = modules[parent_path]
+        else:  # a list of modules, e.g. model.layers
+            owner, _, attr = parent_path.rpartition(".")
+            container = getattr(modules[owner], attr)
+        wrapped = Timed(module, group, clock)
+        if isinstance(container, list):
+            container[int(key)] = wrapped
+        else:
+            setattr(container, key, wrapped)
+        undo.append((container, key, module))
+    return undo
+
+
+def _restore(undo) -> None:
+    for container, key, module in reversed(undo):
+        if isinstance(container, list):
+            container[int(key)] = module
+        else:
+            setattr(container, key, module)
+
+
+def _group_bytes(model, cache) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    tied = "lm_head" not in dict(model.named_modules())
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        group = _group_of(path, module)
+        if group in ("attention (cache, sdpa)", "mlp activation", "residual / other", None):
+            continue
+        if group == "embedding":
+            # The lookup reads one row; the tied head reads them all.
+            weight = module.parameters().get("weight")
+            rows = weight.shape[0] if weight is not None else 1
+            out["embedding"] += _nbytes(module) // max(rows, 1)
+            if tied:
+                out["lm head"] += _nbytes(module)
+            continue
+        out[group] += _nbytes(module)
+    for c in cache:
+        state = c.state
+        if isinstance(state, (list, tuple)):
+            out["attention (cache, sdpa)"] += sum(s.nbytes for s in state if hasattr(s, "nbytes"))
+    return dict(out)
+
+
+def profile(model, prompt_ids: list[int], steps: int = 16) -> dict:
+    """Time `steps` greedy decode steps after a prefill of `prompt_ids`, plain and by group."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def prefill():
+        cache = make_prompt_cache(model)
+        with mx.stream(generation_stream):
+            logits = model(mx.array(prompt_ids)[None], cache=cache)
+            mx.eval(logits, [c.state for c in cache])
+        return cache, int(mx.argmax(logits[0, -1]).item())
+
+    def step(token, cache):
+        logits = model(mx.array([[token]]), cache=cache)
+        nxt = mx.argmax(logits[0, -1])
+        mx.eval(nxt)
+        return int(nxt.item())
+
+    # Plain steps: the figure the bound is held against.
+    cache, token = prefill()
+    step(token, cache)  # warm-up
+    plain = []
+    with mx.stream(generation_stream):
+        for _ in range(steps):
+            t = time.perf_counter()
+            token = step(token, cache)
+            plain.append(time.perf_counter() - t)
+    group_bytes = _group_bytes(model, cache)
+
+    cache, token = prefill()
+    clock = _Clock()
+    undo = _instrument(model, clock)
+    per_step: dict[str, list[float]] = defaultdict(list)
+    totals = []
+    try:
+        with mx.stream(generation_stream):
+            for i in range(steps + 1):
+                clock.times.clear()
+                t = time.perf_counter()
+                logits = model(mx.array([[token]]), cache=cache)
+                mx.eval(logits)
+                s = time.perf_counter()
+                nxt = mx.argmax(logits[0, -1])
+                mx.eval(nxt)
+                clock.times["sampling"] += time.perf_counter() - s
+                token = int(nxt.item())
+                if i == 0:
+                    continue  # warm-up
+                totals.append(time.perf_counter() - t)
+                for g in GROUPS:
+                    per_step[g].append(clock.times.get(g, 0.0))
+    finally:
+        _restore(undo)
+    step_s = statistics.median(plain)
+    groups = {}
+    for g in GROUPS:
+        seconds = statistics.median(per_step[g]) if per_step[g] else 0.0
+        nbytes = group_bytes.get(g, 0)
+        groups[g] = {
+            "ms": round(seconds * 1e3, 3),
+            "mb": round(nbytes / 1e6, 2),
+            "gbps": round(nbytes / seconds / 1e9, 2) if seconds > 0 and nbytes else None,
+        }
+    return {
+        "context_tokens": len(prompt_ids),
+        "steps": steps,
+        "step_ms": round(step_s * 1e3, 3),
+        "step_ms_min": round(min(plain) * 1e3, 3),
+        "tok_per_s": round(1 / step_s, 2),
+        "instrumented_step_ms": round(statistics.median(totals) * 1e3, 3),
+        "bytes_read_mb": round(sum(group_bytes.values()) / 1e6, 2),
+        "groups": groups,
+    }
+
+
+def run(cfg) -> dict:
+    import mlx.core as mx
+
+    from mlxlab.models.zoo import load
+    from mlxlab.runtime import blas_report
+
+    model, tokenizer = load(cfg.model, cfg.dtype)
+    words = (
+        "the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
+        "boxing matches near the old river bank "
+    ).split()
+    ids = tokenizer.encode(" ".join(words * (cfg.length // 4 + 8)))[: cfg.length]
+    report = profile(model, ids, steps=cfg.decode_steps)
+    bw = measure_bandwidth()
+    gbps = bw["all_threads_gbps"]
+    bound_s = report["bytes_read_mb"] * 1e6 / (gbps * 1e9)
+    report.update(
+        {
+            "model": cfg.model,
+            "dtype": str(next(iter(_dtypes(model)), "?")),
+            "device": str(mx.default_device()),
+            "blas": blas_report(measure=False)["live"],
+            "bandwidth": bw,
+            "bound_ms": round(bound_s * 1e3, 3),
+            "bound_tok_per_s": round(1 / bound_s, 2),
+            "fraction_of_bound": round(bound_s / (report["step_ms"] / 1e3), 3),
+        }
+    )
+    return report
+
+
+def _dtypes(model) -> list:
+    from mlx.utils import tree_flatten
+
+    return sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"decode step of {report['model']} ({report['dtype']}, {report['device']}), "
+        f"{report['context_tokens']} tokens of context, median of {report['steps']} steps",
+        f"{'group':<26}{'ms':>9}{'share':>8}{'MB read':>10}{'GB/s':>8}",
+    ]
+    total = sum(g["ms"] for g in report["groups"].values()) or 1.0
+    for name, g in report["groups"].items():
+        gbps = f"{g['gbps']:.1f}" if g["gbps"] else "-"
+        lines.append(f"{name:<26}{g['ms']:>9.2f}{g['ms'] / total:>8.1%}{g['mb']:>10.1f}{gbps:>8}")
+    bw = report["bandwidth"]
+    lines += [
+        f"{'sum of groups':<26}{total:>9.2f}   (instrumented step {report['instrumented_step_ms']:.2f} ms)",
+        f"plain step {report['step_ms']:.2f} ms ({report['tok_per_s']:.1f} tok/s), "
+        f"{report['bytes_read_mb']:.0f} MB read",
+        f"bandwidth {bw['all_threads_gbps']:.1f} GB/s on {bw['threads']} threads "
+        f"({bw['one_thread_gbps']:.1f} on one): bound {report['bound_ms']:.2f} ms "
+        f"({report['bound_tok_per_s']:.1f} tok/s); the step runs at "
+        f"{report['fraction_of_bound']:.0%} of the bound",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,277 @@
+// A vector x matrix product for decoding on the CPU: y = x @ w.T for a few rows of x.
+//
+// MLX's CPU matmul hands every product to cblas_sgemm; with one row and a transposed weight
+// (how nn.Linear and a tied LM head multiply) OpenBLAS runs it at a fraction of the memory
+// bandwidth, which is what bounds a decode step. Here each weight row is read once, in its
+// stored [out, in] layout, and dotted with every row of x while it is in cache; the rows are
+// split across threads. Each output is one thread's fixed-order sum (16 lanes, then a fixed
+// tree), so results do not depend on the thread count or on how many rows x has.
+//
+// Built through MLX's documented custom-primitive mechanism (mlx.extension.CMakeBuild); the
+// Python side is mlxlab/models/fastdecode.py.
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <future>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "mlx/threadpool.h"
+#include "mlx/version.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace mlx::core;
+
+namespace {
+
+constexpr int LANES = 16;  // two 8-float vectors
+
+// 8 floats as one value (GCC/Clang vector extensions: AVX on x86-64, two NEON ops on arm64).
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8 load8(const uint16_t* p) {  // bfloat16: the top half of a float32
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// y[m, n] for G rows of x at once: each block of the weight row is loaded once and used for
+// every row. Each (m, n) sums its k in the same order whatever G is: lane j takes
+// k = j, j + 16, ... in sequence, the tail goes to lanes 0.., then the lanes fold in a fixed
+// tree. So a row's result does not depend on how many rows are computed with it.
+template <int G, typename W>
+inline void dots(const float* x, size_t ldx, const W* w, int K, float* out) {
+  v8 acc[G][2] = {};
+  int k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    v8 w0 = load8(w + k), w1 = load8(w + k + 8);
+    for (int g = 0; g < G; ++g) {
+      const float* xg = x + g * ldx + k;
+      acc[g][0] += w0 * load8(xg);
+      acc[g][1] += w1 * load8(xg + 8);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float lanes[LANES];
+    std::memcpy(lanes, &acc[g][0], sizeof(v8));
+    std::memcpy(lanes + 8, &acc[g][1], sizeof(v8));
+    for (int kk = k, j = 0; kk < K; ++kk, ++j) {
+      lanes[j] += load1(w + kk) * x[g * ldx + kk];
+    }
+    for (int width = LANES / 2; width > 0; width /= 2) {
+      for (int j = 0; j < width; ++j) {
+        lanes[j] += lanes[j + width];
+      }
+    }
+    out[g] = lanes[0];
+  }
+}
+
+template <typename W>
+void rows(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+  constexpr int G = 4;  // rows of x per pass: 4 x 16 accumulators fit in the vector registers
+  float out[G];
+  for (int n = n0; n < n1; ++n) {
+    const W* wr = w + static_cast<size_t>(n) * K;
+    int m = 0;
+    for (; m + G <= M; m += G) {
+      dots<G>(x + static_cast<size_t>(m) * K, K, wr, K, out);
+      for (int g = 0; g < G; ++g) {
+        y[static_cast<size_t>(m + g) * N + n] = out[g];
+      }
+    }
+    for (; m < M; ++m) {
+      dots<1>(x + static_cast<size_t>(m) * K, K, wr, K, out);
+      y[static_cast<size_t>(m) * N + n] = out[0];
+    }
+  }
+}
+
+ThreadPool& pool() {
+  static ThreadPool p(std::max(1u, std::thread::hardware_concurrency()) - 1);
+  return p;
+}
+
+int threads_for(size_t weight_bytes) {
+  int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // Below ~256 KB a thread hand-off costs more than the reading it saves.
+  int by_size = static_cast<int>(weight_bytes / (256 * 1024));
+  return std::max(1, std::min(hw, by_size));
+}
+
+template <typename W>
+void run(const float* x, const W* w, float* y, int M, int K, int N) {
+  int T = threads_for(static_cast<size_t>(N) * K * sizeof(W));
+  if (T == 1) {
+    rows(x, w, y, M, K, N, 0, N);
+    return;
+  }
+  int step = (N + T - 1) / T;
+  std::vector<std::future<void>> done;
+  for (int t = 1; t < T; ++t) {
+    int n0 = std::min(N, t * step), n1 = std::min(N, (t + 1) * step);
+    done.push_back(pool().enqueue([=] { rows(x, w, y, M, K, N, n0, n1); }));
+  }
+  rows(x, w, y, M, K, N, 0, std::min(N, step));
+  for (auto& d : done) {
+    d.get();
+  }
+}
+
+// A strided array's elements in row-major order.
+void gather(const array& x, float* dst) {
+  const float* src = x.data<float>();
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  int nd = x.ndim();
+  std::vector<int> idx(nd, 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) {
+      off += idx[d] * strides[d];
+    }
+    dst[i] = src[off];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        break;
+      }
+      idx[d] = 0;
+    }
+  }
+}
+
+class MatVec : public UnaryPrimitive {
+ public:
+  explicit MatVec(Stream stream) : UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    if (!w.flags().row_contiguous) {
+      throw std::runtime_error("[matvec] w must be row-contiguous");
+    }
+    out.set_data(allocator::malloc(out.nbytes()));
+    int K = w.shape(1), N = w.shape(0);
+    int M = static_cast<int>(x.size() / K);
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    float* yp = out.data<float>();
+    // Everything below runs when the stream reaches this op (the inputs are computed by then).
+    auto compute = [=](const auto* wp) {
+      const float* xp = x.data<float>();
+      std::vector<float> packed;
+      if (!x.flags().row_contiguous) {  // gather a strided x (only M x K floats)
+        packed.resize(x.size());
+        gather(x, packed.data());
+        xp = packed.data();
+      }
+      run(xp, wp, yp, M, K, N);
+    };
+    if (w.dtype() == float32) {
+      const float* wp = w.data<float>();
+      encoder.dispatch([=]() { compute(wp); });
+    } else {
+      const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data<bfloat16_t>());
+      encoder.dispatch([=]() { compute(wp); });
+    }
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[matvec] is a CPU kernel; on a GPU use x @ w.T");
+  }
+
+  std::vector<array> vjp(
+      const std::vector<array>& primals,
+      const std::vector<array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<array>&) override {
+    const array& x = primals[0];
+    const array& w = primals[1];
+    const array& cot = cotangents[0];
+    std::vector<array> grads;
+    for (int arg : argnums) {
+      if (arg == 0) {
+        grads.push_back(matmul(cot, astype(w, float32, stream()), stream()));
+      } else {
+        int K = w.shape(1), N = w.shape(0);
+        auto c2 = reshape(cot, {-1, N}, stream());
+        auto x2 = reshape(x, {-1, K}, stream());
+        grads.push_back(astype(matmul(transpose(c2, stream()), x2, stream()), w.dtype(), stream()));
+      }
+    }
+    return grads;
+  }
+
+  const char* name() const override { return "MatVec"; }
+  bool is_equivalent(const Primitive&) const override { return true; }
+};
+
+array matvec(const array& x, const array& w, StreamOrDevice s) {
+  if (w.ndim() != 2) {
+    throw std::invalid_argument("[matvec] w must be [out, in]");
+  }
+  if (x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("[matvec] x's last axis must equal w's in-features");
+  }
+  if (x.dtype() != float32 || (w.dtype() != float32 && w.dtype() != bfloat16)) {
+    throw std::invalid_argument("[matvec] x must be float32 and w float32 or bfloat16");
+  }
+  auto stream = to_stream(s);
+  if (stream.device != Device::cpu) {
+    throw std::invalid_argument("[matvec] runs on the CPU only");
+  }
+  Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  return array(
+      shape,
+      float32,
+      std::make_shared<MatVec>(stream),
+      // A stored weight is already row-contiguous: no contiguous() node (each node costs ~10 us
+      // of scheduling on the CPU, per product per step). x is gathered in eval_cpu if strided.
+      {x, w.is_available() && w.flags().row_contiguous ? w : contiguous(w, false, stream)});
+}
+
+}  // namespace
+
+NB_MODULE(_matvec, m) {
+  m.doc() = "y = x @ w.T for a few rows of x, at the memory bandwidth (CPU)";
+  m.attr("built_against_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+  m.def(
+      "matvec",
+      &matvec,
+      "x"_a,
+      "w"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x @ w.T with w stored [out, in] (float32 or bfloat16), x float32 with few rows.");
+}

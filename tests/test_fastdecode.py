@@ -1,0 +1,181 @@
+"""The CPU decode kernel (mlxlab/kernels) and the decode-step routing (models/fastdecode.py):
+products within float32 rounding of BLAS's, rows independent of each other, gradients, the
+many-row paths untouched bit for bit, and greedy decoding equal to mlx-lm's own."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxlab import kernels
+from mlxlab.models import fastdecode
+from mlxlab.models.tiny import FAMILIES
+
+pytestmark = pytest.mark.skipif(
+    mx.default_device() != mx.cpu, reason="the kernel is the CPU's decode path"
+)
+
+
+def matvec():
+    fn = kernels.matvec()
+    assert fn is not None, kernels.status()
+    return fn
+
+
+def test_the_kernel_is_built_and_matches_the_running_mlx():
+    # CI installs with MLXLAB_REQUIRE_KERNEL=1; a user without a compiler gets MLX's matmul and
+    # this status line instead.
+    if sys.platform == "linux":
+        assert kernels.status() == "loaded"
+    else:
+        assert kernels.status() == "loaded" or "reinstall" in kernels.status()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 1, 64), (2, 2, 1, 64), (1, 64), (5, 64)])
+@pytest.mark.parametrize("n,k", [(48, 64), (1000, 64), (40000, 80)])
+def test_matvec_equals_the_matmul_within_float32_rounding(shape, n, k):
+    shape = (*shape[:-1], k)
+    mx.random.seed(0)
+    x = mx.random.normal(shape)
+    w = mx.random.normal((n, k)) * 0.1
+    ours, ref = matvec()(x, w), x @ w.T
+    assert ours.shape == ref.shape and ours.dtype == mx.float32
+    err = (mx.abs(ours - ref).max() / mx.abs(ref).max()).item()
+    assert err < 1e-6
+
+
+def test_bfloat16_weights_are_read_as_their_float32_values():
+    mx.random.seed(1)
+    x = mx.random.normal((2, 1, 96))
+    w = (mx.random.normal((300, 96)) * 0.1).astype(mx.bfloat16)
+    ref = x @ w.astype(mx.float32).T
+    err = (mx.abs(matvec()(x, w) - ref).max() / mx.abs(ref).max()).item()
+    assert err < 1e-6
+
+
+def test_strided_inputs_are_gathered():
+    mx.random.seed(2)
+    x = mx.random.normal((2, 1, 5, 48)).transpose(0, 2, 1, 3)[:, :1]  # a strided view
+    w = mx.random.normal((40, 48))
+    wt = mx.random.normal((48, 40)).T  # a transposed (column-major) weight
+    for weight in (w, wt):
+        assert mx.allclose(matvec()(x, weight), x @ weight.T, atol=1e-5).item()
+
+
+def test_each_row_is_computed_alike_whatever_rows_come_with_it():
+    """Batch invariance: a row's products are bit-identical decoded alone or with others."""
+    mx.random.seed(3)
+    x = mx.random.normal((4, 1, 200))
+    w = mx.random.normal((3000, 200))
+    together = matvec()(x, w)
+    for i in range(4):
+        assert mx.array_equal(together[i], matvec()(x[i : i + 1], w)[0]).item()
+
+
+def test_gradients_equal_the_matmul_ones():
+    mx.random.seed(4)
+    x, w = mx.random.normal((2, 1, 32)), mx.random.normal((50, 32))
+    g = mx.grad(lambda a, b: (matvec()(a, b) ** 2).sum(), argnums=(0, 1))(x, w)
+    ref = mx.grad(lambda a, b: ((a @ b.T) ** 2).sum(), argnums=(0, 1))(x, w)
+    for a, b in zip(g, ref, strict=True):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+
+
+def test_bad_inputs_are_refused_with_a_message():
+    with pytest.raises(ValueError, match="in-features"):
+        matvec()(mx.ones((1, 1, 8)), mx.ones((4, 9)))
+    with pytest.raises(ValueError, match="float32"):
+        matvec()(mx.ones((1, 1, 8), dtype=mx.bfloat16), mx.ones((4, 8)))
+    with pytest.raises(ValueError, match=r"\[out, in\]"):
+        matvec()(mx.ones((1, 8)), mx.ones((8,)))
+
+
+def _load(tiny_dir, family, decode_kernel):
+    from mlxlab.models.zoo import load
+
+    return load(str(tiny_dir(family)), dtype="float32", decode_kernel=decode_kernel)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accelerate_changes_classes_only(tiny_dir, family):
+    model, _ = _load(tiny_dir, family, True)
+    plain, _ = _load(tiny_dir, family, False)
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert fastdecode.DecodeLinear in kinds
+    assert nn.Linear not in kinds  # every plain Linear switched (subclasses keep their own)
+    ours = dict(tree_flatten(model.parameters()))
+    theirs = dict(tree_flatten(plain.parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+    assert fastdecode.accelerate(model) == 0  # a second call finds nothing left to switch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_training_products_are_untouched_bit_for_bit(tiny_dir, family):
+    model, _ = _load(tiny_dir, family, True)
+    plain, _ = _load(tiny_dir, family, False)
+    ids = mx.array([[5, 9, 33, 2, 17, 80, 4, 11]])
+    assert mx.array_equal(model(ids), plain(ids)).item()
+    for m in (model, plain):
+        m.freeze()
+    loss = lambda m: m(ids).astype(mx.float32).square().mean()  # noqa: E731
+    assert mx.array_equal(loss(model), loss(plain)).item()
+
+
+def _greedy(model, prompt, n):
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        out.append(int(token))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_equals_mlx_lms(tiny_dir, family):
+    model, _ = _load(tiny_dir, family, True)
+    plain, _ = _load(tiny_dir, family, False)
+    for prompt in ([3, 14, 15, 92, 65], [7] * 12, list(range(20, 60))):
+        assert _greedy(model, prompt, 24) == _greedy(plain, prompt, 24)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_logits_are_within_float32_rounding_of_mlx_lms(tiny_dir, family):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = _load(tiny_dir, family, True)
+    plain, _ = _load(tiny_dir, family, False)
+    logits = []
+    for m in (model, plain):
+        cache = make_prompt_cache(m)
+        m(mx.array([[3, 14, 15, 92, 65, 35]]), cache=cache)
+        logits.append(m(mx.array([[8]]), cache=cache))
+    err = (mx.abs(logits[0] - logits[1]).max() / mx.abs(logits[1]).max()).item()
+    assert 0 < err < 1e-5  # not zero: the kernel did run (its sums are ordered differently)
+
+
+def test_lora_wraps_the_decode_linear_and_stays_on_the_kernel(tiny_dir):
+    from mlx_lm.tuner.lora import LoRALinear
+
+    model, _ = _load(tiny_dir, "llama", True)
+    base = model.model.layers[0].self_attn.q_proj
+    lora = LoRALinear.from_base(base, r=4)
+    lora.lora_b = mx.random.normal(lora.lora_b.shape) * 0.1
+    x = mx.random.normal((1, 1, base.weight.shape[1]))
+    y = lora(x)
+    ref = x @ base.weight.T + lora.scale * ((x @ lora.lora_a) @ lora.lora_b)
+    assert isinstance(lora.linear, fastdecode.DecodeLinear)
+    assert mx.allclose(y, ref, atol=1e-5).item()
+
+
+def test_more_rows_than_the_kernel_takes_go_to_blas():
+    layer = nn.Linear(32, 64)
+    layer.__class__ = fastdecode.DecodeLinear
+    many = mx.random.normal((fastdecode.MAX_ROWS + 1, 1, 32))
+    assert mx.array_equal(layer(many), many @ layer.weight.T + layer.bias).item()
+    few = many[:2]
+    assert mx.allclose(layer(few), few @ layer.weight.T + layer.bias, atol=1e-5).item()
