@@ -20,6 +20,8 @@ from mlxlab.errors import UserError  # also re-exported: `from mlxlab.config imp
 DEFAULT_MODEL = "gemma3-270m"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DECODE_HEADS = ("auto", "exact", "bfloat16")
+
 """Compute dtypes (`auto`: float32 on a CPU, bfloat16 on an Apple GPU)."""
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes a converted model's weights are stored in."""
@@ -99,9 +101,15 @@ class GenerateConfig:
     """Seed for sampling."""
     adapter: str | None = None
     """LoRA adapter directory (mlxlab's or mlx-lm's layout) to apply."""
+    decode_head: str = "auto"
+    """What the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
+    when that is lossless, as for zoo models: half the bytes of the step's largest read, for
+    half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
+    rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("decode_head", self.decode_head, DECODE_HEADS)
         if self.max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -469,11 +477,17 @@ class DiagConfig:
     """memory: modes (full checkpoint segN auto mlx_lm mlx_lm_gc)."""
     decode_steps: int = 16
     """decode: steps timed (the median is reported)."""
+    decode_head: str = "auto"
+    """decode: what the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
+    when that is lossless, as for zoo models: half the bytes of the step's largest read, for
+    half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
+    rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
     out: str = "diag"
     """Report path prefix: <out>_<action>.json (and .png)."""
 
     def __post_init__(self):
         check_choice("action", self.action, ("parity", "leak", "memory", "decode"), "diag action")
+        check_choice("decode_head", self.decode_head, DECODE_HEADS)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("mode", self.mode, BACKWARD_MODES)
         for mode in self.modes:
@@ -495,6 +509,11 @@ class ServeConfig:
     """Zoo name, mlx-lm model directory, or .gguf file."""
     dtype: str = "auto"
     """Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
+    decode_head: str = "auto"
+    """What the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
+    when that is lossless, as for zoo models: half the bytes of the step's largest read, for
+    half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
+    rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
     host: str = "127.0.0.1"
     """Interface to bind (loopback by default; 0.0.0.0 exposes the server to the network)."""
     port: int = 8090
@@ -574,6 +593,7 @@ class ServeConfig:
     always allowed: `cors_origins=[http://localhost:3000]`."""
 
     def __post_init__(self):
+        check_choice("decode_head", self.decode_head, DECODE_HEADS)
         check_choice("dtype", self.dtype, DTYPES)
         if not is_kv_quant(self.kv_quant):  # the wording kv_quant.parse uses for the same problem
             raise UserError(

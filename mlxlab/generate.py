@@ -53,7 +53,7 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
 
     from mlxlab.models.zoo import load
 
-    model, tokenizer = load(cfg.model, cfg.dtype)
+    model, tokenizer = load(cfg.model, cfg.dtype, decode_head=cfg.decode_head)
     if cfg.adapter:
         from mlxlab.lora import io as lora_io
 

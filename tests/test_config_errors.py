@@ -29,7 +29,7 @@ def _optimizers() -> tuple[str, ...]:
 
 # command -> {field path: the values it allows}; "modes" is a list field (each entry is checked).
 ENUMS = {
-    "generate": {"dtype": DTYPES},
+    "generate": {"dtype": DTYPES, "decode_head": ("auto", "exact", "bfloat16")},
     "models": {
         "action": ("list", "pull", "convert", "info"),
         "dtype": ("float32", "bfloat16", "float16"),
@@ -45,14 +45,19 @@ ENUMS = {
         "backward.plan": ("size", "auto"),
     },
     "diag": {
-        "action": ("parity", "leak", "memory"),
+        "action": ("parity", "leak", "memory", "decode"),
         "dtype": DTYPES,
+        "decode_head": ("auto", "exact", "bfloat16"),
         "mode": ("full", "checkpoint", "segmented"),
         "modes": ("full", "checkpoint", "seg1", "seg12", "auto", "mlx_lm", "mlx_lm_gc"),
     },
     "data": {"task": ("chunk",)},
     "eval": {"task": ("chunk",), "split": ("train", "valid", "test"), "dtype": DTYPES},
-    "serve": {"dtype": DTYPES, "kv_quant": ("off", "4", "8", "config", "plan.json")},
+    "serve": {
+        "dtype": DTYPES,
+        "decode_head": ("auto", "exact", "bfloat16"),
+        "kv_quant": ("off", "4", "8", "config", "plan.json"),
+    },
 }
 # Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
 TASK_ENUMS = {"chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")}}

@@ -9,7 +9,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from mlxlab import kernels
 from mlxlab.models import fastdecode
@@ -179,3 +179,80 @@ def test_more_rows_than_the_kernel_takes_go_to_blas():
     assert mx.array_equal(layer(many), many @ layer.weight.T + layer.bias).item()
     few = many[:2]
     assert mx.allclose(layer(few), few @ layer.weight.T + layer.bias, atol=1e-5).item()
+
+
+def _decode_logits(model, prompt=(3, 14, 15, 92, 65, 35), token=8):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([list(prompt)]), cache=cache)
+    return model(mx.array([[token]]), cache=cache)
+
+
+def _round_to_bfloat16(model):
+    """Make every weight a bf16 value (as for a zoo model stored in bf16, cast up)."""
+    model.update(tree_map(lambda a: a.astype(mx.bfloat16).astype(mx.float32), model.parameters()))
+    mx.eval(model.parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # a tied head and an lm_head
+def test_auto_head_reads_a_bf16_copy_only_when_lossless_and_then_bit_identically(tiny_dir, family):
+    model, _ = _load(tiny_dir, family, True)
+    # Random float32 weights are not bf16 values: auto leaves the head on its weight.
+    assert fastdecode.use_head_dtype(model, "auto") == "exact"
+    _round_to_bfloat16(model)
+    assert fastdecode.use_head_dtype(model, "exact") == "exact"
+    exact = _decode_logits(model)
+    assert fastdecode.use_head_dtype(model, "auto") == "bfloat16 (lossless)"
+    assert fastdecode.head_reads(model) == "bfloat16 (lossless)"
+    head = fastdecode.lm_head(model)
+    assert head._decode_weight().dtype == mx.bfloat16
+    assert head._decode_weight().nbytes * 2 == head["weight"].nbytes
+    assert mx.array_equal(_decode_logits(model), exact).item()
+    # The copy is not a parameter: nothing saved or trained changes.
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()))
+
+
+def test_a_forced_bf16_head_is_close_and_reported_as_rounded(tiny_dir):
+    model, _ = _load(tiny_dir, "llama", True)
+    exact = _decode_logits(model)
+    assert fastdecode.use_head_dtype(model, "bfloat16") == "bfloat16 (rounded)"
+    approx = _decode_logits(model)
+    assert not mx.array_equal(approx, exact).item()
+    assert (mx.abs(approx - exact).max() / mx.abs(exact).max()).item() < 2e-2
+    with pytest.raises(ValueError, match="decode head"):
+        fastdecode.use_head_dtype(model, "int4")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_a_replaced_head_weight_drops_its_copy(tiny_dir, family):
+    model, _ = _load(tiny_dir, family, True)
+    fastdecode.use_head_dtype(model, "bfloat16")
+    head = fastdecode.lm_head(model)
+    name = next(n for n, m in model.named_modules() if m is head) + ".weight"
+    new = head["weight"] * 2
+    model.load_weights([(name, new)], strict=False)
+    assert fastdecode.head_reads(model) == "exact"
+    assert head._decode_weight() is new
+
+
+def test_load_picks_the_head_mode(tiny_dir):
+    from mlxlab.models.zoo import load
+
+    model, _ = load(str(tiny_dir("llama")), dtype="float32", decode_head="bfloat16")
+    assert fastdecode.head_reads(model) == "bfloat16 (rounded)"
+    model, _ = load(str(tiny_dir("llama")), dtype="float32")  # auto: random weights, no copy
+    assert fastdecode.head_reads(model) == "exact"
+
+
+def test_the_kernel_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("MLXLAB_DECODE_KERNEL", "off")
+    kernels._load.cache_clear()
+    try:
+        assert kernels.matvec() is None and "MLXLAB_DECODE_KERNEL" in kernels.status()
+        layer = nn.Linear(8, 4)
+        assert fastdecode.accelerate(layer) == 0 and type(layer) is nn.Linear
+    finally:
+        monkeypatch.delenv("MLXLAB_DECODE_KERNEL")
+        kernels._load.cache_clear()
+    assert kernels.matvec() is not None

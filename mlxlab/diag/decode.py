@@ -292,28 +292,93 @@ def profile(model, prompt_ids: list[int], steps: int = 16) -> dict:
     }
 
 
+# A fixed English text for the head copy's agreement figures.
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "developed a system of movable metal type in the German city of Mainz. Before his invention, "
+    "books were copied by hand, a slow and expensive process that kept them out of reach of most "
+    "people. The new machines spread quickly across Europe, and within fifty years millions of "
+    "books had been printed. Cheaper books helped more people learn to read, and ideas travelled "
+    "faster than ever before. Scholars could compare the same text in distant cities, errors "
+    "could be corrected in later editions, and the price of a book fell to a fraction of what a "
+    "hand-copied manuscript had cost. Within a century the printed page had changed religion, "
+    "science and politics, and the workshops of the printers had become places where writers, "
+    "translators and merchants met to exchange news from every corner of the continent."
+)
+
+
+def head_agreement(model, ids: list[int], chunk: int = 64) -> dict:
+    """The decode head's bf16 copy against its weight, teacher-forced over `ids`: mean and
+    max KL(exact || approximate) of the next-token distributions, and the share of positions
+    whose top-1 token agrees."""
+    import mlx.core as mx
+
+    from mlxlab.models.fastdecode import lm_head
+
+    head = lm_head(model)
+    approx = head._decode_weight()
+    exact = head["weight"]
+    hidden = model.model(mx.array(ids)[None])[0]
+    kls, agree = [], 0
+    for at in range(0, hidden.shape[0], chunk):
+        h = hidden[at : at + chunk]
+        le = h @ exact.T
+        la = h @ approx.astype(mx.float32).T
+        pe = le - mx.logsumexp(le, axis=-1, keepdims=True)
+        pa = la - mx.logsumexp(la, axis=-1, keepdims=True)
+        kl = (mx.exp(pe) * (pe - pa)).sum(axis=-1)
+        same = (mx.argmax(le, axis=-1) == mx.argmax(la, axis=-1)).sum()
+        mx.eval(kl, same)
+        kls += kl.tolist()
+        agree += int(same.item())
+    return {
+        "positions": len(kls),
+        "kl_mean": float(sum(kls) / len(kls)),
+        "kl_max": float(max(kls)),
+        "top1_agreement": agree / len(kls),
+    }
+
+
 def run(cfg) -> dict:
     import mlx.core as mx
 
+    from mlxlab import kernels
+    from mlxlab.models.fastdecode import head_reads, lm_head
     from mlxlab.models.zoo import load
     from mlxlab.runtime import blas_report
 
-    model, tokenizer = load(cfg.model, cfg.dtype)
+    model, tokenizer = load(cfg.model, cfg.dtype, decode_head=cfg.decode_head)
     words = (
         "the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
         "boxing matches near the old river bank "
     ).split()
     ids = tokenizer.encode(" ".join(words * (cfg.length // 4 + 8)))[: cfg.length]
     report = profile(model, ids, steps=cfg.decode_steps)
+    head = lm_head(model)
+    report["decode_head"] = head_reads(model)
+    if report["decode_head"] != "exact":
+        # The step reads the reduced copy instead of the head's own weight.
+        saved = head["weight"].nbytes - head._decode_weight().nbytes
+        report["bytes_read_mb"] = round(report["bytes_read_mb"] - saved / 1e6, 2)
+        report["groups"]["lm head"]["mb"] = round(
+            report["groups"]["lm head"]["mb"] - saved / 1e6, 2
+        )
+        ms = report["groups"]["lm head"]["ms"]
+        report["groups"]["lm head"]["gbps"] = (
+            round(report["groups"]["lm head"]["mb"] / ms, 2) if ms else None
+        )
+        text_ids = tokenizer.encode(TEXT)[: max(cfg.length, 64)]
+        report["head_copy"] = head_agreement(model, text_ids)
     bw = measure_bandwidth()
     gbps = bw["all_threads_gbps"]
     bound_s = report["bytes_read_mb"] * 1e6 / (gbps * 1e9)
     report.update(
         {
             "model": cfg.model,
-            "dtype": str(next(iter(_dtypes(model)), "?")),
+            "dtype": ",".join(_dtypes(model)),
             "device": str(mx.default_device()),
             "blas": blas_report(measure=False)["live"],
+            "decode_kernel": kernels.status(),
             "bandwidth": bw,
             "bound_ms": round(bound_s * 1e3, 3),
             "bound_tok_per_s": round(1 / bound_s, 2),
@@ -331,8 +396,9 @@ def _dtypes(model) -> list:
 
 def table(report: dict) -> str:
     lines = [
-        f"decode step of {report['model']} ({report['dtype']}, {report['device']}), "
-        f"{report['context_tokens']} tokens of context, median of {report['steps']} steps",
+        f"decode step of {report['model']} ({report['dtype']}, {report['device']}, decode "
+        f"kernel: {report['decode_kernel']}), {report['context_tokens']} tokens of context, "
+        f"median of {report['steps']} steps",
         f"{'group':<26}{'ms':>9}{'share':>8}{'MB read':>10}{'GB/s':>8}",
     ]
     total = sum(g["ms"] for g in report["groups"].values()) or 1.0
@@ -349,4 +415,10 @@ def table(report: dict) -> str:
         f"({report['bound_tok_per_s']:.1f} tok/s); the step runs at "
         f"{report['fraction_of_bound']:.0%} of the bound",
     ]
+    if approx := report.get("head_copy"):
+        lines.append(
+            f"LM head read as {report['decode_head']} vs its weight over {approx['positions']} positions of "
+            f"a fixed text: KL mean {approx['kl_mean']:.2e}, max {approx['kl_max']:.2e}; top-1 "
+            f"agreement {approx['top1_agreement']:.1%}"
+        )
     return "\n".join(lines)

@@ -2,20 +2,23 @@
 MLX's documented extension mechanism (setup.py, mlx.extension.CMakeBuild).
 
 `matvec()` is the kernel's function, or None when it cannot be used here: not built (no C++
-compiler at install time), or built against another MLX than the one running (a C++ extension
-must match MLX's ABI exactly). `status()` says which, for `models info` and the logs; callers
-fall back to MLX's own matmul.
+compiler at install time), built against another MLX than the one running (a C++ extension
+must match MLX's ABI exactly), or turned off with MLXLAB_DECODE_KERNEL=off. `status()` says
+which, for `models info` and the logs; callers fall back to MLX's own matmul.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
 def _load():
     import mlx.core as mx
 
+    if os.environ.get("MLXLAB_DECODE_KERNEL", "").lower() in ("off", "0", "false"):
+        return None, "turned off by MLXLAB_DECODE_KERNEL"
     try:
         from mlxlab.kernels import _matvec
     except ImportError as e:

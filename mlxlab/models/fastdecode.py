@@ -17,6 +17,12 @@ sums run in a fixed order of its own, so a decode step's logits differ from BLAS
 bits (~1e-6 relative) and greedy tokens match (tests); each row's result does not depend on
 how many rows are decoded together.
 
+The LM head, two thirds of gemma3-270m's bytes, may be read from a bfloat16 copy
+(`use_head_dtype`, `decode_head=` on `generate`, `serve` and `diag decode`): by default only
+when that is lossless, as it is for every zoo model (their weights are stored in bf16 and cast
+up), so the logits stay bit-identical; forced (`decode_head=bfloat16`), it is the one
+approximate option, opt-in, and `diag decode` measures its logit KL and top-1 agreement.
+
 Compiling the RMS norms of a decode step (`mx.compile`, ~4x faster per norm in isolation) was
 tried and measured no faster end to end: the compiled call's Python overhead eats the gain.
 """
@@ -53,35 +59,108 @@ def _kernel_applies(x: mx.array, w: mx.array):
     if (
         matvec is not None
         and x.dtype == mx.float32
-        and w.dtype == mx.float32
+        and w.dtype in (mx.float32, mx.bfloat16)
         and _one_token_rows(x, MAX_ROWS)
     ):
         return matvec
     return None
 
 
-class DecodeLinear(nn.Linear):
+class _DecodeWeight:
+    """Mixed into the decode modules: the weight a decode-step product reads. That is the
+    module's own weight unless `use_head_dtype` gave it a reduced copy (the opt-in approximate
+    head); the copy is dropped if the weight it was made from is replaced."""
+
+    def _decode_weight(self) -> mx.array:
+        w = self["weight"]
+        copy = self.__dict__.get("_head_copy")
+        if copy is not None:
+            if copy[0] is w:
+                return copy[1]
+            object.__setattr__(self, "_head_copy", None)
+        return w
+
+
+class DecodeLinear(_DecodeWeight, nn.Linear):
     """nn.Linear whose decode-step products go through the CPU kernel."""
 
     def __call__(self, x):
-        w = self["weight"]
+        w = self._decode_weight()
         if matvec := _kernel_applies(x, w):
             y = matvec(x, w)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 
 
-class DecodeEmbedding(nn.Embedding):
+class DecodeEmbedding(_DecodeWeight, nn.Embedding):
     """nn.Embedding whose use as a tied LM head goes through the CPU kernel at decode."""
 
     def as_linear(self, x):
-        w = self["weight"]
+        w = self._decode_weight()
         if matvec := _kernel_applies(x, w):
             return matvec(x, w)
         return super().as_linear(x)
 
 
-def accelerate(model) -> dict:
+HEAD_MODES = ("auto", "exact", "bfloat16")
+
+
+def lm_head(model):
+    """The module whose weight is the LM head: `lm_head`, or the tied embedding."""
+    modules = dict(model.named_modules())
+    if "lm_head" in modules:
+        return modules["lm_head"]
+    return next(m for name, m in modules.items() if name.endswith("embed_tokens"))
+
+
+def _fits_bfloat16(w: mx.array, rows: int = 16384) -> bool:
+    """Every value of `w` is a bfloat16 value (true of float32 weights upcast from bf16)."""
+    for at in range(0, w.shape[0], rows):
+        part = w[at : at + rows]
+        if not mx.array_equal(part, part.astype(mx.bfloat16).astype(w.dtype)).item():
+            return False
+    return True
+
+
+def use_head_dtype(model, mode: str) -> str:
+    """What the LM head reads at decode: its own weight, or a bfloat16 copy that the kernel
+    reads with float32 sums (half the bytes of the step's largest read; the float32 weight
+    stays for prefill, the embedding and training, so the copy costs half the head's size).
+
+    - `exact`: the weight itself.
+    - `auto`: the copy when it is lossless (every weight is a bf16 value, as in a float32 model
+      cast from bf16 weights: then the logits are bit-identical to the weight's), else the weight.
+    - `bfloat16`: the copy whatever it rounds (opt-in, approximate; `diag decode` measures it).
+
+    Returns "exact", "bfloat16 (lossless)" or "bfloat16 (rounded)"; "exact" also when the
+    kernel is not in use."""
+    if mode not in HEAD_MODES:
+        raise ValueError(f"unknown decode head {mode!r}; choose one of {', '.join(HEAD_MODES)}")
+    module = lm_head(model)
+    if not isinstance(module, _DecodeWeight):
+        return "exact"
+    w = module["weight"]
+    copy, used = None, "exact"
+    if mode != "exact" and w.dtype == mx.float32:
+        lossless = _fits_bfloat16(w)
+        if lossless or mode == "bfloat16":
+            copy = (w, w.astype(mx.bfloat16))
+            mx.eval(copy[1])
+            used = "bfloat16 (lossless)" if lossless else "bfloat16 (rounded)"
+    object.__setattr__(module, "_head_copy", copy)
+    object.__setattr__(module, "_head_mode", used)
+    return used
+
+
+def head_reads(model) -> str:
+    """What `model`'s LM head reads at decode now (see `use_head_dtype`)."""
+    module = lm_head(model)
+    if not isinstance(module, _DecodeWeight) or module._decode_weight() is module["weight"]:
+        return "exact"
+    return module.__dict__.get("_head_mode", "exact")
+
+
+def accelerate(model) -> int:
     """Route `model`'s decode-step products through the kernel (see the module docstring);
     returns how many modules now do (0 when the kernel is unavailable: `kernels.status()`)."""
     if kernels.matvec() is None:

@@ -8,6 +8,7 @@ A model spec is a zoo name (`gemma3-270m`, `tiny-llama`, ...), an mlx-lm model d
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pathlib import Path
 from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir, writable_dir
 from mlxlab.runtime import home
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,11 +148,13 @@ def listing() -> list[dict]:
     ]
 
 
-def load(spec: str, dtype: str = "auto", decode_kernel: bool = True):
+def load(spec: str, dtype: str = "auto", decode_kernel: bool = True, decode_head: str = "auto"):
     """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype).
 
     `decode_kernel`: route decode-step products through mlxlab's CPU kernel
-    (models/fastdecode.py); False keeps mlx-lm's code path for every product."""
+    (models/fastdecode.py); False keeps mlx-lm's code path for every product. `decode_head`:
+    what the LM head reads at decode (`fastdecode.use_head_dtype`): auto (a bf16 copy when
+    lossless), exact, or bfloat16 (opt-in, approximate)."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -160,7 +165,14 @@ def load(spec: str, dtype: str = "auto", decode_kernel: bool = True):
     model.set_dtype(target)
     mx.eval(model.parameters())
     if decode_kernel:
-        from mlxlab.models.fastdecode import accelerate
+        from mlxlab.models.fastdecode import accelerate, use_head_dtype
 
         accelerate(model)
+        used = use_head_dtype(model, decode_head)
+        if decode_head == "bfloat16" and used == "exact":
+            log.warning(
+                "mlxlab: decode_head=bfloat16 needs the CPU decode kernel (float32 on the CPU); "
+                "the LM head stays exact"
+            )
+        log.debug("mlxlab: the LM head reads %s at decode", used)
     return model, tokenizer

@@ -121,7 +121,8 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     t_start = time.perf_counter()
     data_cfg = hooks.prepare_data(cfg.data, run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
-    model, tokenizer = load(cfg.model, cfg.dtype)
+    # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
+    model, tokenizer = load(cfg.model, cfg.dtype, decode_head="exact")
     train_set = load_split(train_path, tokenizer, data_cfg)
     valid_set = load_split(valid_path, tokenizer, data_cfg) if valid_path else None
     job = Run(cfg, run_dir, data_cfg, model, tokenizer)

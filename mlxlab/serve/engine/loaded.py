@@ -25,7 +25,9 @@ class Loaded:
         import mlx.core as mx
 
         self.model_dir = resolve(cfg.model)
-        self.model, self.tokenizer = load(str(self.model_dir), cfg.dtype)
+        self.model, self.tokenizer = load(
+            str(self.model_dir), cfg.dtype, decode_head=cfg.decode_head
+        )
         self.model_id = cfg.model
         self.eos = set(self.tokenizer.eos_token_ids)
         # The width of the logits (embedding rows; may exceed the tokenizer's vocabulary).
