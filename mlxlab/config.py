@@ -20,9 +20,9 @@ from mlxlab.errors import UserError  # also re-exported: `from mlxlab.config imp
 DEFAULT_MODEL = "gemma3-270m"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DECODE_HEADS = ("auto", "exact", "bfloat16")
-
 """Compute dtypes (`auto`: float32 on a CPU, bfloat16 on an Apple GPU)."""
+DECODE_HEADS = ("auto", "exact", "bfloat16")
+"""What the LM head reads at decode on the CPU (models/fastdecode.py: use_head_dtype)."""
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes a converted model's weights are stored in."""
 MEMORY_MODES = ("full", "checkpoint", "segN", "auto", "mlx_lm", "mlx_lm_gc")
@@ -448,7 +448,8 @@ class DiagConfig:
     dtype: str = "auto"
     """Compute dtype for both sides: auto, float32, bfloat16, float16."""
     adapter: str | None = None
-    """parity: adapter to compare (default: a seeded random one, saved in mlx-lm's layout)."""
+    """parity: adapter to compare (default: a seeded random one, saved in mlx-lm's layout);
+    decode: an adapter to profile the step with."""
     length: int = 64
     """Tokens per test sequence (parity, leak); decode: tokens of context before the steps."""
     segment_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])

@@ -256,3 +256,22 @@ def test_the_kernel_can_be_turned_off(monkeypatch):
         monkeypatch.delenv("MLXLAB_DECODE_KERNEL")
         kernels._load.cache_clear()
     assert kernels.matvec() is not None
+
+
+def test_a_model_naming_its_head_otherwise_loads_with_the_head_exact():
+    class Odd(nn.Module):  # as gpt2's `wte` or gpt_neox's `embed_out`
+        def __init__(self):
+            super().__init__()
+            self.embed_out = nn.Linear(8, 16)
+
+    model = Odd()
+    assert fastdecode.accelerate(model) == 1
+    assert fastdecode.lm_head(model) is None
+    assert fastdecode.use_head_dtype(model, "auto") == "exact"
+    assert fastdecode.head_reads(model) == "exact"
+
+
+def test_empty_products_are_zeros_and_shapeless_compile_works():
+    assert matvec()(mx.zeros((1, 1, 0)), mx.zeros((3, 0))).tolist() == [[[0.0, 0.0, 0.0]]]
+    f = mx.compile(lambda x, w: matvec()(x, w), shapeless=True)
+    assert f(mx.ones((1, 1, 4)), mx.ones((3, 4))).tolist() == [[[4.0, 4.0, 4.0]]]

@@ -12,8 +12,8 @@ GB/s that makes. Groups are timed by wrapping the model's own modules for the pr
 so the sum of the groups carries some synchronization overhead; the step's plain time (no
 wrappers) is measured separately and is the figure the bound is held against.
 
-The bandwidth is measured here, not assumed: numpy's sum over a 512 MB float32 array (which
-streams it through the cores' vector units), on one thread and on all of them.
+The bandwidth is measured here, not assumed: numpy's sum over a 512 MB float64 array (which
+its vector units sum faster than the memory delivers it), on one thread and on all cores.
 """
 
 from __future__ import annotations
@@ -158,10 +158,10 @@ def _group_of(path: str, module) -> str | None:
     return None
 
 
-def _instrument(model, clock) -> list:
-    """Wrap the model's modules in place; returns the undo list [(parent, key, module)]."""
+def _instrument(model, clock, undo: list) -> None:
+    """Wrap the model's modules in place, recording each in `undo` [(parent, key, module)] as
+    it goes (so a failure part-way can still be undone)."""
     Timed = _wrapper_class()
-    undo = []
     modules = dict(model.named_modules())  # resolved before any is replaced
     modules[""] = model
     for path, module in list(modules.items()):
@@ -180,7 +180,6 @@ def _instrument(model, clock) -> list:
         else:
             setattr(container, key, wrapped)
         undo.append((container, key, module))
-    return undo
 
 
 def _restore(undo) -> None:
@@ -192,8 +191,13 @@ def _restore(undo) -> None:
 
 
 def _group_bytes(model, cache) -> dict[str, int]:
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlxlab.models.fastdecode import lm_head
+
     out: dict[str, int] = defaultdict(int)
-    tied = "lm_head" not in dict(model.named_modules())
+    tied = isinstance(lm_head(model), nn.Embedding)
     for path, module in model.named_modules():
         if not path:
             continue
@@ -209,10 +213,10 @@ def _group_bytes(model, cache) -> dict[str, int]:
                 out["lm head"] += _nbytes(module)
             continue
         out[group] += _nbytes(module)
-    for c in cache:
-        state = c.state
-        if isinstance(state, (list, tuple)):
-            out["attention (cache, sdpa)"] += sum(s.nbytes for s in state if hasattr(s, "nbytes"))
+    for c in cache:  # K/V as stored (a quantized cache's state nests its parts)
+        out["attention (cache, sdpa)"] += sum(
+            a.nbytes for _, a in tree_flatten(c.state) if hasattr(a, "nbytes")
+        )
     return dict(out)
 
 
@@ -248,10 +252,11 @@ def profile(model, prompt_ids: list[int], steps: int = 16) -> dict:
 
     cache, token = prefill()
     clock = _Clock()
-    undo = _instrument(model, clock)
+    undo: list = []
     per_step: dict[str, list[float]] = defaultdict(list)
     totals = []
     try:
+        _instrument(model, clock, undo)
         with mx.stream(generation_stream):
             for i in range(steps + 1):
                 clock.times.clear()
@@ -314,16 +319,20 @@ def head_agreement(model, ids: list[int], chunk: int = 64) -> dict:
     import mlx.core as mx
 
     from mlxlab.models.fastdecode import lm_head
+    from mlxlab.train.losses import hidden_states
 
     head = lm_head(model)
     approx = head._decode_weight()
     exact = head["weight"]
-    hidden = model.model(mx.array(ids)[None])[0]
+    cap = getattr(model, "final_logit_softcapping", None)
+    hidden = hidden_states(model, mx.array(ids)[None])[0]
     kls, agree = [], 0
     for at in range(0, hidden.shape[0], chunk):
         h = hidden[at : at + chunk]
         le = h @ exact.T
         la = h @ approx.astype(mx.float32).T
+        if cap:
+            le, la = mx.tanh(le / cap) * cap, mx.tanh(la / cap) * cap
         pe = le - mx.logsumexp(le, axis=-1, keepdims=True)
         pa = la - mx.logsumexp(la, axis=-1, keepdims=True)
         kl = (mx.exp(pe) * (pe - pa)).sum(axis=-1)
@@ -348,6 +357,10 @@ def run(cfg) -> dict:
     from mlxlab.runtime import blas_report
 
     model, tokenizer = load(cfg.model, cfg.dtype, decode_head=cfg.decode_head)
+    if cfg.adapter:
+        from mlxlab.lora import io as lora_io
+
+        lora_io.load(model, cfg.adapter)
     words = (
         "the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
         "boxing matches near the old river bank "

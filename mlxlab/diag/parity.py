@@ -60,7 +60,7 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
     gate = {"max_ulp": cfg.max_ulp, "max_rel": cfg.max_rel}
     path = resolve(cfg.model)
     dtype = resolve_dtype(cfg.dtype)
-    ours, tokenizer = load(str(path), cfg.dtype)
+    ours, tokenizer = load(str(path), cfg.dtype, decode_head="exact")
     theirs, _ = mlx_lm_load(str(path))
     theirs.set_dtype(dtype)
     ids = text_ids(tokenizer, cfg.length)

@@ -30,7 +30,7 @@ def training_setup(model_name: str, dtype: str, length: int, offset: int):
     from mlxlab.data.datasets import Example
     from mlxlab.models.zoo import load
 
-    model, tokenizer = load(model_name, dtype)
+    model, tokenizer = load(model_name, dtype, decode_head="exact")  # as training loads it
     attach_lora(model)
     model.train()
     ids = text_ids(tokenizer, length)

@@ -12,6 +12,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #include <string>
 #include <future>
 #include <stdexcept>
@@ -36,17 +39,21 @@ namespace {
 
 constexpr int LANES = 16;  // two 8-float vectors
 
+// The hot loops are inlined into one function per instruction set (below), so a build made for
+// a generic x86-64 still runs AVX2+FMA code on a CPU that has it.
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 // 8 floats as one value (GCC/Clang vector extensions: AVX on x86-64, two NEON ops on arm64).
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-inline v8 load8(const float* p) {
+ALWAYS_INLINE v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v8 load8(const uint16_t* p) {  // bfloat16: the top half of a float32
+ALWAYS_INLINE v8 load8(const uint16_t* p) {  // bfloat16: the top half of a float32
   u16x8 h;
   std::memcpy(&h, p, sizeof h);
   u32x8 u = __builtin_convertvector(h, u32x8) << 16;
@@ -54,8 +61,8 @@ inline v8 load8(const uint16_t* p) {  // bfloat16: the top half of a float32
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) {
+ALWAYS_INLINE float load1(const float* p) { return *p; }
+ALWAYS_INLINE float load1(const uint16_t* p) {
   uint32_t bits = static_cast<uint32_t>(*p) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -67,7 +74,7 @@ inline float load1(const uint16_t* p) {
 // k = j, j + 16, ... in sequence, the tail goes to lanes 0.., then the lanes fold in a fixed
 // tree. So a row's result does not depend on how many rows are computed with it.
 template <int G, typename W>
-inline void dots(const float* x, size_t ldx, const W* w, int K, float* out) {
+ALWAYS_INLINE void dots(const float* x, size_t ldx, const W* w, int K, float* out) {
   v8 acc[G][2] = {};
   int k = 0;
   for (; k + LANES <= K; k += LANES) {
@@ -95,7 +102,7 @@ inline void dots(const float* x, size_t ldx, const W* w, int K, float* out) {
 }
 
 template <typename W>
-void rows(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+ALWAYS_INLINE void rows_impl(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
   constexpr int G = 4;  // rows of x per pass: 4 x 16 accumulators fit in the vector registers
   float out[G];
   for (int n = n0; n < n1; ++n) {
@@ -114,13 +121,61 @@ void rows(const float* x, const W* w, float* y, int M, int K, int N, int n0, int
   }
 }
 
+// The cores this process may run on (its affinity mask on Linux, so a container's or taskset's
+// limit is respected), at least 1.
+int usable_cores() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+int cores() {
+  static const int n = usable_cores();
+  return n;
+}
+
+template <typename W>
+void rows_generic(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+  rows_impl(x, w, y, M, K, N, n0, n1);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MLXLAB_X86_DISPATCH 1
+template <typename W>
+__attribute__((target("avx2,fma"))) void
+rows_avx2(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+  rows_impl(x, w, y, M, K, N, n0, n1);
+}
+
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+// One CPU always takes the same path, so results are deterministic on it.
+template <typename W>
+void rows(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+#ifdef MLXLAB_X86_DISPATCH
+  if (has_avx2_fma()) {
+    rows_avx2(x, w, y, M, K, N, n0, n1);
+    return;
+  }
+#endif
+  rows_generic(x, w, y, M, K, N, n0, n1);
+}
+
 ThreadPool& pool() {
-  static ThreadPool p(std::max(1u, std::thread::hardware_concurrency()) - 1);
+  static ThreadPool p(std::max(1, cores() - 1));
   return p;
 }
 
 int threads_for(size_t weight_bytes) {
-  int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int hw = cores();
   // Below ~256 KB a thread hand-off costs more than the reading it saves.
   int by_size = static_cast<int>(weight_bytes / (256 * 1024));
   return std::max(1, std::min(hw, by_size));
@@ -146,13 +201,10 @@ void run(const float* x, const W* w, float* y, int M, int K, int N) {
 }
 
 // A strided array's elements in row-major order.
-void gather(const array& x, float* dst) {
-  const float* src = x.data<float>();
-  const auto& shape = x.shape();
-  const auto& strides = x.strides();
-  int nd = x.ndim();
+void gather(const float* src, const Shape& shape, const Strides& strides, size_t size, float* dst) {
+  int nd = static_cast<int>(shape.size());
   std::vector<int> idx(nd, 0);
-  for (size_t i = 0; i < x.size(); ++i) {
+  for (size_t i = 0; i < size; ++i) {
     int64_t off = 0;
     for (int d = 0; d < nd; ++d) {
       off += idx[d] * strides[d];
@@ -179,19 +231,30 @@ class MatVec : public UnaryPrimitive {
     }
     out.set_data(allocator::malloc(out.nbytes()));
     int K = w.shape(1), N = w.shape(0);
-    int M = static_cast<int>(x.size() / K);
+    int M = K == 0 ? 0 : static_cast<int>(x.size() / K);
     auto& encoder = cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_output_array(out);
     float* yp = out.data<float>();
-    // Everything below runs when the stream reaches this op (the inputs are computed by then).
+    if (K == 0 || M == 0 || N == 0) {
+      std::memset(yp, 0, out.nbytes());
+      return;
+    }
+    // The task runs later, on the stream's thread, when the inputs are computed. It captures
+    // plain pointers, shape and strides (set by now), not the arrays: the encoder keeps the
+    // inputs alive, and an array copy would keep x's graph alive and release it off-thread.
+    const float* xsrc = x.data<float>();
+    bool x_contiguous = x.flags().row_contiguous;
+    Shape x_shape = x.shape();
+    Strides x_strides = x.strides();
+    size_t x_size = x.size();
     auto compute = [=](const auto* wp) {
-      const float* xp = x.data<float>();
+      const float* xp = xsrc;
       std::vector<float> packed;
-      if (!x.flags().row_contiguous) {  // gather a strided x (only M x K floats)
-        packed.resize(x.size());
-        gather(x, packed.data());
+      if (!x_contiguous) {  // gather a strided x (only M x K floats)
+        packed.resize(x_size);
+        gather(xsrc, x_shape, x_strides, x_size, packed.data());
         xp = packed.data();
       }
       run(xp, wp, yp, M, K, N);
@@ -229,6 +292,12 @@ class MatVec : public UnaryPrimitive {
       }
     }
     return grads;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
   }
 
   const char* name() const override { return "MatVec"; }

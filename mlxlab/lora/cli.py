@@ -45,7 +45,7 @@ def run(cfg: LoraToolConfig) -> None:
         from mlxlab.lora import io as lora_io
         from mlxlab.models.zoo import load
 
-        model, _ = load(cfg.model)
+        model, _ = load(cfg.model, decode_head="exact")
         plan, weights = lora_io.read_plan(cfg.adapter, model)
         print(
             f"ok: {len(weights)} tensors, rank {plan.rank}, scale {plan.scale}, "

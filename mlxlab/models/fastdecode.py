@@ -14,8 +14,8 @@ wrapping and saving are untouched. Decode-shaped: float32 on the CPU, inputs [..
 token per row) with at most MAX_ROWS rows. Prefill, training and the loss head (many-row
 products) keep BLAS, so their numbers are bit for bit what they were. The kernel's float32
 sums run in a fixed order of its own, so a decode step's logits differ from BLAS's in the last
-bits (~1e-6 relative) and greedy tokens match (tests); each row's result does not depend on
-how many rows are decoded together.
+bits (~1e-6 relative) and greedy tokens match (tests); up to MAX_ROWS rows, each row's result
+does not depend on how many rows are decoded together (past it, BLAS's does).
 
 The LM head, two thirds of gemma3-270m's bytes, may be read from a bfloat16 copy
 (`use_head_dtype`, `decode_head=` on `generate`, `serve` and `diag decode`): by default only
@@ -49,6 +49,7 @@ def _one_token_rows(x: mx.array, max_rows: int | None = None) -> bool:
     return (
         x.ndim >= 3
         and x.shape[-2] == 1
+        and x.shape[-1] > 0
         and (max_rows is None or x.size // x.shape[-1] <= max_rows)
         and mx.default_device() == mx.cpu
     )
@@ -68,8 +69,9 @@ def _kernel_applies(x: mx.array, w: mx.array):
 
 class _DecodeWeight:
     """Mixed into the decode modules: the weight a decode-step product reads. That is the
-    module's own weight unless `use_head_dtype` gave it a reduced copy (the opt-in approximate
-    head); the copy is dropped if the weight it was made from is replaced."""
+    module's own weight unless `use_head_dtype` gave it a bf16 copy; the copy is dropped when
+    the weight it was made from is replaced (a new array, as `load_weights`/`update` set; an
+    in-place `w[...] = v` on the weight is not seen: call `use_head_dtype` again after one)."""
 
     def _decode_weight(self) -> mx.array:
         w = self["weight"]
@@ -106,11 +108,14 @@ HEAD_MODES = ("auto", "exact", "bfloat16")
 
 
 def lm_head(model):
-    """The module whose weight is the LM head: `lm_head`, or the tied embedding."""
+    """The module whose weight is the LM head (`lm_head`, or else the tied `embed_tokens`,
+    wherever they sit in the model), or None for a model that names them otherwise."""
     modules = dict(model.named_modules())
-    if "lm_head" in modules:
-        return modules["lm_head"]
-    return next(m for name, m in modules.items() if name.endswith("embed_tokens"))
+    for suffix in ("lm_head", "embed_tokens"):
+        for name, module in modules.items():
+            if name == suffix or name.endswith("." + suffix):
+                return module
+    return None
 
 
 def _fits_bfloat16(w: mx.array, rows: int = 16384) -> bool:
@@ -141,7 +146,8 @@ def use_head_dtype(model, mode: str) -> str:
         return "exact"
     w = module["weight"]
     copy, used = None, "exact"
-    if mode != "exact" and w.dtype == mx.float32:
+    # On a GPU the kernel never runs (mlx-lm's path does), so a copy would only cost memory.
+    if mode != "exact" and w.dtype == mx.float32 and mx.default_device() == mx.cpu:
         lossless = _fits_bfloat16(w)
         if lossless or mode == "bfloat16":
             copy = (w, w.astype(mx.bfloat16))
