@@ -24,6 +24,7 @@ class Batch:
     labels: object  # mx.array [N] int32: the target token at each position
     weights: object  # mx.array [N] float32: 1 for real positions, 0 for padding
     ntoks: int  # trained tokens (sum of weights)
+    lengths: tuple = ()  # real (unpadded) input length of each row, for the FLOP count
 
     def arrays(self) -> tuple:
         return self.inputs, self.positions, self.labels, self.weights
@@ -55,7 +56,10 @@ def collate(examples: list[Example]) -> Batch:
     weights[:n] = 1.0
     positions = np.pad(positions, (0, padded - n))
     labels = np.pad(labels, (0, padded - n))
-    return Batch(mx.array(inputs), mx.array(positions), mx.array(labels), mx.array(weights), n)
+    lengths = tuple(len(e.ids) - 1 for e in examples)
+    return Batch(
+        mx.array(inputs), mx.array(positions), mx.array(labels), mx.array(weights), n, lengths
+    )
 
 
 def dense_targets(batch: Batch):

@@ -31,6 +31,7 @@ from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir, atomic_write_text
 from mlxlab.lora import io as lora_io
 from mlxlab.lora.apply import LoraPlan
+from mlxlab.train.flops import model_shapes, step_flops
 from mlxlab.train.losses import response_ce
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,8 @@ def _fmt(key: str, value) -> str:
     if isinstance(value, float):
         if key == "lr":
             return f"lr {value:.2e}"
+        if key == "mfu":  # model FLOPs / the measured matmul rate (train/flops.py)
+            return f"mfu {value:.1%}"
         return f"{key} {value:.4f}" if "loss" in key else f"{key} {value:.1f}"
     return f"{key} {value}"
 
@@ -294,10 +297,12 @@ def train(
         _truncate_metrics(run_dir / "metrics.jsonl", start)
         log.info(f"resumed from {found[-1]} (step {start})")
     run_log = run_log or RunLog(run_dir, cfg.iters)
+    shapes, rate = _flop_counting(model)
     model.train()
     mx.reset_peak_memory()
     summary = {"start_step": start, "val_loss": None}
     t0, tokens, since = time.perf_counter(), 0, time.perf_counter()
+    window_flops = run_flops = 0.0
     try:
         if valid_sampler is not None and start == 0 and cfg.val_every:
             val = evaluate(model, valid_sampler, cfg.val_batches)
@@ -309,6 +314,13 @@ def train(
             loss, norm = train_step(model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step)
             lr = optimizer.learning_rate.item()  # the rate this step used
             tokens += sum(int(b.inputs.shape[0] * b.inputs.shape[1]) for b in batches)
+            if shapes is not None:
+                f = sum(
+                    step_flops(shapes, list(b.lengths), b.ntoks, cfg.backward.mode)["total"]
+                    for b in batches
+                )
+                window_flops += f
+                run_flops += f
             record = {
                 "step": step,
                 "loss": loss,
@@ -320,7 +332,10 @@ def train(
                 now = time.perf_counter()
                 record["tok_per_s"] = tokens / (now - since)
                 record["peak_mem_gb"] = mx.get_peak_memory() / 1e9
-                tokens, since = 0, now
+                if shapes is not None:
+                    record["gflops"] = window_flops / (now - since) / 1e9
+                    record["mfu"] = record["gflops"] / rate
+                tokens, since, window_flops = 0, now, 0.0
             if (
                 valid_sampler is not None
                 and cfg.val_every
@@ -340,7 +355,25 @@ def train(
     summary.update(
         steps=cfg.iters, seconds=time.perf_counter() - t0, peak_mem_gb=mx.get_peak_memory() / 1e9
     )
+    if shapes is not None and summary["seconds"] > 0:
+        # The run's mean (validation and checkpoint time included, as in the step records).
+        summary["model_tflop"] = run_flops / 1e12
+        summary["matmul_gflops"] = rate
+        summary["mfu"] = run_flops / summary["seconds"] / 1e9 / rate
     return summary
+
+
+def _flop_counting(model):
+    """(shapes, float32 matmul GFLOPS measured now) for the MFU figures, or (None, None) for a
+    model family the FLOP count does not know (train/flops.py)."""
+    from mlxlab.runtime import measure_matmul_gflops
+
+    try:
+        shapes = model_shapes(model)
+    except (UserError, AttributeError) as e:
+        log.debug("no FLOP count for this model: %s", e)
+        return None, None
+    return shapes, measure_matmul_gflops()
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
