@@ -50,7 +50,10 @@ def test_wheel_ships_configs_and_data(tmp_path):
     for yaml in (REPO / "configs").rglob("*.yaml"):
         assert f"mlxlab/configs/{yaml.relative_to(REPO / 'configs').as_posix()}" in names
     assert "mlxlab/models/tiny_corpus.txt" in names
-    # The CPU decode kernel: compiled into the wheel, its sources shipped beside it.
-    assert any(n.startswith("mlxlab/kernels/_matvec") for n in names), sorted(names)
+    # The CPU decode kernel: compiled into the wheel (where a compiler is), sources beside it.
+    from tests.helpers.kernel import HAS_COMPILER
+
+    if HAS_COMPILER:
+        assert any(n.startswith("mlxlab/kernels/_matvec") for n in names), sorted(names)
     assert {"mlxlab/kernels/matvec.cpp", "mlxlab/kernels/CMakeLists.txt"} <= names
     assert {"mlxlab/data/quickstart/train.jsonl", "mlxlab/data/quickstart/valid.jsonl"} <= names
