@@ -158,6 +158,19 @@ def f32_copy(model_dir: Path, out: Path) -> Path:
     return out
 
 
+def serve_and_measure(command, args, cwd: Path = REPO) -> dict:
+    """Start the server `command(port)` on a free port, measure it, stop it."""
+    port = free_port()
+    proc = start(command(port), port, cwd)
+    try:
+        return measure(
+            f"http://127.0.0.1:{port}", args.rounds, args.decode_tokens, document(args.doc_records)
+        )
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
@@ -189,20 +202,19 @@ def main() -> None:
 
         ours[f"mlxlab {args.before}"] = worktree(args.before)  # `-m` imports from the cwd
     for name, cwd in ours.items():
-        port = free_port()
         print(f"{name} serve ({args.model}) ...", file=sys.stderr)
-        cmd = [sys.executable, "-m", "mlxlab", "serve", f"model={args.model}", f"port={port}"]
-        proc = start(cmd, port, cwd)
-        try:
-            runs[name] = measure(
-                f"http://127.0.0.1:{port}",
-                args.rounds,
-                args.decode_tokens,
-                document(args.doc_records),
-            )
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        runs[name] = serve_and_measure(
+            lambda port: [
+                sys.executable,
+                "-m",
+                "mlxlab",
+                "serve",
+                f"model={args.model}",
+                f"port={port}",
+            ],
+            args,
+            cwd,
+        )
 
     variants = (
         {}
@@ -215,19 +227,11 @@ def main() -> None:
         shim = "import sys, mlxlab; from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
         variants["mlx_lm (matched)"] = ([sys.executable, "-c", shim], f32)
     for name, (cmd, path) in variants.items():
-        port = free_port()
         print(f"{name} ...", file=sys.stderr)
-        proc = start([*cmd, "--model", str(path), "--port", str(port)], port)
-        try:
-            runs[name] = measure(
-                f"http://127.0.0.1:{port}",
-                args.rounds,
-                args.decode_tokens,
-                document(args.doc_records),
-            )
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        runs[name] = serve_and_measure(
+            lambda port, cmd=cmd, path=path: [*cmd, "--model", str(path), "--port", str(port)],
+            args,
+        )
 
     ours = runs["mlxlab"]
     print(

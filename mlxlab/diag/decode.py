@@ -38,7 +38,7 @@ GROUPS = (
     "lm head",
     "sampling",
 )
-PROJECTION_NAMES = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "wqkv")}
+ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "wqkv")
 
 
 def measure_bandwidth(mb: int = 512, rounds: int = 5) -> dict:
@@ -73,15 +73,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _nbytes(module, recurse: bool = True) -> int:
+def _nbytes(module) -> int:
     from mlx.utils import tree_flatten
 
-    params = (
-        module.parameters()
-        if recurse
-        else {k: v for k, v in module.items() if hasattr(v, "nbytes")}
-    )
-    return sum(v.nbytes for _, v in tree_flatten(params))
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
 class _Clock:
@@ -148,7 +143,7 @@ def _group_of(path: str, module) -> str | None:
         return "lm head"
     is_linear = isinstance(module, (nn.Linear, nn.QuantizedLinear)) or hasattr(module, "linear")
     if is_linear:
-        return "attn projections" if name in PROJECTION_NAMES["attn"] else "mlp projections"
+        return "attn projections" if name in ATTN_PROJECTIONS else "mlp projections"
     if name in ("self_attn", "attn", "attention"):
         return "attention (cache, sdpa)"
     if name in ("mlp", "feed_forward", "ffn"):

@@ -45,12 +45,12 @@ BLAS vs kernel): the 262144 x 640 head at 1/2/4/8 rows 97/114/113/116 vs 43/53/6
 wins."""
 
 
-def _one_token_rows(x: mx.array, max_rows: int | None = None) -> bool:
+def _one_token_rows(x: mx.array) -> bool:
     return (
         x.ndim >= 3
         and x.shape[-2] == 1
         and x.shape[-1] > 0
-        and (max_rows is None or x.size // x.shape[-1] <= max_rows)
+        and x.size // x.shape[-1] <= MAX_ROWS
         and mx.default_device() == mx.cpu
     )
 
@@ -61,7 +61,7 @@ def _kernel_applies(x: mx.array, w: mx.array):
         matvec is not None
         and x.dtype == mx.float32
         and w.dtype in (mx.float32, mx.bfloat16)
-        and _one_token_rows(x, MAX_ROWS)
+        and _one_token_rows(x)
     ):
         return matvec
     return None
