@@ -25,6 +25,6 @@ class BuildKernel(CMakeBuild):
 
 
 setup(
-    ext_modules=[CMakeExtension("mlxlab.kernels._matvec", sourcedir="mlxlab/kernels")],
+    ext_modules=[CMakeExtension("mlxlab.kernels._kernels", sourcedir="mlxlab/kernels")],
     cmdclass={"build_ext": BuildKernel},
 )

@@ -54,6 +54,14 @@ def test_wheel_ships_configs_and_data(tmp_path):
     from tests.helpers.kernel import HAS_COMPILER
 
     if HAS_COMPILER:
-        assert any(n.startswith("mlxlab/kernels/_matvec") for n in names), sorted(names)
-    assert {"mlxlab/kernels/matvec.cpp", "mlxlab/kernels/CMakeLists.txt"} <= names
+        assert any(n.startswith("mlxlab/kernels/_kernels") for n in names), sorted(names)
+    kernel_sources = (
+        "matvec.cpp",
+        "ce.cpp",
+        "module.cpp",
+        "common.h",
+        "kernels.h",
+        "CMakeLists.txt",
+    )
+    assert {f"mlxlab/kernels/{name}" for name in kernel_sources} <= names
     assert {"mlxlab/data/quickstart/train.jsonl", "mlxlab/data/quickstart/valid.jsonl"} <= names

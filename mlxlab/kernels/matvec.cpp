@@ -10,64 +10,21 @@
 // Built through MLX's documented custom-primitive mechanism (mlx.extension.CMakeBuild); the
 // Python side is mlxlab/models/fastdecode.py.
 
-#include <cstdint>
-#include <cstring>
-#if defined(__linux__)
-#include <sched.h>
-#endif
-#include <string>
-#include <future>
 #include <stdexcept>
-#include <thread>
-#include <vector>
+#include <string>
 
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/variant.h>
-
+#include "common.h"
+#include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/mlx.h"
 #include "mlx/primitives.h"
-#include "mlx/threadpool.h"
-#include "mlx/version.h"
 
-namespace nb = nanobind;
-using namespace nb::literals;
 using namespace mlx::core;
+
+namespace mlxlab {
 
 namespace {
 
 constexpr int LANES = 16;  // two 8-float vectors
-
-// The hot loops are inlined into one function per instruction set (below), so a build made for
-// a generic x86-64 still runs AVX2+FMA code on a CPU that has it.
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
-// 8 floats as one value (GCC/Clang vector extensions: AVX on x86-64, two NEON ops on arm64).
-typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-ALWAYS_INLINE v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-ALWAYS_INLINE v8 load8(const uint16_t* p) {  // bfloat16: the top half of a float32
-  u16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-  v8 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-ALWAYS_INLINE float load1(const float* p) { return *p; }
-ALWAYS_INLINE float load1(const uint16_t* p) {
-  uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // y[m, n] for G rows of x at once: each block of the weight row is loaded once and used for
 // every row. Each (m, n) sums its k in the same order whatever G is: lane j takes
@@ -121,40 +78,18 @@ ALWAYS_INLINE void rows_impl(const float* x, const W* w, float* y, int M, int K,
   }
 }
 
-// The cores this process may run on (its affinity mask on Linux, so a container's or taskset's
-// limit is respected), at least 1.
-int usable_cores() {
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) {
-    return std::max(1, CPU_COUNT(&set));
-  }
-#endif
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-int cores() {
-  static const int n = usable_cores();
-  return n;
-}
-
 template <typename W>
 void rows_generic(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
   rows_impl(x, w, y, M, K, N, n0, n1);
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MLXLAB_X86_DISPATCH 1
+#ifdef MLXLAB_X86_DISPATCH
 template <typename W>
 __attribute__((target("avx2,fma"))) void
 rows_avx2(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
   rows_impl(x, w, y, M, K, N, n0, n1);
 }
 
-bool has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 // One CPU always takes the same path, so results are deterministic on it.
@@ -169,11 +104,6 @@ void rows(const float* x, const W* w, float* y, int M, int K, int N, int n0, int
   rows_generic(x, w, y, M, K, N, n0, n1);
 }
 
-ThreadPool& pool() {
-  static ThreadPool p(std::max(1, cores() - 1));
-  return p;
-}
-
 int threads_for(size_t weight_bytes) {
   int hw = cores();
   // Below ~256 KB a thread hand-off costs more than the reading it saves.
@@ -184,20 +114,7 @@ int threads_for(size_t weight_bytes) {
 template <typename W>
 void run(const float* x, const W* w, float* y, int M, int K, int N) {
   int T = threads_for(static_cast<size_t>(N) * K * sizeof(W));
-  if (T == 1) {
-    rows(x, w, y, M, K, N, 0, N);
-    return;
-  }
-  int step = (N + T - 1) / T;
-  std::vector<std::future<void>> done;
-  for (int t = 1; t < T; ++t) {
-    int n0 = std::min(N, t * step), n1 = std::min(N, (t + 1) * step);
-    done.push_back(pool().enqueue([=] { rows(x, w, y, M, K, N, n0, n1); }));
-  }
-  rows(x, w, y, M, K, N, 0, std::min(N, step));
-  for (auto& d : done) {
-    d.get();
-  }
+  parallel_for(T, N, [=](int n0, int n1) { rows(x, w, y, M, K, N, n0, n1); });
 }
 
 // A strided array's elements in row-major order.
@@ -304,6 +221,8 @@ class MatVec : public UnaryPrimitive {
   bool is_equivalent(const Primitive&) const override { return true; }
 };
 
+}  // namespace
+
 array matvec(const array& x, const array& w, StreamOrDevice s) {
   if (w.ndim() != 2) {
     throw std::invalid_argument("[matvec] w must be [out, in]");
@@ -329,18 +248,4 @@ array matvec(const array& x, const array& w, StreamOrDevice s) {
       {x, w.is_available() && w.flags().row_contiguous ? w : contiguous(w, false, stream)});
 }
 
-}  // namespace
-
-NB_MODULE(_matvec, m) {
-  m.doc() = "y = x @ w.T for a few rows of x, at the memory bandwidth (CPU)";
-  m.attr("built_against_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
-      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
-  m.def(
-      "matvec",
-      &matvec,
-      "x"_a,
-      "w"_a,
-      nb::kw_only(),
-      "stream"_a = nb::none(),
-      "x @ w.T with w stored [out, in] (float32 or bfloat16), x float32 with few rows.");
-}
+}  // namespace mlxlab

@@ -43,7 +43,7 @@ def run(cfg: ModelsConfig) -> None:
         from mlxlab import kernels, runtime
 
         report = runtime.blas_report()
-        report["decode_kernel"] = kernels.status()
+        report["kernels"] = kernels.status()
         report["default_dtype"] = str(runtime.resolve_dtype("auto"))
         report["mlxlab_home"] = str(runtime.home())
         print(json.dumps(report, indent=2))

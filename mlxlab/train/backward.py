@@ -15,12 +15,11 @@ import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from mlxlab.errors import UserError
 from mlxlab.models.runners import Runner, runner_for
-from mlxlab.train.losses import lm_head
+from mlxlab.train.losses import head_ce
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +28,7 @@ MODES = ("full", "checkpoint", "segmented")
 
 def head_loss(runner: Runner, h, positions, labels, weights):
     """Final norm + response-only CE from the last hidden state (pre-norm)."""
-    h = runner.norm(h)
-    h = h.reshape(-1, h.shape[-1])[positions]
-    ce = nn.losses.cross_entropy(lm_head(runner.model, h), labels) * weights
-    ntoks = weights.sum()
-    return ce.astype(mx.float32).sum() / ntoks, ntoks
+    return head_ce(runner.model, runner.norm(h), positions, labels, weights)
 
 
 # --- plans ------------------------------------------------------------------------------------

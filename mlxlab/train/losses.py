@@ -2,7 +2,10 @@
 
 `response_ce` projects only the trained positions to the vocabulary. Gemma's 262k-entry
 vocabulary makes full logits the largest tensor in training ([B, L, 262144] float32 is 4.3 GB
-at L=4096); the response is usually a fraction of the sequence.
+at L=4096); the response is usually a fraction of the sequence. `token_ce` is the one
+cross-entropy of training: on the CPU in float32 it is the compiled kernel
+(mlxlab/kernels/ce.cpp; MLX's CPU softmax over 262k logits took longer than the head's matmul),
+elsewhere MLX's own.
 """
 
 from __future__ import annotations
@@ -28,14 +31,32 @@ def lm_head(model, h: mx.array) -> mx.array:
     return logits
 
 
-def response_ce(model, inputs, positions, labels, weights):
-    """Cross-entropy at `positions` only (flat indices into inputs' B*T)."""
-    h = hidden_states(model, inputs)
+def token_ce(logits: mx.array, labels: mx.array) -> mx.array:
+    """Per-token cross-entropy of logits [..., V] against integer labels [...]."""
+    from mlxlab import kernels
+
+    kernel = kernels.cross_entropy()
+    if (
+        kernel is not None
+        and logits.dtype == mx.float32
+        and logits.ndim == 2
+        and mx.default_device() == mx.cpu
+    ):
+        return kernel(logits, labels)[0]
+    return nn.losses.cross_entropy(logits, labels)
+
+
+def head_ce(model, h: mx.array, positions, labels, weights):
+    """(mean CE, ntoks) at `positions` (flat indices into h's B*T) from final-normed states h."""
     h = h.reshape(-1, h.shape[-1])[positions]
-    logits = lm_head(model, h)
-    ce = nn.losses.cross_entropy(logits, labels) * weights
+    ce = token_ce(lm_head(model, h), labels) * weights
     ntoks = weights.sum()
     return ce.astype(mx.float32).sum() / ntoks, ntoks
+
+
+def response_ce(model, inputs, positions, labels, weights):
+    """Cross-entropy at `positions` only (flat indices into inputs' B*T)."""
+    return head_ce(model, hidden_states(model, inputs), positions, labels, weights)
 
 
 def masked_ce(model, inputs, targets, mask):

@@ -1,0 +1,36 @@
+// The Python module of mlxlab's CPU kernels (mlxlab/kernels/__init__.py wraps it).
+
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "kernels.h"
+#include "mlx/version.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_kernels, m) {
+  m.doc() = "mlxlab's CPU kernels: decode matvec, large-vocabulary cross-entropy";
+  m.attr("built_against_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+  m.def(
+      "matvec",
+      &mlxlab::matvec,
+      "x"_a,
+      "w"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x @ w.T with w stored [out, in] (float32 or bfloat16), x float32 with few rows.");
+  m.def(
+      "cross_entropy",
+      &mlxlab::cross_entropy,
+      "logits"_a,
+      "labels"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "(ce, lse) per row of float32 logits [N, V] and labels [N]; differentiable in logits.");
+}
