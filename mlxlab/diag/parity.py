@@ -7,6 +7,11 @@ Both sides load the same directory and cast to the same dtype. mlx-lm's side is 
 runner, adapter loader, response-only loss and backward modes. Each check gets a verdict
 (BIT-EXACT, within N ulp, or the relative norm) and passes the gates `max_ulp` / `max_rel`.
 
+mlxlab's loss head normally runs a compiled cross-entropy (mlxlab/kernels/ce.cpp), which sums
+differently from MLX's: the checks against mlx-lm run on MLX's own cross-entropy, so they can be
+bit for bit, and `kernel checks` then hold the kernel's loss and gradients to MLX's (the same
+gates).
+
 Losses are compared on unpadded single sequences: there mlx-lm's `default_loss` trains the
 same tokens as ours. On padded batches it also counts one padding position per sequence (its
 mask is `steps <= length`); the report shows that count beside ours.
@@ -43,6 +48,44 @@ def _random_adapter(model, out: Path, seed: int = 0) -> Path:
 
 
 def run(cfg: DiagConfig, verbose: bool = True) -> dict:
+    from mlxlab import kernels
+
+    with kernels.off("cross_entropy"):
+        report, batch, ours, grads = _against_mlx_lm(cfg)
+    report["kernel_checks"] = [c.to_dict() for c in _kernel_checks(cfg, ours, batch, grads)]
+    report["passed"] = report["passed"] and all(c["passed"] for c in report["kernel_checks"])
+    if verbose:
+        print_table(report)
+    return report
+
+
+def _kernel_checks(cfg: DiagConfig, ours, batch, exact_grads) -> list[Comparison]:
+    """The loss and gradients with mlxlab's kernels against the same on MLX's ops."""
+    from mlxlab import kernels
+    from mlxlab.train.losses import response_ce
+    from mlxlab.train.trainer import full_backward
+
+    if kernels.cross_entropy() is None or mx.default_device() != mx.cpu:
+        return []
+    gate = {"max_ulp": cfg.max_ulp, "max_rel": max(cfg.max_rel, 1e-5)}
+    ours.train(False)
+    loss, _ = response_ce(ours, *batch.arrays())
+    with kernels.off("cross_entropy"):
+        ref, _ = response_ce(ours, *batch.arrays())
+    ours.train(True)
+    _, _, grads = full_backward(ours, compile=False)(ours, batch)
+    return [
+        compare("loss: CE kernel vs MLX", loss, ref, **gate),
+        compare(
+            "gradients: CE kernel vs MLX",
+            dict(tree_flatten(grads)),
+            dict(tree_flatten(exact_grads)),
+            **gate,
+        ),
+    ]
+
+
+def _against_mlx_lm(cfg: DiagConfig):
     from mlx_lm.tuner.trainer import default_loss, iterate_batches
     from mlx_lm.utils import load as mlx_lm_load
     from mlx_lm.utils import load_adapters
@@ -159,9 +202,7 @@ def run(cfg: DiagConfig, verbose: bool = True) -> dict:
         "checks": [c.to_dict() for c in checks],
         "token_counts": counts,
     }
-    if verbose:
-        print_table(report)
-    return report
+    return report, batch, ours, grads
 
 
 def print_table(report: dict) -> None:
@@ -170,7 +211,7 @@ def print_table(report: dict) -> None:
         f"gates max_ulp={report['gates']['max_ulp']} max_rel={report['gates']['max_rel']:g}"
     )
     print(f"{'check':<30}{'verdict':<22}{'max abs':>11}{'rel norm':>11}  gate  note")
-    for c in report["checks"]:
+    for c in report["checks"] + report.get("kernel_checks", []):
         print(
             f"{c['name']:<30}{c['verdict']:<22}{c['max_abs']:>11.2e}{c['rel_norm']:>11.2e}  "
             f"{'pass' if c['passed'] else 'FAIL'}  {c['note']}"

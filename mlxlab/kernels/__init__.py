@@ -13,10 +13,12 @@ to MLX's own ops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 _OFF = ("off", "0", "false")
+_held_off: set[str] = set()  # names turned off in this process by `off()`
 
 
 @functools.cache
@@ -36,7 +38,7 @@ def _load():
 
 
 def _kernel(name: str, switch: str):
-    if os.environ.get(switch, "").lower() in _OFF:
+    if name in _held_off or os.environ.get(switch, "").lower() in _OFF:
         return None
     module = _load()[0]
     return getattr(module, name) if module is not None else None
@@ -51,6 +53,18 @@ def cross_entropy():
     """The kernel's `cross_entropy(logits, labels) -> [ce, lse]` (float32 [N, V] logits, per-row
     results, differentiable in the logits), or None."""
     return _kernel("cross_entropy", "MLXLAB_CE_KERNEL")
+
+
+@contextlib.contextmanager
+def off(*names: str):
+    """Run a block on MLX's own ops instead of the named kernels (`diag parity` compares
+    mlx-lm's numerics bit for bit that way, then the kernels against them)."""
+    added = set(names) - _held_off
+    _held_off.update(added)
+    try:
+        yield
+    finally:
+        _held_off.difference_update(added)
 
 
 def status() -> str:
