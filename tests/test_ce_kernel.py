@@ -71,7 +71,7 @@ def test_token_ce_uses_the_kernel_and_falls_back(monkeypatch):
     x = mx.random.normal((6, 50))
     labels = mx.random.randint(0, 50, (6,))
     fast = losses.token_ce(x, labels)
-    monkeypatch.setenv("MLXLAB_CE_KERNEL", "off")
+    monkeypatch.setenv("MLXLAB_TRAIN_KERNELS", "off")
     assert kernels.cross_entropy() is None
     slow = losses.token_ce(x, labels)
     np.testing.assert_allclose(np.array(fast), np.array(slow), rtol=1e-6, atol=1e-6)

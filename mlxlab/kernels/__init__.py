@@ -1,14 +1,15 @@
 """mlxlab's compiled part: CPU kernels built by `pip install` through MLX's documented
 extension mechanism (setup.py, mlx.extension.CMakeBuild):
 
-- matvec.cpp: x @ w.T for a few rows (decode steps), at the memory bandwidth;
-- ce.cpp: cross-entropy over a large vocabulary (the loss head), vectorized and on every core.
+- decode: matvec.cpp, x @ w.T for a few rows (decode steps), at the memory bandwidth;
+- train: ce.cpp, cross-entropy over a large vocabulary (the loss head); layer.cpp, the attention
+  softmax and Gemma's gelu_approx(g) * u; each vectorized, on every core, with its vjp.
 
-`matvec()` and `cross_entropy()` return the kernel's function, or None when it cannot be used
-here: not built (no C++ compiler at install time), built against another MLX than the one
-running (a C++ extension must match MLX's ABI exactly), or turned off (MLXLAB_DECODE_KERNEL=off,
-MLXLAB_CE_KERNEL=off). `status()` says which, for `models info` and the logs; callers fall back
-to MLX's own ops.
+`matvec()` and `train()` return the kernels, or None when they cannot be used here: not built
+(no C++ compiler at install time), built against another MLX than the one running (a C++
+extension must match MLX's ABI exactly), or turned off (MLXLAB_DECODE_KERNEL=off,
+MLXLAB_TRAIN_KERNELS=off, or `off("decode" | "train")` for a block). `status()` says which, for
+`models info` and the logs; callers fall back to MLX's own ops.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import os
 
 _OFF = ("off", "0", "false")
-_held_off: set[str] = set()  # names turned off in this process by `off()`
+_held_off: set[str] = set()  # groups turned off in this process by `off()`
 
 
 @functools.cache
@@ -37,29 +38,42 @@ def _load():
     return _kernels, "loaded"
 
 
-def _kernel(name: str, switch: str):
-    if name in _held_off or os.environ.get(switch, "").lower() in _OFF:
+SWITCHES = {"decode": "MLXLAB_DECODE_KERNEL", "train": "MLXLAB_TRAIN_KERNELS"}
+
+
+def _group(group: str):
+    if group in _held_off or os.environ.get(SWITCHES[group], "").lower() in _OFF:
         return None
-    module = _load()[0]
-    return getattr(module, name) if module is not None else None
+    return _load()[0]
 
 
 def matvec():
     """The kernel's `matvec(x, w)` (x @ w.T for w stored [out, in]), or None."""
-    return _kernel("matvec", "MLXLAB_DECODE_KERNEL")
+    module = _group("decode")
+    return module.matvec if module is not None else None
+
+
+def train():
+    """The training kernels, or None: a module with `cross_entropy(logits, labels) -> [ce, lse]`
+    (float32 [N, V] logits), `attention_softmax(scores, scale, window=0, starts=None)` and
+    `gelu_mul(g, u)`, each differentiable."""
+    return _group("train")
 
 
 def cross_entropy():
-    """The kernel's `cross_entropy(logits, labels) -> [ce, lse]` (float32 [N, V] logits, per-row
-    results, differentiable in the logits), or None."""
-    return _kernel("cross_entropy", "MLXLAB_CE_KERNEL")
+    """The kernel's `cross_entropy`, or None."""
+    module = train()
+    return module.cross_entropy if module is not None else None
 
 
 @contextlib.contextmanager
-def off(*names: str):
-    """Run a block on MLX's own ops instead of the named kernels (`diag parity` compares
-    mlx-lm's numerics bit for bit that way, then the kernels against them)."""
-    added = set(names) - _held_off
+def off(*groups: str):
+    """Run a block on MLX's own ops instead of the named kernel groups ("decode", "train"):
+    `diag parity` compares mlx-lm's numerics bit for bit that way, then the kernels with them."""
+    unknown = set(groups) - set(SWITCHES)
+    if unknown:
+        raise ValueError(f"unknown kernel groups {sorted(unknown)}; known: {sorted(SWITCHES)}")
+    added = set(groups) - _held_off
     _held_off.update(added)
     try:
         yield
@@ -69,9 +83,5 @@ def off(*names: str):
 
 def status() -> str:
     reason = _load()[1]
-    off = [
-        s
-        for s in ("MLXLAB_DECODE_KERNEL", "MLXLAB_CE_KERNEL")
-        if os.environ.get(s, "").lower() in _OFF
-    ]
+    off = [s for s in SWITCHES.values() if os.environ.get(s, "").lower() in _OFF]
     return reason + (f" (turned off by {', '.join(off)})" if off and reason == "loaded" else "")

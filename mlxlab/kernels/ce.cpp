@@ -17,36 +17,13 @@
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "vexp.h"
 
 using namespace mlx::core;
 
 namespace mlxlab {
 
 namespace {
-
-// exp(x) for 8 floats: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r,
-// times 2^n), about 1 ulp. Inputs below -87.3 give ~1e-38 (not 0), NaN stays NaN.
-ALWAYS_INLINE v8 vexp(v8 x) {
-  const v8 hi = splat(88.3762626647949f), lo = splat(-87.3365447504f);
-  i32x8 nan_mask = x != x;
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
-  const v8 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8 n = (x * 1.44269504088896341f + magic) - magic;
-  v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v8 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  v8 y = p * (r * r) + r + 1.0f;
-  i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  y = y * scale;
-  return nan_mask != 0 ? splat(std::numeric_limits<float>::quiet_NaN()) : y;
-}
 
 // 8 floats from p[0..n), the rest `fill`.
 ALWAYS_INLINE v8 load_tail(const float* p, int n, float fill) {
@@ -55,18 +32,6 @@ ALWAYS_INLINE v8 load_tail(const float* p, int n, float fill) {
     buf[j] = j < n ? p[j] : fill;
   }
   return load8(buf);
-}
-
-ALWAYS_INLINE float fold(v8 a, v8 b, bool is_max) {
-  float lanes[16];
-  std::memcpy(lanes, &a, sizeof a);
-  std::memcpy(lanes + 8, &b, sizeof b);
-  for (int width = 8; width > 0; width /= 2) {
-    for (int j = 0; j < width; ++j) {
-      lanes[j] = is_max ? std::max(lanes[j], lanes[j + width]) : lanes[j] + lanes[j + width];
-    }
-  }
-  return lanes[0];
 }
 
 // (max, sum of exp(x - max)) of one row; nan when it has a NaN or an infinite logit.
@@ -90,7 +55,7 @@ ALWAYS_INLINE void row_stats(const float* x, int V, bool& nan, float& max, float
   for (int j = 0; j < 8; ++j) {
     nan |= bad[j] != 0;
   }
-  float m = fold(m0, m1, true);
+  float m = fold16(m0, m1, true);
   if (nan || std::isinf(m)) {  // NaN in the row, or +-inf logits: no finite answer
     nan = true;
     max = sum = std::numeric_limits<float>::quiet_NaN();
@@ -109,7 +74,7 @@ ALWAYS_INLINE void row_stats(const float* x, int V, bool& nan, float& max, float
       s0 += vexp(load8(x + k) - vm);
       s1 += vexp(load8(x + k + 8) - vm);
     }
-    total += fold(s0, s1, false);
+    total += fold16(s0, s1, false);
   }
   v8 s0 = {};
   for (; k < V; k += 8) {
@@ -120,7 +85,7 @@ ALWAYS_INLINE void row_stats(const float* x, int V, bool& nan, float& max, float
     }
     s0 += e;
   }
-  total += fold(s0, v8{}, false);
+  total += fold16(s0, v8{}, false);
   max = m;
   sum = static_cast<float>(total);
 }

@@ -1,6 +1,8 @@
 // The kernels' entry points (module.cpp binds them to Python).
 #pragma once
 
+#include <optional>
+
 #include "mlx/mlx.h"
 
 namespace mlxlab {
@@ -13,5 +15,20 @@ mlx::core::array matvec(
 // with its vjp (ce.cpp).
 std::vector<mlx::core::array> cross_entropy(
     const mlx::core::array& logits, const mlx::core::array& labels, mlx::core::StreamOrDevice s = {});
+
+// softmax(scale * scores) over the last axis of causal attention scores [B, ..., L] (each batch
+// entry whole L x L blocks, query = row % L): key k is seen from query i when k <= i, i - k <
+// window (window > 0), and k >= starts[b, i] (packed rows); masked entries are 0. vjp in
+// scores (layer.cpp).
+mlx::core::array attention_softmax(
+    const mlx::core::array& scores,
+    float scale,
+    int window,
+    const std::optional<mlx::core::array>& starts,
+    mlx::core::StreamOrDevice s = {});
+
+// gelu_approx(g) * u, float32, with its vjp in both (layer.cpp).
+mlx::core::array gelu_mul(
+    const mlx::core::array& g, const mlx::core::array& u, mlx::core::StreamOrDevice s = {});
 
 }  // namespace mlxlab

@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "kernels.h"
@@ -14,7 +15,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_kernels, m) {
-  m.doc() = "mlxlab's CPU kernels: decode matvec, large-vocabulary cross-entropy";
+  m.doc() = "mlxlab's CPU kernels: decode matvec, cross-entropy, attention softmax, gelu_mul";
   m.attr("built_against_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
       std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
   m.def(
@@ -33,4 +34,22 @@ NB_MODULE(_kernels, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "(ce, lse) per row of float32 logits [N, V] and labels [N]; differentiable in logits.");
+  m.def(
+      "attention_softmax",
+      &mlxlab::attention_softmax,
+      "scores"_a,
+      "scale"_a,
+      "window"_a = 0,
+      "starts"_a = nb::none(),
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "softmax(scale * scores) of causal attention rows (sliding window, packed-row starts).");
+  m.def(
+      "gelu_mul",
+      &mlxlab::gelu_mul,
+      "g"_a,
+      "u"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "gelu_approx(g) * u (float32), differentiable in both.");
 }

@@ -6,6 +6,12 @@ called as `layer(h, mask, cache)`; small subclasses add what a family's own `__c
 differently (Gemma 3's embedding scale and global/sliding masks; Gemma 4's per-layer inputs and
 KV-shared layers). Each reproduces its model's forward bit for bit; tests/test_runners.py checks
 that against `model.model(inputs)` for every family.
+
+Packed rows (several examples in one row, data.pack) pass `segments` to `embed`: each position's
+example number in its row. The masks are then block-diagonal: a position attends only to earlier
+positions of its own example (and, on sliding-window layers, within the window). Positions are
+not renumbered: RoPE makes attention depend only on the distance between query and key, so an
+example attends the same at any offset in the row (equal to float rounding; tests/test_pack.py).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class Context:
 
     masks: list  # one per layer: "causal", an array, or None
     per_layer_inputs: list = field(default_factory=list)  # Gemma 4 only
+    fast: object = None  # the training kernels, where the runner's fast layers use them
+    starts: object = None  # packed rows, for the fast layers: each position's example start
 
 
 class Runner:
@@ -34,9 +42,29 @@ class Runner:
         self.inner = model.model
         self.layers = model.layers
 
-    def embed(self, inputs: mx.array) -> tuple[mx.array, Context]:
+    def embed(self, inputs: mx.array, segments: mx.array | None = None) -> tuple[mx.array, Context]:
         h = self.inner.embed_tokens(inputs)
-        return h, Context(masks=self._masks(h))
+        return h, Context(masks=self._masks(h) if segments is None else self.packed_masks(segments))
+
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window, or None for full attention."""
+        return getattr(self.inner, "sliding_window", None) if not self.is_global(i) else None
+
+    def packed_masks(self, segments: mx.array) -> list:
+        """Per layer, the boolean [B, 1, T, T] mask of packed rows (`segments` [B, T])."""
+        t = segments.shape[1]
+        q = mx.arange(t)[:, None]
+        k = mx.arange(t)[None]
+        same = segments[:, :, None] == segments[:, None, :]
+        full = (same & (q >= k))[:, None]
+        by_window: dict = {}
+        masks = []
+        for i in range(len(self.layers)):
+            w = self.window(i)
+            if w not in by_window:
+                by_window[w] = full if w is None else full & (q < k + w)
+            masks.append(by_window[w])
+        return masks
 
     def _masks(self, h) -> list:
         full = create_attention_mask(h, None)
@@ -61,10 +89,28 @@ class Runner:
 
 
 class Gemma3Runner(Runner):
-    def embed(self, inputs):
+    """Gemma 3; in float32 on the CPU its layers run on mlxlab's kernels (models/fastlayers.py)."""
+
+    def embed(self, inputs, segments=None):
+        from mlxlab.models import fastlayers
+
         h = self.inner.embed_tokens(inputs)
         h = h * mx.array(self.inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
-        return h, Context(masks=self._masks(h))
+        fast = fastlayers.usable(h)
+        if fast is not None:  # masks come from positions inside the kernel: none to build
+            starts = None if segments is None else fastlayers.example_starts(segments)
+            return h, Context(masks=[None] * len(self.layers), fast=fast, starts=starts)
+        return h, Context(masks=self._masks(h) if segments is None else self.packed_masks(segments))
+
+    def layer(self, i, h, ctx, shared_kv=None):
+        if ctx.fast is None:
+            return super().layer(i, h, ctx, shared_kv)
+        from mlxlab.models.fastlayers import gemma3_layer
+
+        return gemma3_layer(ctx.fast, self.layers[i], h, self.window(i), ctx.starts), None
+
+    def window(self, i):
+        return None if self.is_global(i) else self.inner.window_size
 
     def _masks(self, h):
         pattern = self.inner.sliding_window_pattern
@@ -82,7 +128,10 @@ class Gemma3Runner(Runner):
 
 
 class Gemma4Runner(Runner):
-    def embed(self, inputs):
+    def window(self, i):
+        return None if self.is_global(i) else self.inner.window_size
+
+    def embed(self, inputs, segments=None):
         emb = self.inner.embed_tokens(inputs)
         h = emb * self.inner.embed_scale
         per_layer = [None] * len(self.layers)
@@ -90,7 +139,10 @@ class Gemma4Runner(Runner):
             pli = self.inner._get_per_layer_inputs(inputs, emb)
             pli = self.inner._project_per_layer_inputs(h, pli)
             per_layer = [pli[:, :, i, :] for i in range(len(self.layers))]
-        masks = self.inner._make_masks(h, [None] * len(self.layers))
+        if segments is None:
+            masks = self.inner._make_masks(h, [None] * len(self.layers))
+        else:
+            masks = self.packed_masks(segments)
         return h, Context(masks=masks, per_layer_inputs=per_layer)
 
     def layer(self, i, h, ctx, shared_kv=None):
@@ -133,9 +185,9 @@ def runner_for(model) -> Runner:
     return RUNNERS[model_type](model)
 
 
-def forward_hidden(runner: Runner, inputs: mx.array) -> mx.array:
+def forward_hidden(runner: Runner, inputs: mx.array, segments: mx.array | None = None) -> mx.array:
     """The whole stack through the runner (equals `model.model(inputs)`)."""
-    h, ctx = runner.embed(inputs)
+    h, ctx = runner.embed(inputs, segments)
     kvs: dict[int, tuple] = {}
     donors = runner.kv_donors()
     for i in range(len(runner.layers)):

@@ -14,9 +14,23 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-def hidden_states(model, inputs: mx.array) -> mx.array:
-    """The final-normed hidden states of an mlx-lm model (everything before the LM head)."""
-    return model.model(inputs)
+def hidden_states(model, inputs: mx.array, segments: mx.array | None = None) -> mx.array:
+    """The final-normed hidden states of an mlx-lm model (everything before the LM head).
+
+    Through the layer runner (models/runners.py) where the family has one: it equals
+    `model.model(inputs)` bit for bit, takes packed rows (`segments`, data/batches.py), and runs
+    the same (fast) layers as the segmented and checkpointed backward, so every mode computes
+    the same numbers."""
+    from mlxlab.errors import UserError
+    from mlxlab.models.runners import forward_hidden, runner_for
+
+    try:
+        runner = runner_for(model)
+    except UserError:
+        if segments is not None:
+            raise
+        return model.model(inputs)
+    return forward_hidden(runner, inputs, segments)
 
 
 def lm_head(model, h: mx.array) -> mx.array:
@@ -54,9 +68,9 @@ def head_ce(model, h: mx.array, positions, labels, weights):
     return ce.astype(mx.float32).sum() / ntoks, ntoks
 
 
-def response_ce(model, inputs, positions, labels, weights):
+def response_ce(model, inputs, positions, labels, weights, segments=None):
     """Cross-entropy at `positions` only (flat indices into inputs' B*T)."""
-    return head_ce(model, hidden_states(model, inputs), positions, labels, weights)
+    return head_ce(model, hidden_states(model, inputs, segments), positions, labels, weights)
 
 
 def masked_ce(model, inputs, targets, mask):
