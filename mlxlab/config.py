@@ -200,6 +200,10 @@ class DataConfig:
     """truncate (with a counted warning) | error."""
     mask_prompt: bool = True
     """Train on the response only (the prompt part gets no loss)."""
+    pack: bool = False
+    """Pack several training examples into each row of up to max_seq_length tokens, each
+    attending only to itself (block-diagonal masks): less padding, and more examples per step
+    (batch_size counts rows). Validation stays one example per row."""
 
     def __post_init__(self):
         check_choice("data.on_too_long", self.on_too_long, ("truncate", "error"))
@@ -439,10 +443,11 @@ class TrainCommandConfig(TrainConfig):
 
 @dataclass
 class DiagConfig:
-    """`python -m mlxlab diag parity|leak|memory|decode`: numerics, memory and speed harnesses."""
+    """`python -m mlxlab diag parity|leak|memory|decode|profile`: numerics, memory and speed
+    harnesses."""
 
     action: str = "parity"
-    """parity | leak | memory | decode."""
+    """parity | leak | memory | decode | profile."""
     model: str = DEFAULT_MODEL
     """Zoo name, mlx-lm model directory, or .gguf file."""
     dtype: str = "auto"
@@ -451,7 +456,14 @@ class DiagConfig:
     """parity: adapter to compare (default: a seeded random one, saved in mlx-lm's layout);
     decode: an adapter to profile the step with."""
     length: int = 64
-    """Tokens per test sequence (parity, leak); decode: tokens of context before the steps."""
+    """Tokens per test sequence (parity, leak, profile); decode: tokens of context before the
+    steps."""
+    batch_size: int = 2
+    """profile: rows in the profiled training batch."""
+    trained: float = 0.25
+    """profile: the trained (response) fraction of each row, at its end."""
+    steps_timed: int = 2
+    """profile: timed runs of the step and of each part (the median is reported)."""
     segment_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     """parity: segment sizes checked against the full backward."""
     max_ulp: int = 0
@@ -461,9 +473,9 @@ class DiagConfig:
     perturb_grads: float = 0.0
     """parity self-test: add this relative noise to our gradients (the gate must then fail)."""
     mode: str = "segmented"
-    """leak: backward mode (full | checkpoint | segmented)."""
+    """leak, profile: backward mode (full | checkpoint | segmented)."""
     segment_size: int = 4
-    """leak: layers per segment."""
+    """leak, profile: layers per segment."""
     steps: int = 120
     """leak: optimizer steps."""
     warmup: int = 20
@@ -487,7 +499,13 @@ class DiagConfig:
     """Report path prefix: <out>_<action>.json (and .png)."""
 
     def __post_init__(self):
-        check_choice("action", self.action, ("parity", "leak", "memory", "decode"), "diag action")
+        check_choice(
+            "action", self.action, ("parity", "leak", "memory", "decode", "profile"), "diag action"
+        )
+        if self.batch_size < 1 or self.steps_timed < 1:
+            raise UserError("batch_size and steps_timed must be >= 1")
+        if not 0.0 < self.trained <= 1.0:
+            raise UserError(f"trained must be in (0, 1], got {self.trained}")
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("mode", self.mode, BACKWARD_MODES)

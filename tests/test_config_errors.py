@@ -45,7 +45,7 @@ ENUMS = {
         "backward.plan": ("size", "auto"),
     },
     "diag": {
-        "action": ("parity", "leak", "memory", "decode"),
+        "action": ("parity", "leak", "memory", "decode", "profile"),
         "dtype": DTYPES,
         "decode_head": ("auto", "exact", "bfloat16"),
         "mode": ("full", "checkpoint", "segmented"),

@@ -191,3 +191,46 @@ def test_decode_steps_must_be_positive():
 
     with pytest.raises(UserError, match="decode_steps"):
         DiagConfig(action="decode", decode_steps=0)
+
+
+@pytest.mark.parametrize("mode", ["segmented", "full"])
+def test_training_profile_splits_a_step_into_phases(tiny_dir, mode):
+    from mlxlab.diag import profile
+
+    tiny_dir("gemma3")
+    report = profile.run(
+        DiagConfig(action="profile", model="tiny-gemma3", length=48, mode=mode, segment_size=2)
+    )
+    names = [r["phase"] for r in report["phases"]]
+    assert names[-1] == "optimizer" and "loss head" in " ".join(names)
+    if mode == "segmented":
+        assert names[0] == "embed"
+        assert {"segment 0 [0-1] forward", "segment 0 [0-1] vjp"} <= set(names)
+        # the phases are the step's own evaluation points: they add up to (about) the step
+        total = sum(r["seconds"] for r in report["phases"])
+        assert 0.5 * report["step_s"] < total < 1.5 * report["step_s"]
+    assert sum(r["share"] for r in report["phases"] if not r.get("part_of_above")) == pytest.approx(
+        1
+    )
+    assert report["step_tflop"] > 0 and 0 < report["mfu"]
+    inside = report["inside_layer"]
+    assert set(inside) == {"layer 0 (sliding)", "layer 2 (global)"}
+    parts = {r["part"] for r in inside["layer 0 (sliding)"]}
+    assert parts == {"attention", "MLP", "norms, residual, other", "layer"}
+    assert "MFU" in profile.table(report)
+
+
+@pytest.mark.slow  # a CLI subprocess
+def test_profile_cli_writes_report_and_png(tiny_dir, session_home, tmp_path):
+    tiny_dir("llama")
+    r = run_cli(
+        "diag",
+        "profile",
+        "model=tiny-llama",
+        "length=32",
+        f"out={tmp_path / 'p'}",
+        env={"MLXLAB_HOME": str(session_home)},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "optimizer" in r.stdout
+    assert (tmp_path / "p_profile.json").exists() and (tmp_path / "p_profile.png").exists()

@@ -4,6 +4,11 @@ A batch carries the flat positions of the trained targets, so the loss computes 
 there. Both the padded length and the number of positions are rounded up to multiples of 32,
 which keeps the set of shapes small (and compiled graphs reusable); padding positions have
 weight 0.
+
+Packing (data.pack=true): several examples share a row, up to max_seq_length tokens, placed by
+first-fit decreasing; `segments` numbers each position's example in its row (0: padding), and
+the layer runner turns it into block-diagonal masks (mlxlab/models/runners.py), so each example
+attends only to itself and its loss is the one it has alone in a row.
 """
 
 from __future__ import annotations
@@ -24,10 +29,18 @@ class Batch:
     labels: object  # mx.array [N] int32: the target token at each position
     weights: object  # mx.array [N] float32: 1 for real positions, 0 for padding
     ntoks: int  # trained tokens (sum of weights)
-    lengths: tuple = ()  # real (unpadded) input length of each row, for the FLOP count
+    lengths: tuple = ()  # real input length of each example (not row), for the FLOP count
+    segments: object = None  # packed rows: mx.array [B, T] int32, example number (0: padding)
 
     def arrays(self) -> tuple:
-        return self.inputs, self.positions, self.labels, self.weights
+        """What the losses take: (inputs, positions, labels, weights[, segments])."""
+        base = (self.inputs, self.positions, self.labels, self.weights)
+        return base if self.segments is None else (*base, self.segments)
+
+    @property
+    def padding(self) -> float:
+        """Share of the batch's [B, T] positions that are padding."""
+        return 1.0 - sum(self.lengths) / (self.inputs.shape[0] * self.inputs.shape[1])
 
 
 def _round_up(n: int, k: int = PAD_TO) -> int:
@@ -36,18 +49,29 @@ def _round_up(n: int, k: int = PAD_TO) -> int:
 
 def collate(examples: list[Example]) -> Batch:
     """Pad a list of examples into a Batch (targets at token index >= max(offset, 1))."""
+    return collate_rows([[e] for e in examples], packed=False)
+
+
+def collate_rows(rows: list[list[Example]], packed: bool = True) -> Batch:
+    """Rows of one or more examples each into a Batch; with `packed`, it carries `segments`."""
     import mlx.core as mx
 
-    width = _round_up(max(len(e.ids) for e in examples) - 1)
-    inputs = np.zeros((len(examples), width), np.int32)
+    width = _round_up(max(sum(len(e.ids) - 1 for e in row) for row in rows))
+    inputs = np.zeros((len(rows), width), np.int32)
+    segments = np.zeros((len(rows), width), np.int32)
     positions, labels = [], []
-    for row, ex in enumerate(examples):
-        ids = np.asarray(ex.ids, np.int32)
-        inputs[row, : len(ids) - 1] = ids[:-1]
-        # Target t predicts token t+1; train on tokens offset..len-1.
-        t = np.arange(max(ex.offset, 1) - 1, len(ids) - 1)
-        positions.append(row * width + t)
-        labels.append(ids[t + 1])
+    for r, row in enumerate(rows):
+        start = 0
+        for k, ex in enumerate(row):
+            ids = np.asarray(ex.ids, np.int32)
+            n = len(ids) - 1
+            inputs[r, start : start + n] = ids[:-1]
+            segments[r, start : start + n] = k + 1
+            # Target t predicts token t+1; train on tokens offset..len-1.
+            t = np.arange(max(ex.offset, 1) - 1, n)
+            positions.append(r * width + start + t)
+            labels.append(ids[t + 1])
+            start += n
     positions = np.concatenate(positions).astype(np.int32)
     labels = np.concatenate(labels).astype(np.int32)
     n = len(positions)
@@ -56,10 +80,34 @@ def collate(examples: list[Example]) -> Batch:
     weights[:n] = 1.0
     positions = np.pad(positions, (0, padded - n))
     labels = np.pad(labels, (0, padded - n))
-    lengths = tuple(len(e.ids) - 1 for e in examples)
+    lengths = tuple(len(e.ids) - 1 for row in rows for e in row)
     return Batch(
-        mx.array(inputs), mx.array(positions), mx.array(labels), mx.array(weights), n, lengths
+        mx.array(inputs),
+        mx.array(positions),
+        mx.array(labels),
+        mx.array(weights),
+        n,
+        lengths,
+        mx.array(segments) if packed else None,
     )
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into rows of at most `capacity` tokens: first-fit decreasing (longest
+    first, each into the first row with room), so rows come out nearly full. Deterministic."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - n)
+    return rows
 
 
 def dense_targets(batch: Batch):
@@ -79,20 +127,35 @@ def dense_targets(batch: Batch):
 class BatchSampler:
     """Length-grouped batches in a seeded order per epoch; `state()` / `restore()` for resume.
 
-    Like mlx-lm's iterate_batches: sort by length, cut into batches, shuffle batch order.
+    Like mlx-lm's iterate_batches: sort by length, cut into batches, shuffle batch order. With
+    `pack_length`, the units cut into batches are packed rows (pack_rows) instead of examples.
     """
 
-    def __init__(self, examples: list[Example], batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(
+        self,
+        examples: list[Example],
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        pack_length: int = 0,
+    ):
         from mlxlab.errors import UserError
 
-        if len(examples) < batch_size:
-            raise UserError(
-                f"the dataset has {len(examples)} examples, fewer than batch_size={batch_size}"
-            )
         self.examples = examples
-        order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+        if pack_length:
+            lengths = [len(e.ids) - 1 for e in examples]
+            rows = pack_rows(lengths, pack_length)
+            units = sorted(rows, key=lambda row: sum(lengths[i] for i in row))
+        else:
+            units = [[i] for i in sorted(range(len(examples)), key=lambda i: len(examples[i].ids))]
+        if len(units) < batch_size:
+            what = "packed rows" if pack_length else "examples"
+            raise UserError(
+                f"the dataset has {len(units)} {what}, fewer than batch_size={batch_size}"
+            )
+        self.packed = bool(pack_length)
         self.groups = [
-            order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)
+            units[i : i + batch_size] for i in range(0, len(units) - batch_size + 1, batch_size)
         ]
         self.seed = seed
         self.shuffle = shuffle
@@ -112,7 +175,22 @@ class BatchSampler:
             self.epoch, self.index = self.epoch + 1, 0
         group = self.groups[self._order(self.epoch)[self.index]]
         self.index += 1
-        return collate([self.examples[i] for i in group])
+        return self._collate(group)
+
+    def _collate(self, group: list[list[int]]) -> Batch:
+        return collate_rows([[self.examples[i] for i in row] for row in group], self.packed)
+
+    def padding(self) -> float:
+        """Share of padding positions over one epoch's batches (as collate pads them)."""
+        real = total = 0
+        for group in self.groups:
+            n = [sum(len(self.examples[i].ids) - 1 for i in row) for row in group]
+            real += sum(n)
+            total += len(n) * _round_up(max(n))
+        return 1.0 - real / max(total, 1)
+
+    def examples_per_epoch(self) -> int:
+        return sum(len(row) for group in self.groups for row in group)
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
@@ -124,4 +202,4 @@ class BatchSampler:
         """Every batch once, in order (validation); `limit` > 0 caps the count."""
         groups = self.groups[:limit] if limit else self.groups
         for group in groups:
-            yield collate([self.examples[i] for i in group])
+            yield self._collate(group)

@@ -4,8 +4,9 @@
     python -m mlxlab diag leak model=tiny-gemma3 mode=segmented        # active memory over steps
     python -m mlxlab diag memory lengths=[512,1024] modes=[full,seg4,mlx_lm_gc]
     python -m mlxlab diag decode model=gemma3-270m length=256          # a decode step by op group
+    python -m mlxlab diag profile model=gemma3-270m length=1152        # a training step by phase
 
-Each prints a table, writes <out>_<action>.json (and a PNG for leak and memory), and exits
+Each prints a table, writes <out>_<action>.json (and a PNG for leak, memory and profile), and exits
 non-zero when a gate fails.
 """
 
@@ -43,6 +44,15 @@ def run(cfg: DiagConfig) -> None:
         png = leak.plot(report, path.with_suffix(".png"))
         print(f"report: {path}" + (f", {png}" if png else ""))
         ok = report["passed"]
+    elif cfg.action == "profile":
+        from mlxlab.diag import profile
+
+        report = profile.run(cfg)
+        print(profile.table(report))
+        path = _write(report, cfg.out, "profile")
+        png = profile.plot(report, path.with_suffix(".png"))
+        print(f"report: {path}" + (f", {png}" if png else ""))
+        ok = True
     elif cfg.action == "decode":
         from mlxlab.diag import decode
 

@@ -175,8 +175,12 @@ def _grad_tree(model, flat: dict[str, mx.array]):
     return tree_map_with_path(pick, model.trainable_parameters())
 
 
-def segmented_backward(model, plan: Plan):
-    """GradFn computing the full backward's gradients one segment at a time."""
+def segmented_backward(model, plan: Plan, timer=None):
+    """GradFn computing the full backward's gradients one segment at a time.
+
+    `timer(phase)`, if given, is called after each evaluated phase ("embed", "forward s",
+    "backward s"): `diag profile` times the step by phase that way."""
+    mark = timer or (lambda phase: None)
     runner = runner_for(model)
     donors = runner.kv_donors()  # sharer -> donor
     seg_of = {i: s for s, seg in enumerate(plan.segments) for i in seg}
@@ -200,18 +204,20 @@ def segmented_backward(model, plan: Plan):
 
     def grad_fn(model_, batch):
         assert model_ is model, "segmented_backward was built for another model"
-        inputs, positions, labels, weights = batch.arrays()
+        inputs, positions, labels, weights, *segments = batch.arrays()
         # Dropout: each segment draws from its own seed, so its recomputation inside the vjp
         # sees the same masks as its first run.
         base = int(mx.random.randint(0, 2**30, ()).item())
-        h, ctx = runner.embed(inputs)
+        h, ctx = runner.embed(inputs, *segments)
         h = mx.stop_gradient(h)
-        mx.eval(h)
+        mx.eval(h, [m for m in ctx.masks if isinstance(m, mx.array)])
+        mark("embed")
         bounds, kv_store = [h], {}
         for s in range(last):  # the last segment runs once, inside its vjp with the head
             mx.random.seed(base + s)
             h, kv_out = run_segment(s, h, ctx, {d: kv_store[d] for d in incoming[s]})
             mx.eval(h, kv_out)  # evaluated boundaries hold no graph
+            mark(f"forward {s}")
             bounds.append(h)
             kv_store.update(kv_out)
 
@@ -254,6 +260,7 @@ def segmented_backward(model, plan: Plan):
             mx.eval(
                 loss, ntoks, dh, [g for n, g in grads.items() if n in names], list(dkv.values())
             )
+            mark(f"backward {s}")
         return loss, ntoks, _grad_tree(model, grads)
 
     return grad_fn
@@ -267,10 +274,10 @@ def checkpointed_backward(model):
     runner = runner_for(model)
     donors = runner.kv_donors()
 
-    def loss_fn(params, inputs, positions, labels, weights):
+    def loss_fn(params, inputs, positions, labels, weights, segments=None):
         model.update(params)
         base = int(mx.random.randint(0, 2**30, ()).item())
-        h, ctx = runner.embed(inputs)
+        h, ctx = runner.embed(inputs, segments)
         h = mx.stop_gradient(h)
         kvs = {}
         for i, layer in enumerate(runner.layers):

@@ -34,28 +34,23 @@ class Shapes:
     windows: list[int | None]  # per layer: sliding window, None for full attention
     hidden: int
     vocab: int
+    layer_linear: list[int] = ()  # per layer: its share of linear_weights
+    layer_lora: list[int] = ()  # per layer: its share of lora_weights
 
 
 def model_shapes(model) -> Shapes:
     """Shapes of an mlx-lm model (with or without LoRA applied)."""
-    import mlx.nn as nn
 
     from mlxlab.models.runners import runner_for
 
     runner = runner_for(model)
     args = model.args
     window = getattr(args, "sliding_window", None) or getattr(model.model, "window_size", None)
-    linear = lora = 0
-    heads, dims, windows = [], [], []
+    heads, dims, windows, layer_linear, layer_lora = [], [], [], [], []
     for i, layer in enumerate(runner.layers):
-        # A LoRA wrapper is not an nn.Linear; its frozen base (`.linear`) is, and is counted.
-        for _, m in layer.named_modules():
-            if hasattr(m, "lora_a") and hasattr(m, "lora_b"):
-                lora += m.lora_a.shape[1] * (m.lora_a.shape[0] + m.lora_b.shape[1])
-            elif isinstance(m, nn.QuantizedLinear):
-                linear += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
-            elif isinstance(m, nn.Linear):
-                linear += m.weight.shape[0] * m.weight.shape[1]
+        linear, lora = module_weights(layer)
+        layer_linear.append(linear)
+        layer_lora.append(lora)
         attn = layer.self_attn
         h = attn.n_heads
         q = attn.q_proj
@@ -64,7 +59,46 @@ def model_shapes(model) -> Shapes:
         dims.append(q.weight.shape[0] // h)
         windows.append(None if runner.is_global(i) else window)
     vocab = model.model.embed_tokens.weight.shape[0]
-    return Shapes(linear, lora, heads, dims, windows, args.hidden_size, vocab)
+    return Shapes(
+        sum(layer_linear),
+        sum(layer_lora),
+        heads,
+        dims,
+        windows,
+        args.hidden_size,
+        vocab,
+        layer_linear,
+        layer_lora,
+    )
+
+
+def module_weights(module) -> tuple[int, int]:
+    """(frozen projection weights, LoRA r x (in + out) weights) of the linear layers in `module`."""
+    import mlx.nn as nn
+
+    linear = lora = 0
+    # A LoRA wrapper is not an nn.Linear; its frozen base (`.linear`) is, and is counted.
+    for _, m in module.named_modules():
+        if hasattr(m, "lora_a") and hasattr(m, "lora_b"):
+            lora += m.lora_a.shape[1] * (m.lora_a.shape[0] + m.lora_b.shape[1])
+        elif isinstance(m, nn.QuantizedLinear):
+            linear += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+        elif isinstance(m, nn.Linear):
+            linear += m.weight.shape[0] * m.weight.shape[1]
+    return linear, lora
+
+
+def attention_flops(heads: int, head_dim: int, window: int | None, lengths: list[int]) -> int:
+    """Forward FLOPs of one layer's Q.K^T and P.V over sequences of `lengths`."""
+    return sum(2 * 2 * heads * head_dim * attended_pairs(n, window) for n in lengths)
+
+
+def layer_flops(shapes: Shapes, i: int, lengths: list[int]) -> int:
+    """Forward FLOPs of layer `i` (projections, LoRA, attention) over sequences of `lengths`."""
+    tokens = sum(lengths)
+    return 2 * (shapes.layer_linear[i] + shapes.layer_lora[i]) * tokens + attention_flops(
+        shapes.heads[i], shapes.head_dim[i], shapes.windows[i], lengths
+    )
 
 
 def attended_pairs(length: int, window: int | None) -> int:
@@ -81,9 +115,8 @@ def step_flops(shapes: Shapes, lengths: list[int], trained: int, mode: str) -> d
     lin = 2 * shapes.linear_weights * tokens
     lora = 2 * shapes.lora_weights * tokens
     att = sum(
-        2 * 2 * h * d * attended_pairs(n, w)
+        attention_flops(h, d, w, lengths)
         for h, d, w in zip(shapes.heads, shapes.head_dim, shapes.windows, strict=True)
-        for n in lengths
     )
     head = 2 * shapes.hidden * shapes.vocab * trained
     forward = lin + lora + att + head

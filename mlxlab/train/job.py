@@ -130,7 +130,12 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
 
     plan = lora_apply.plan(model, cfg.lora)
     lora_apply.apply(model, plan, seed=cfg.seed)
-    train_sampler = BatchSampler(train_set.examples, cfg.batch_size, cfg.seed)
+    train_sampler = BatchSampler(
+        train_set.examples,
+        cfg.batch_size,
+        cfg.seed,
+        pack_length=cfg.data.max_seq_length if cfg.data.pack else 0,
+    )
     valid_sampler = (
         BatchSampler(
             valid_set.examples,
@@ -150,6 +155,20 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
         f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
         f"data: {len(train_set.examples)} train / {len(valid_set.examples) if valid_set else 0} "
         "valid examples"
+    )
+    unpacked = (
+        BatchSampler(train_set.examples, cfg.batch_size, cfg.seed).padding()
+        if cfg.data.pack
+        else None
+    )
+    log.info(
+        f"padding: {train_sampler.padding():.1%} of an epoch's batch positions"
+        + (
+            f" packed ({len(train_sampler)} batches of {cfg.batch_size} rows holding "
+            f"{train_sampler.examples_per_epoch()} examples), {unpacked:.1%} unpacked"
+            if unpacked is not None
+            else f" ({len(train_sampler)} batches of {cfg.batch_size})"
+        )
     )
     grad_fn, how = make_grad_fn(
         model, cfg.backward, (cfg.batch_size, cfg.data.max_seq_length), compile=cfg.compile

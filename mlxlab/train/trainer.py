@@ -313,7 +313,7 @@ def train(
             mx.random.seed(cfg.seed * 1_000_003 + step)  # dropout stream of this step
             loss, norm = train_step(model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step)
             lr = optimizer.learning_rate.item()  # the rate this step used
-            tokens += sum(int(b.inputs.shape[0] * b.inputs.shape[1]) for b in batches)
+            tokens += sum(sum(b.lengths) for b in batches)  # real tokens, padding not counted
             if shapes is not None:
                 f = sum(
                     step_flops(shapes, list(b.lengths), b.ntoks, cfg.backward.mode)["total"]
