@@ -241,7 +241,8 @@ class RunLog:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        text = " | ".join(_fmt(k, v) for k, v in record.items() if k not in ("step", "elapsed_s"))
+        hidden = ("step", "elapsed_s", "tokens", "trained_tokens", "tflop")  # in the file only
+        text = " | ".join(_fmt(k, v) for k, v in record.items() if k not in hidden)
         if self._bar is not None:
             self._bar.n = record["step"]
             self._bar.set_postfix_str(text, refresh=True)
@@ -313,7 +314,17 @@ def train(
             mx.random.seed(cfg.seed * 1_000_003 + step)  # dropout stream of this step
             loss, norm = train_step(model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step)
             lr = optimizer.learning_rate.item()  # the rate this step used
-            tokens += sum(sum(b.lengths) for b in batches)  # real tokens, padding not counted
+            step_tokens = sum(sum(b.lengths) for b in batches)  # real tokens, no padding
+            tokens += step_tokens
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": norm,
+                "elapsed_s": round(time.perf_counter() - t0, 3),
+                "tokens": step_tokens,
+                "trained_tokens": sum(b.ntoks for b in batches),
+            }
             if shapes is not None:
                 f = sum(
                     step_flops(shapes, list(b.lengths), b.ntoks, cfg.backward.mode)["total"]
@@ -321,13 +332,7 @@ def train(
                 )
                 window_flops += f
                 run_flops += f
-            record = {
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": norm,
-                "elapsed_s": round(time.perf_counter() - t0, 3),
-            }
+                record["tflop"] = f / 1e12
             if step % cfg.log_every == 0 or step == cfg.iters:
                 now = time.perf_counter()
                 record["tok_per_s"] = tokens / (now - since)
