@@ -25,7 +25,7 @@ DECODE_HEADS = ("auto", "exact", "bfloat16")
 """What the LM head reads at decode on the CPU (models/fastdecode.py: use_head_dtype)."""
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes a converted model's weights are stored in."""
-MEMORY_MODES = ("full", "checkpoint", "segN", "auto", "mlx_lm", "mlx_lm_gc")
+MEMORY_MODES = ("full", "checkpoint", "segN", "segNhC", "auto", "mlx_lm", "mlx_lm_gc")
 """`diag memory` modes; segN is seg1, seg2, ... (segments of N layers)."""
 
 
@@ -60,10 +60,11 @@ def optimizer_names() -> list[str]:
 
 
 def is_memory_mode(mode) -> bool:
-    """Whether `mode` is one of MEMORY_MODES (segN: seg1, seg2, ...)."""
+    """Whether `mode` is one of MEMORY_MODES (segN: seg1, seg2, ...; segNhC: the loss head in
+    chunks of C positions, e.g. seg2h256)."""
     return isinstance(mode, str) and (
         mode in ("full", "checkpoint", "auto", "mlx_lm", "mlx_lm_gc")
-        or re.fullmatch(r"seg[1-9]\d*", mode) is not None
+        or re.fullmatch(r"seg[1-9]\d*(h[1-9]\d*)?", mode) is not None
     )
 
 
@@ -254,9 +255,15 @@ class BackwardConfig:
     """size (segments of segment_size) | auto (global layers alone, sized to memory_target_gb)."""
     memory_target_gb: float | None = None
     """Peak memory the auto plan aims for."""
+    head_chunk: int = 0
+    """Loss head over this many response positions at a time, each chunk's logits recomputed in
+    the backward (0: all at once). Saves ~vocabulary x 4 bytes per position of peak memory (1 GB
+    per 1024 positions on Gemma) for one more head matmul: for long responses."""
 
     def __post_init__(self):
         check_choice("backward.mode", self.mode, BACKWARD_MODES)
+        if self.head_chunk < 0:
+            raise UserError(f"backward.head_chunk must be >= 0, got {self.head_chunk}")
         check_choice("backward.plan", self.plan, ("size", "auto"))
         if self.segment_size < 1:
             raise UserError(f"backward.segment_size must be >= 1, got {self.segment_size}")

@@ -6,6 +6,7 @@ One LoRA step (rank 8 on q k v o gate up down of every layer, AdamW) on one sequ
 text whose last quarter is the response. Each (mode, length) runs in its own process after a
 warm-up step, so peaks never mix. Modes:
   full, checkpoint, segN, auto   mlxlab's backward modes (auto: plan=auto at `target_gb`)
+  segNhC                         segments of N with the loss head in chunks of C positions
   mlx_lm, mlx_lm_gc              mlx-lm's own step: nn.value_and_grad(model, default_loss),
                                  plain or with mlx_lm.tuner.trainer.grad_checkpoint on the layers
                                  (what `mlx_lm.lora [--grad-checkpoint]` runs), same dtype and BLAS
@@ -60,7 +61,10 @@ def worker(
         if mode == "auto":
             cfg = BackwardConfig(mode="segmented", plan="auto", memory_target_gb=target_gb)
         elif mode.startswith("seg"):
-            cfg = BackwardConfig(mode="segmented", segment_size=int(mode[3:]))
+            size, _, chunk = mode[3:].partition("h")
+            cfg = BackwardConfig(
+                mode="segmented", segment_size=int(size), head_chunk=int(chunk or 0)
+            )
         else:
             cfg = BackwardConfig(mode=mode)
         grad_fn, _ = bw.make_grad_fn(model, cfg, (1, length), compile=False)

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 MODES = ("full", "checkpoint", "segmented")
 
 
-def head_loss(runner: Runner, h, positions, labels, weights):
+def head_loss(runner: Runner, h, positions, labels, weights, chunk: int = 0):
     """Final norm + response-only CE from the last hidden state (pre-norm)."""
-    return head_ce(runner.model, runner.norm(h), positions, labels, weights)
+    return head_ce(runner.model, runner.norm(h), positions, labels, weights, chunk)
 
 
 # --- plans ------------------------------------------------------------------------------------
@@ -131,16 +131,22 @@ def make_plan(model, cfg, batch_shape: tuple[int, int]) -> Plan:
 
 def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True):
     """(GradFn, description) for BackwardConfig `cfg`."""
+    import functools
+
+    from mlxlab.train.losses import response_ce
     from mlxlab.train.trainer import full_backward
 
+    chunk = cfg.head_chunk
+    head = f", loss head in chunks of {chunk} positions" if chunk else ""
     if cfg.mode == "full":
-        return full_backward(model, compile=compile), "full backward"
+        loss_fn = functools.partial(response_ce, head_chunk=chunk) if chunk else response_ce
+        return full_backward(model, loss_fn, compile=compile), "full backward" + head
     if cfg.mode == "checkpoint":
-        return checkpointed_backward(model), "per-layer checkpointed backward"
+        return checkpointed_backward(model, chunk), "per-layer checkpointed backward" + head
     plan = make_plan(model, cfg, batch_shape)
-    return segmented_backward(model, plan), "segmented backward: " + plan.describe(
-        runner_for(model)
-    )
+    return segmented_backward(
+        model, plan, head_chunk=chunk
+    ), "segmented backward: " + plan.describe(runner_for(model)) + head
 
 
 # --- gradient functions -----------------------------------------------------------------------
@@ -175,7 +181,7 @@ def _grad_tree(model, flat: dict[str, mx.array]):
     return tree_map_with_path(pick, model.trainable_parameters())
 
 
-def segmented_backward(model, plan: Plan, timer=None):
+def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0):
     """GradFn computing the full backward's gradients one segment at a time.
 
     `timer(phase)`, if given, is called after each evaluated phase ("embed", "forward s",
@@ -236,7 +242,7 @@ def segmented_backward(model, plan: Plan, timer=None):
                 kv = {d: (kv_flat[2 * k], kv_flat[2 * k + 1]) for k, d in enumerate(incoming[s])}
                 h_out, kv_out = run_segment(s, h_in, ctx, kv)
                 if s == last:
-                    return list(head_loss(runner, h_out, positions, labels, weights))
+                    return list(head_loss(runner, h_out, positions, labels, weights, head_chunk))
                 return [h_out] + [x for d in outgoing[s] for x in kv_out[d]]
 
             if s == last:
@@ -266,7 +272,7 @@ def segmented_backward(model, plan: Plan, timer=None):
     return grad_fn
 
 
-def checkpointed_backward(model):
+def checkpointed_backward(model, head_chunk: int = 0):
     """GradFn with each layer wrapped in mx.checkpoint (recomputed in the backward).
 
     Like `mlx_lm.lora --grad-checkpoint`, but by wrapping the call, not patching the class.
@@ -296,7 +302,7 @@ def checkpointed_backward(model):
                 h, kvs[i] = out[0], (out[1], out[2])
             else:
                 h = out
-        return head_loss(runner, h, positions, labels, weights)
+        return head_loss(runner, h, positions, labels, weights, head_chunk)
 
     value_and_grad = mx.value_and_grad(loss_fn)
 

@@ -60,17 +60,35 @@ def token_ce(logits: mx.array, labels: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits, labels)
 
 
-def head_ce(model, h: mx.array, positions, labels, weights):
-    """(mean CE, ntoks) at `positions` (flat indices into h's B*T) from final-normed states h."""
+def head_ce(model, h: mx.array, positions, labels, weights, chunk: int = 0):
+    """(mean CE, ntoks) at `positions` (flat indices into h's B*T) from final-normed states h.
+
+    `chunk` > 0 runs the head over that many positions at a time, each chunk under
+    `mx.checkpoint`: its logits ([chunk, vocabulary]) are recomputed in the backward instead of
+    kept, so the head's peak memory is one chunk's, for one more head matmul. (The head's weight
+    is frozen in LoRA training; a checkpointed chunk would not differentiate it.)"""
     h = h.reshape(-1, h.shape[-1])[positions]
-    ce = token_ce(lm_head(model, h), labels) * weights
     ntoks = weights.sum()
-    return ce.astype(mx.float32).sum() / ntoks, ntoks
+    n = h.shape[0]
+    if chunk <= 0 or chunk >= n:
+        ce = token_ce(lm_head(model, h), labels) * weights
+        return ce.astype(mx.float32).sum() / ntoks, ntoks
+
+    def part(hc, lc, wc):
+        return (token_ce(lm_head(model, hc), lc) * wc).astype(mx.float32).sum()
+
+    part = mx.checkpoint(part)
+    total = sum(
+        part(h[i : i + chunk], labels[i : i + chunk], weights[i : i + chunk])
+        for i in range(0, n, chunk)
+    )
+    return total / ntoks, ntoks
 
 
-def response_ce(model, inputs, positions, labels, weights, segments=None):
+def response_ce(model, inputs, positions, labels, weights, segments=None, head_chunk: int = 0):
     """Cross-entropy at `positions` only (flat indices into inputs' B*T)."""
-    return head_ce(model, hidden_states(model, inputs, segments), positions, labels, weights)
+    h = hidden_states(model, inputs, segments)
+    return head_ce(model, h, positions, labels, weights, head_chunk)
 
 
 def masked_ce(model, inputs, targets, mask):
