@@ -1,9 +1,10 @@
-"""mlxlab's one compiled part, the CPU decode kernel (mlxlab/kernels), built through MLX's
-documented extension mechanism; everything else about the package is in pyproject.toml.
+"""mlxlab's one compiled part, the CPU kernels (mlxlab/kernels: decode matvec, the training
+kernels), built through MLX's documented extension mechanism; everything else about the package
+is in pyproject.toml.
 
-Without a C++ compiler the install still succeeds, without the kernel (mlxlab then decodes with
-MLX's own matmul and `python -m mlxlab models info` says why); MLXLAB_REQUIRE_KERNEL=1 makes a
-failed build fail the install instead (CI sets it).
+Without a C++ compiler the install still succeeds, without the kernels (mlxlab then runs MLX's
+own ops and `python -m mlxlab models info` says why); MLXLAB_REQUIRE_KERNEL=1 makes a failed
+build fail the install instead (CI sets it).
 """
 
 import os
@@ -21,7 +22,7 @@ class BuildKernel(CMakeBuild):
         except (OSError, subprocess.CalledProcessError) as e:
             if os.environ.get("MLXLAB_REQUIRE_KERNEL") == "1":
                 raise
-            warnings.warn(f"mlxlab: the CPU decode kernel was not built ({e})", stacklevel=1)
+            warnings.warn(f"mlxlab: the CPU kernels were not built ({e})", stacklevel=1)
 
 
 setup(

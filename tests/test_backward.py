@@ -194,3 +194,14 @@ def test_a_chunked_loss_head_gives_the_same_loss_and_gradients(family):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-9, k
     for mode in ("checkpoint", "segmented"):  # the modes agree with each other bit for bit
         _assert_same(chunked[mode], chunked["full"])
+
+
+def test_a_chunked_head_refuses_a_trainable_head():
+    from mlxlab.config import BackwardConfig
+
+    model, batch = _setup("llama")
+    fn, _ = bw.make_grad_fn(model, BackwardConfig(head_chunk=7), (1, 8), compile=False)
+    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    head.unfreeze()
+    with pytest.raises(UserError, match="head_chunk"):
+        fn(model, batch)

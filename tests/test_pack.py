@@ -127,3 +127,22 @@ def test_packed_sampler_pads_less_and_resumes():
     again = B.BatchSampler(examples, 2, seed=1, pack_length=128)
     again.restore(state)
     assert [again.next().inputs.tolist() for _ in range(3)] == after
+
+
+def test_resuming_with_other_packing_is_refused():
+    from mlxlab.errors import UserError
+
+    rng = np.random.default_rng(1)
+    examples = [
+        D.Example(ids=list(rng.integers(6, 500, int(n))), offset=1)
+        for n in rng.integers(10, 120, 40)
+    ]
+    packed = B.BatchSampler(examples, 2, seed=1, pack_length=128)
+    packed.next()
+    with pytest.raises(UserError, match="data.pack"):
+        B.BatchSampler(examples, 2, seed=1).restore(packed.state())
+    # a checkpoint written before packing existed resumes an unpacked sampler
+    legacy = {"epoch": 0, "index": 3, "seed": 1}
+    plain = B.BatchSampler(examples, 2, seed=1)
+    plain.restore(legacy)
+    assert plain.index == 3

@@ -58,8 +58,10 @@ def test_wheel_ships_configs_and_data(tmp_path):
     kernel_sources = (
         "matvec.cpp",
         "ce.cpp",
+        "layer.cpp",
         "module.cpp",
         "common.h",
+        "vexp.h",
         "kernels.h",
         "CMakeLists.txt",
     )

@@ -97,16 +97,22 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     first, each into the first row with room), so rows come out nearly full. Deterministic."""
     rows: list[list[int]] = []
     room: list[int] = []
+    open_rows: list[int] = []  # rows that the shortest example still fits, in creation order
+    shortest = min(lengths, default=0)
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[i]
-        for r, free in enumerate(room):
-            if n <= free:
+        for k, r in enumerate(open_rows):
+            if n <= room[r]:
                 rows[r].append(i)
                 room[r] -= n
+                if room[r] < shortest:
+                    del open_rows[k]
                 break
         else:
             rows.append([i])
             room.append(capacity - n)
+            if room[-1] >= shortest:
+                open_rows.append(len(rows) - 1)
     return rows
 
 
@@ -154,6 +160,7 @@ class BatchSampler:
                 f"the dataset has {len(units)} {what}, fewer than batch_size={batch_size}"
             )
         self.packed = bool(pack_length)
+        self.pack_length = pack_length
         self.groups = [
             units[i : i + batch_size] for i in range(0, len(units) - batch_size + 1, batch_size)
         ]
@@ -193,9 +200,24 @@ class BatchSampler:
         return sum(len(row) for group in self.groups for row in group)
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "pack_length": self.pack_length,
+            "batches": len(self.groups),
+        }
 
     def restore(self, state: dict) -> None:
+        from mlxlab.errors import UserError
+
+        saved = (state.get("pack_length", 0), state.get("batches", len(self.groups)))
+        if saved != (self.pack_length, len(self.groups)):
+            raise UserError(
+                f"the checkpoint's sampler had {saved[1]} batches (pack_length {saved[0]}), this "
+                f"run's has {len(self.groups)} (pack_length {self.pack_length}): resume with "
+                "the same data, data.pack and data.max_seq_length"
+            )
         self.epoch, self.index, self.seed = state["epoch"], state["index"], state["seed"]
 
     def one_pass(self, limit: int = 0):

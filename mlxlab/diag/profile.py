@@ -6,7 +6,8 @@
 The step is the trainer's own (`make_grad_fn` for the backward `mode`, then the optimizer
 update), on
 `batch_size` rows of `length` tokens of real text with the last `trained` fraction of each row
-trained (a response). Three views, each measured (the median of `steps` runs after a warm-up):
+trained (a response). Three views, each measured (the median of `steps_timed` runs after a
+warm-up):
 
 - the step: its wall time, model FLOPs (train/flops.py) and MFU against the float32 matmul rate
   measured now;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <future>
 #if defined(__linux__)
@@ -84,9 +85,23 @@ inline void parallel_for(int threads, int n, const std::function<void(int, int)>
     int i0 = std::min(n, t * step), i1 = std::min(n, (t + 1) * step);
     done.push_back(pool().enqueue([=, &fn] { fn(i0, i1); }));
   }
-  fn(0, std::min(n, step));
-  for (auto& d : done) {
-    d.get();
+  std::exception_ptr error;
+  try {
+    fn(0, std::min(n, step));
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (auto& d : done) {  // every piece joined before anything is rethrown: they use `fn`
+    try {
+      d.get();
+    } catch (...) {
+      if (!error) {
+        error = std::current_exception();
+      }
+    }
+  }
+  if (error) {
+    std::rethrow_exception(error);
   }
 }
 

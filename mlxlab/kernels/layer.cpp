@@ -353,7 +353,7 @@ class AttentionSoftmax : public UnaryPrimitive {
     for (int arg : argnums) {
       if (arg == 0) {
         auto s = stream();
-        std::vector<array> in = {outputs[0], contiguous(cotangents[0], false, s)};
+        std::vector<array> in = {outputs[0], contiguous(astype(cotangents[0], float32, s), false, s)};
         if (has_starts_) {
           in.push_back(primals[1]);
         }
@@ -451,7 +451,7 @@ class GeluMul : public UnaryPrimitive {
         {primals[0].shape(), primals[0].shape()},
         {float32, float32},
         std::make_shared<GeluMulGrad>(s),
-        {primals[0], primals[1], contiguous(cotangents[0], false, s)});
+        {primals[0], primals[1], contiguous(astype(cotangents[0], float32, s), false, s)});
     std::vector<array> grads;
     for (int arg : argnums) {
       grads.push_back(both[arg]);
@@ -486,6 +486,9 @@ array attention_softmax(
         "[attention_softmax] scores must be [B, ..., L], scale > 0 and window >= 0");
   }
   int L = scores.shape(-1);
+  if (scores.shape(0) == 0 || L == 0) {
+    throw std::invalid_argument("[attention_softmax] scores must not be empty");
+  }
   if ((scores.size() / scores.shape(0)) % (static_cast<size_t>(L) * L) != 0) {
     throw std::invalid_argument("[attention_softmax] each batch entry must hold whole L x L blocks");
   }
@@ -512,6 +515,9 @@ array gelu_mul(const array& g, const array& u, StreamOrDevice s) {
   check_cpu_f32(u, "[gelu_mul]", "u");
   if (g.shape() != u.shape()) {
     throw std::invalid_argument("[gelu_mul] g and u must have one shape");
+  }
+  if (g.size() == 0) {
+    return zeros(g.shape(), float32, s);
   }
   auto stream = to_stream(s);
   if (stream.device != Device::cpu) {

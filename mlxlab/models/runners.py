@@ -4,8 +4,10 @@ The segmented backward (mlxlab/train/backward.py) needs the model's forward cut 
 that take and return plain arrays. One generic runner covers the families whose layers are
 called as `layer(h, mask, cache)`; small subclasses add what a family's own `__call__` does
 differently (Gemma 3's embedding scale and global/sliding masks; Gemma 4's per-layer inputs and
-KV-shared layers). Each reproduces its model's forward bit for bit; tests/test_runners.py checks
-that against `model.model(inputs)` for every family.
+KV-shared layers). On MLX's ops each reproduces its model's forward bit for bit;
+tests/test_runners.py checks that against `model.model(inputs)` for every family. In float32 on
+the CPU, Gemma 3's layers run on mlxlab's training kernels instead (models/fastlayers.py), equal
+to float rounding (tests/test_fastlayers.py).
 
 Packed rows (several examples in one row, data.pack) pass `segments` to `embed`: each position's
 example number in its row. The masks are then block-diagonal: a position attends only to earlier
@@ -186,7 +188,7 @@ def runner_for(model) -> Runner:
 
 
 def forward_hidden(runner: Runner, inputs: mx.array, segments: mx.array | None = None) -> mx.array:
-    """The whole stack through the runner (equals `model.model(inputs)`)."""
+    """The whole stack through the runner (equals `model.model(inputs)`; see the module doc)."""
     h, ctx = runner.embed(inputs, segments)
     kvs: dict[int, tuple] = {}
     donors = runner.kv_donors()

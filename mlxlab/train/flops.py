@@ -108,9 +108,12 @@ def attended_pairs(length: int, window: int | None) -> int:
     return window * (window + 1) // 2 + (length - window) * window
 
 
-def step_flops(shapes: Shapes, lengths: list[int], trained: int, mode: str) -> dict:
+def step_flops(
+    shapes: Shapes, lengths: list[int], trained: int, mode: str, head_chunk: int = 0
+) -> dict:
     """FLOPs of one training step over sequences of `lengths` (real tokens of each input row)
-    with `trained` response positions, for backward `mode` (full | checkpoint | segmented)."""
+    with `trained` response positions, for backward `mode` (full | checkpoint | segmented);
+    `head_chunk` > 0 adds the loss head's recomputed forward."""
     tokens = sum(lengths)
     lin = 2 * shapes.linear_weights * tokens
     lora = 2 * shapes.lora_weights * tokens
@@ -122,6 +125,8 @@ def step_flops(shapes: Shapes, lengths: list[int], trained: int, mode: str) -> d
     forward = lin + lora + att + head
     backward = lin + 2 * lora + 2 * att + head
     recompute = (lin + lora + att) if mode in ("checkpoint", "segmented") else 0
+    if head_chunk and head_chunk < trained:
+        recompute += head
     return {
         "forward": forward,
         "backward": backward,

@@ -128,6 +128,17 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     job = Run(cfg, run_dir, data_cfg, model, tokenizer)
     hooks.before_lora(job)
 
+    if cfg.data.pack:
+        from mlxlab.models.runners import RUNNERS, runner_for
+
+        try:
+            runner_for(model)
+        except UserError:
+            raise UserError(
+                f"data.pack needs a layer runner for the block-diagonal masks; model type "
+                f"{getattr(model, 'model_type', '?')!r} has none (supported: "
+                f"{', '.join(sorted(RUNNERS))})"
+            ) from None
     plan = lora_apply.plan(model, cfg.lora)
     lora_apply.apply(model, plan, seed=cfg.seed)
     train_sampler = BatchSampler(

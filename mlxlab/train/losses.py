@@ -18,7 +18,8 @@ def hidden_states(model, inputs: mx.array, segments: mx.array | None = None) -> 
     """The final-normed hidden states of an mlx-lm model (everything before the LM head).
 
     Through the layer runner (models/runners.py) where the family has one: it equals
-    `model.model(inputs)` bit for bit, takes packed rows (`segments`, data/batches.py), and runs
+    `model.model(inputs)` bit for bit on MLX's ops (Gemma 3's fast layers on the training
+    kernels to float rounding), takes packed rows (`segments`, data/batches.py), and runs
     the same (fast) layers as the segmented and checkpointed backward, so every mode computes
     the same numbers."""
     from mlxlab.errors import UserError
@@ -70,6 +71,10 @@ def head_ce(model, h: mx.array, positions, labels, weights, chunk: int = 0):
     h = h.reshape(-1, h.shape[-1])[positions]
     ntoks = weights.sum()
     n = h.shape[0]
+    if chunk > 0 and _head_is_trainable(model):
+        from mlxlab.errors import UserError
+
+        raise UserError("backward.head_chunk needs a frozen LM head (it would get no gradient)")
     if chunk <= 0 or chunk >= n:
         ce = token_ce(lm_head(model, h), labels) * weights
         return ce.astype(mx.float32).sum() / ntoks, ntoks
@@ -83,6 +88,13 @@ def head_ce(model, h: mx.array, positions, labels, weights, chunk: int = 0):
         for i in range(0, n, chunk)
     )
     return total / ntoks, ntoks
+
+
+def _head_is_trainable(model) -> bool:
+    from mlx.utils import tree_flatten
+
+    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    return bool(tree_flatten(head.trainable_parameters()))
 
 
 def response_ce(model, inputs, positions, labels, weights, segments=None, head_chunk: int = 0):

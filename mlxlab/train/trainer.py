@@ -327,7 +327,9 @@ def train(
             }
             if shapes is not None:
                 f = sum(
-                    step_flops(shapes, list(b.lengths), b.ntoks, cfg.backward.mode)["total"]
+                    step_flops(
+                        shapes, list(b.lengths), b.ntoks, cfg.backward.mode, cfg.backward.head_chunk
+                    )["total"]
                     for b in batches
                 )
                 window_flops += f

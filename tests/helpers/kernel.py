@@ -1,4 +1,4 @@
-"""Whether this machine could have built the CPU decode kernel at install time.
+"""Whether this machine could have built the CPU kernels at install time.
 
 With a C++ compiler on PATH the kernel must be built and loaded (the tests that use it fail
 otherwise; CI installs one). Without one, `pip install` warns and mlxlab decodes with MLX's
@@ -13,4 +13,4 @@ from mlxlab import kernels
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 UNBUILDABLE = kernels.matvec() is None and not HAS_COMPILER
-REASON = f"no C++ compiler here, so no decode kernel ({kernels.status()})"
+REASON = f"no C++ compiler here, so no CPU kernels ({kernels.status()})"
