@@ -63,6 +63,64 @@ def test_attention_softmax_with_packed_starts():
     )
 
 
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_softmax_over_a_block_equals_those_rows_of_the_whole(window, packed):
+    # a block of queries q0 .. q1 - 1 against keys k0 .. q1 - 1 (all it can see) gives the
+    # whole L x L softmax's rows q0 .. q1 - 1, columns k0 .. q1 - 1, and its vjp likewise
+    n, rep = 29, 3
+    seg = mx.array(np.array([[1] * 11 + [2] * 18, [1] * 29], np.int32)) if packed else None
+    starts = fastlayers.example_starts(seg) if packed else None
+    s = mx.random.normal((2, 1, rep, n, n), key=mx.random.key(window + 7 * packed)) * 3
+    k = train_kernels()
+    whole = k.attention_softmax(s.reshape(2, 1, rep * n, n), 0.6, window, starts)
+    whole = whole.reshape(s.shape)
+    ct = mx.random.normal(s.shape, key=mx.random.key(3))
+    g_whole = mx.vjp(
+        lambda z: k.attention_softmax(z.reshape(2, 1, rep * n, n), 0.6, window, starts),
+        [s],
+        [ct.reshape(2, 1, rep * n, n)],
+    )[1][0]
+    for q0, q1, k0 in fastlayers._blocks(n, window, 8):
+        blk = s[..., q0:q1, k0:q1].reshape(2, 1, rep * (q1 - q0), q1 - k0)
+
+        def f(z, q0=q0, q1=q1, k0=k0):
+            return k.attention_softmax(
+                z, 0.6, window, starts, queries=q1 - q0, q_offset=q0, k_offset=k0
+            )
+
+        got = f(blk).reshape(2, 1, rep, q1 - q0, q1 - k0)
+        np.testing.assert_allclose(
+            np.array(got), np.array(whole[..., q0:q1, k0:q1]), rtol=1e-6, atol=1e-7
+        )
+        # nothing the block leaves out is seen by its queries
+        assert float(mx.abs(whole[..., q0:q1, :k0]).max() if k0 else 0) == 0
+        cb = ct[..., q0:q1, k0:q1].reshape(blk.shape)
+        g = mx.vjp(f, [blk], [cb])[1][0].reshape(got.shape)
+        np.testing.assert_allclose(
+            np.array(g), np.array(g_whole[..., q0:q1, k0:q1]), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_attention_softmax_refuses_a_block_that_misses_keys():
+    k = train_kernels()
+    s = mx.zeros((1, 1, 4, 10))
+    k.attention_softmax(s, 1.0, 0, queries=4, q_offset=6, k_offset=0)  # causal block: fine
+    with pytest.raises(ValueError, match="cover"):
+        k.attention_softmax(s, 1.0, 0, queries=4, q_offset=8, k_offset=2)  # keys 0, 1 missing
+    with pytest.raises(ValueError, match="cover"):
+        k.attention_softmax(s, 1.0, 3, queries=4, q_offset=9, k_offset=0)  # query 12 > key 9
+    k.attention_softmax(s, 1.0, 3, queries=4, q_offset=8, k_offset=2)  # window 3: 6 .. 11
+    with pytest.raises(ValueError, match="cover"):
+        k.attention_softmax(s, 1.0, 3, queries=4, q_offset=8, k_offset=7)  # key 6 missing
+    with pytest.raises(ValueError, match="whole blocks"):
+        k.attention_softmax(s, 1.0, 0, queries=3)
+    with pytest.raises(ValueError, match="starts"):
+        k.attention_softmax(
+            s, 1.0, 3, mx.zeros((1, 11), mx.int32), queries=4, q_offset=8, k_offset=2
+        )
+
+
 def test_gelu_mul_matches_mlx():
     g = mx.random.normal((5, 203)) * 4
     u = mx.random.normal((5, 203))
@@ -87,8 +145,10 @@ def test_bad_inputs_are_refused():
         k.attention_softmax(mx.zeros((1, 1, 4, 4), mx.bfloat16), 1.0)
 
 
+@pytest.mark.parametrize("block", [256, 8])  # one block; blocks of 8 queries (the band)
 @pytest.mark.parametrize("length", [9, 40])  # shorter and longer than the tiny sliding window
-def test_fast_gemma3_layers_equal_mlx_lm(length):
+def test_fast_gemma3_layers_equal_mlx_lm(length, block, monkeypatch):
+    monkeypatch.setattr(fastlayers, "QUERY_BLOCK", block)
     model, _, _ = tiny.build("gemma3")
     inputs = mx.random.randint(6, 500, (2, length), key=mx.random.key(length))
     runner = runners.runner_for(model)
@@ -101,7 +161,9 @@ def test_fast_gemma3_layers_equal_mlx_lm(length):
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
 
 
-def test_fast_gemma3_gradients_equal_mlx_lm():
+@pytest.mark.parametrize("block", [256, 8])
+def test_fast_gemma3_gradients_equal_mlx_lm(block, monkeypatch):
+    monkeypatch.setattr(fastlayers, "QUERY_BLOCK", block)
     from mlxlab.config import LoraConfig
     from mlxlab.lora import apply as lora
 

@@ -146,3 +146,21 @@ def test_resuming_with_other_packing_is_refused():
     plain = B.BatchSampler(examples, 2, seed=1)
     plain.restore(legacy)
     assert plain.index == 3
+
+
+@pytest.mark.parametrize("mode", ["full", "segmented"])
+def test_packed_rows_in_query_blocks(mode, monkeypatch):
+    """Gemma 3's attention in blocks of queries (models/fastlayers.py) on packed rows: the same
+    loss and gradients as one block, and every mode still bit-exact with the full backward."""
+    from mlxlab.models import fastlayers
+
+    model, examples = _setup("gemma3")
+    packed = B.collate_rows([examples[:3], examples[3:]])
+    ref = _grad_fn(model, mode)(model, packed)
+    monkeypatch.setattr(fastlayers, "QUERY_BLOCK", 8)
+    got = _grad_fn(model, mode)(model, packed)
+    _assert_close(got, ref)
+    full = trainer.full_backward(model, compile=False)(model, packed)
+    assert got[0].item() == full[0].item()
+    for k, v in tree_flatten(full[2]):
+        assert np.array_equal(np.array(dict(tree_flatten(got[2]))[k]), np.array(v)), k

@@ -16,15 +16,20 @@ mlx::core::array matvec(
 std::vector<mlx::core::array> cross_entropy(
     const mlx::core::array& logits, const mlx::core::array& labels, mlx::core::StreamOrDevice s = {});
 
-// softmax(scale * scores) over the last axis of causal attention scores [B, ..., L] (each batch
-// entry whole L x L blocks, query = row % L): key k is seen from query i when k <= i, i - k <
-// window (window > 0), and k >= starts[b, i] (packed rows); masked entries are 0. vjp in
-// scores (layer.cpp).
+// softmax(scale * scores) over the last axis of causal attention scores [B, ..., K]. Each batch
+// entry holds whole blocks of `queries` rows (0: K, square blocks); row r is query
+// q_offset + r % queries and column c key k_offset + c. Key k is seen from query i when k <= i,
+// i - k < window (window > 0), and k >= starts[b, i] (packed rows, starts [B, L] by absolute
+// position); masked entries are 0. The keys must cover all that the queries see: a band of a
+// sliding window, or a causal block of queries. vjp in scores (layer.cpp).
 mlx::core::array attention_softmax(
     const mlx::core::array& scores,
     float scale,
     int window,
     const std::optional<mlx::core::array>& starts,
+    int queries = 0,
+    int q_offset = 0,
+    int k_offset = 0,
     mlx::core::StreamOrDevice s = {});
 
 // gelu_approx(g) * u, float32, with its vjp in both (layer.cpp).

@@ -28,33 +28,50 @@ namespace {
 
 // --- attention softmax ---------------------------------------------------------------------
 
-struct RowMask {
-  int L;  // keys per row (= queries per sequence)
-  int rows_per_batch;  // rows of one batch entry: heads x L
-  int window;  // 0: none; else key k is seen from query i when i - k < window
-  const int32_t* starts;  // [B, L] first position of each query's example, or null
+// Which queries and keys a block of scores holds (see kernels.h).
+struct Band {
+  int queries;
+  int q_offset;
+  int k_offset;
+  bool operator==(const Band& o) const {
+    return queries == o.queries && q_offset == o.q_offset && k_offset == o.k_offset;
+  }
 };
 
+struct RowMask {
+  int K;  // keys per row: positions k_offset .. k_offset + K - 1
+  int Q;  // queries per block of rows: row r is query q_offset + r % Q
+  int q_offset;
+  int k_offset;
+  int rows_per_batch;  // rows of one batch entry: heads x Q
+  int window;  // 0: none; else key k is seen from query i when i - k < window
+  const int32_t* starts;  // [B, starts_len] first position of each query's example, or null
+  int starts_len;
+};
+
+// The row's visible keys [lo, hi] (inclusive), as offsets into the row. The wrapper checks that
+// the row holds every key a query may see, so lo >= 0 and hi < K.
 ALWAYS_INLINE void row_range(const RowMask& m, int row, int& lo, int& hi) {
-  int i = row % m.L;
+  int i = m.q_offset + row % m.Q;
   int b = row / m.rows_per_batch;
-  lo = 0;
-  hi = i;  // inclusive
+  int first = 0;
   if (m.window > 0) {
-    lo = std::max(lo, i - m.window + 1);
+    first = std::max(first, i - m.window + 1);
   }
   if (m.starts != nullptr) {
-    lo = std::max(lo, static_cast<int>(m.starts[static_cast<size_t>(b) * m.L + i]));
+    first = std::max(first, static_cast<int>(m.starts[static_cast<size_t>(b) * m.starts_len + i]));
   }
-  lo = std::min(lo, hi);  // a query always sees itself
+  first = std::min(first, i);  // a query always sees itself
+  lo = first - m.k_offset;
+  hi = i - m.k_offset;
 }
 
 ALWAYS_INLINE void softmax_impl(const float* s, float* p, float scale, RowMask m, int r0, int r1) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  const int L = m.L;
+  const int K = m.K;
   for (int r = r0; r < r1; ++r) {
-    const float* x = s + static_cast<size_t>(r) * L;
-    float* y = p + static_cast<size_t>(r) * L;
+    const float* x = s + static_cast<size_t>(r) * K;
+    float* y = p + static_cast<size_t>(r) * K;
     int lo, hi;
     row_range(m, r, lo, hi);
     // max of scale * x over [lo, hi]
@@ -101,16 +118,16 @@ ALWAYS_INLINE void softmax_impl(const float* s, float* p, float scale, RowMask m
       y[k] *= inv;
     }
     std::memset(y, 0, sizeof(float) * lo);
-    std::memset(y + hi + 1, 0, sizeof(float) * (L - hi - 1));
+    std::memset(y + hi + 1, 0, sizeof(float) * (K - hi - 1));
   }
 }
 
 // dS = scale * P * (dP - sum(dP * P)) over the row's unmasked range (0 elsewhere).
 ALWAYS_INLINE void softmax_grad_impl(
     const float* p, const float* dp, float* ds, float scale, RowMask m, int r0, int r1) {
-  const int L = m.L;
+  const int K = m.K;
   for (int r = r0; r < r1; ++r) {
-    size_t off = static_cast<size_t>(r) * L;
+    size_t off = static_cast<size_t>(r) * K;
     const float* y = p + off;
     const float* g = dp + off;
     float* out = ds + off;
@@ -136,7 +153,7 @@ ALWAYS_INLINE void softmax_grad_impl(
       out[k] = scale * y[k] * (g[k] - dot);
     }
     std::memset(out, 0, sizeof(float) * lo);
-    std::memset(out + hi + 1, 0, sizeof(float) * (L - hi - 1));
+    std::memset(out + hi + 1, 0, sizeof(float) * (K - hi - 1));
   }
 }
 
@@ -255,19 +272,23 @@ void need_contiguous(const array& a, const char* who) {
   }
 }
 
-RowMask make_mask(const array& scores, int rows_per_batch, int window, const array* starts) {
+RowMask make_mask(const array& scores, const Band& band, int window, const array* starts) {
   RowMask m;
-  m.L = scores.shape(-1);
-  m.rows_per_batch = rows_per_batch;
+  m.K = scores.shape(-1);
+  m.Q = band.queries;
+  m.q_offset = band.q_offset;
+  m.k_offset = band.k_offset;
+  m.rows_per_batch = static_cast<int>(scores.size() / scores.shape(0) / scores.shape(-1));
   m.window = window;
   m.starts = starts ? starts->data<int32_t>() : nullptr;
+  m.starts_len = starts ? starts->shape(1) : 0;
   return m;
 }
 
 class AttentionSoftmaxGrad : public UnaryPrimitive {
  public:
-  AttentionSoftmaxGrad(Stream s, float scale, int window, bool has_starts)
-      : UnaryPrimitive(s), scale_(scale), window_(window), has_starts_(has_starts) {}
+  AttentionSoftmaxGrad(Stream s, float scale, int window, Band band, bool has_starts)
+      : UnaryPrimitive(s), scale_(scale), window_(window), band_(band), has_starts_(has_starts) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     for (auto& a : inputs) {
@@ -281,8 +302,7 @@ class AttentionSoftmaxGrad : public UnaryPrimitive {
     enc.set_output_array(out);
     const array& p = inputs[0];
     int rows = static_cast<int>(p.size() / p.shape(-1));
-    int per_batch = static_cast<int>(p.size() / p.shape(0) / p.shape(-1));
-    RowMask m = make_mask(p, per_batch, window_, has_starts_ ? &inputs[2] : nullptr);
+    RowMask m = make_mask(p, band_, window_, has_starts_ ? &inputs[2] : nullptr);
     const float* pp = p.data<float>();
     const float* dp = inputs[1].data<float>();
     float* ds = out.data<float>();
@@ -303,19 +323,21 @@ class AttentionSoftmaxGrad : public UnaryPrimitive {
   const char* name() const override { return "AttentionSoftmaxGrad"; }
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const AttentionSoftmaxGrad&>(other);
-    return scale_ == o.scale_ && window_ == o.window_ && has_starts_ == o.has_starts_;
+    return scale_ == o.scale_ && window_ == o.window_ && band_ == o.band_ &&
+        has_starts_ == o.has_starts_;
   }
 
  private:
   float scale_;
   int window_;
+  Band band_;
   bool has_starts_;
 };
 
 class AttentionSoftmax : public UnaryPrimitive {
  public:
-  AttentionSoftmax(Stream s, float scale, int window, bool has_starts)
-      : UnaryPrimitive(s), scale_(scale), window_(window), has_starts_(has_starts) {}
+  AttentionSoftmax(Stream s, float scale, int window, Band band, bool has_starts)
+      : UnaryPrimitive(s), scale_(scale), window_(window), band_(band), has_starts_(has_starts) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     for (auto& a : inputs) {
@@ -329,8 +351,7 @@ class AttentionSoftmax : public UnaryPrimitive {
     enc.set_output_array(out);
     const array& s = inputs[0];
     int rows = static_cast<int>(s.size() / s.shape(-1));
-    int per_batch = static_cast<int>(s.size() / s.shape(0) / s.shape(-1));
-    RowMask m = make_mask(s, per_batch, window_, has_starts_ ? &inputs[1] : nullptr);
+    RowMask m = make_mask(s, band_, window_, has_starts_ ? &inputs[1] : nullptr);
     const float* sp = s.data<float>();
     float* pp = out.data<float>();
     float scale = scale_;
@@ -360,7 +381,7 @@ class AttentionSoftmax : public UnaryPrimitive {
         grads.push_back(array(
             primals[0].shape(),
             float32,
-            std::make_shared<AttentionSoftmaxGrad>(s, scale_, window_, has_starts_),
+            std::make_shared<AttentionSoftmaxGrad>(s, scale_, window_, band_, has_starts_),
             in));
       } else {
         grads.push_back(zeros_like(primals[arg], stream()));
@@ -374,12 +395,14 @@ class AttentionSoftmax : public UnaryPrimitive {
   const char* name() const override { return "AttentionSoftmax"; }
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const AttentionSoftmax&>(other);
-    return scale_ == o.scale_ && window_ == o.window_ && has_starts_ == o.has_starts_;
+    return scale_ == o.scale_ && window_ == o.window_ && band_ == o.band_ &&
+        has_starts_ == o.has_starts_;
   }
 
  private:
   float scale_;
   int window_;
+  Band band_;
   bool has_starts_;
 };
 
@@ -478,19 +501,34 @@ array attention_softmax(
     float scale,
     int window,
     const std::optional<array>& starts,
+    int queries,
+    int q_offset,
+    int k_offset,
     StreamOrDevice s) {
   const char* who = "[attention_softmax]";
   check_cpu_f32(scores, who, "scores");
   if (scores.ndim() < 2 || scale <= 0 || window < 0) {
     throw std::invalid_argument(
-        "[attention_softmax] scores must be [B, ..., L], scale > 0 and window >= 0");
+        "[attention_softmax] scores must be [B, ..., K], scale > 0 and window >= 0");
   }
-  int L = scores.shape(-1);
-  if (scores.shape(0) == 0 || L == 0) {
+  int K = scores.shape(-1);
+  if (scores.shape(0) == 0 || K == 0) {
     throw std::invalid_argument("[attention_softmax] scores must not be empty");
   }
-  if ((scores.size() / scores.shape(0)) % (static_cast<size_t>(L) * L) != 0) {
-    throw std::invalid_argument("[attention_softmax] each batch entry must hold whole L x L blocks");
+  int Q = queries > 0 ? queries : K;
+  if (queries < 0 || q_offset < 0 || k_offset < 0 ||
+      (scores.size() / scores.shape(0) / K) % static_cast<size_t>(Q) != 0) {
+    throw std::invalid_argument(
+        "[attention_softmax] each batch entry must hold whole blocks of `queries` rows, and "
+        "offsets must be >= 0");
+  }
+  // every key a query of the block may see lies in the row: its own position (k <= i) up to
+  // the last query, and back to the window's start (or position 0 without a window)
+  int first_seen = window > 0 ? std::max(0, q_offset - window + 1) : 0;
+  if (k_offset > first_seen || q_offset + Q > k_offset + K) {
+    throw std::invalid_argument(
+        "[attention_softmax] the keys k_offset .. k_offset + K - 1 must cover every key the "
+        "queries q_offset .. q_offset + queries - 1 see");
   }
   auto stream = to_stream(s);
   if (stream.device != Device::cpu) {
@@ -498,15 +536,18 @@ array attention_softmax(
   }
   std::vector<array> in = {contiguous(scores, false, stream)};
   if (starts) {
-    if (starts->ndim() != 2 || starts->shape(0) != scores.shape(0) || starts->shape(1) != L) {
-      throw std::invalid_argument("[attention_softmax] starts must be [B, L]");
+    if (starts->ndim() != 2 || starts->shape(0) != scores.shape(0) ||
+        starts->shape(1) < q_offset + Q) {
+      throw std::invalid_argument(
+          "[attention_softmax] starts must be [B, L] with L >= q_offset + queries");
     }
     in.push_back(contiguous(astype(*starts, int32, stream), false, stream));
   }
+  Band band{Q, q_offset, k_offset};
   return array(
       scores.shape(),
       float32,
-      std::make_shared<AttentionSoftmax>(stream, scale, window, starts.has_value()),
+      std::make_shared<AttentionSoftmax>(stream, scale, window, band, starts.has_value()),
       in);
 }
 

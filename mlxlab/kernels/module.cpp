@@ -42,8 +42,12 @@ NB_MODULE(_kernels, m) {
       "window"_a = 0,
       "starts"_a = nb::none(),
       nb::kw_only(),
+      "queries"_a = 0,
+      "q_offset"_a = 0,
+      "k_offset"_a = 0,
       "stream"_a = nb::none(),
-      "softmax(scale * scores) of causal attention rows (sliding window, packed-row starts).");
+      "softmax(scale * scores) of causal attention rows (sliding window, packed-row starts); a "
+      "block of `queries` queries from q_offset against keys from k_offset.");
   m.def(
       "gelu_mul",
       &mlxlab::gelu_mul,

@@ -41,8 +41,29 @@ def example_starts(segments: mx.array) -> mx.array:
     return mx.cummax(mx.where(segments != prev, idx, 0), axis=1)
 
 
+QUERY_BLOCK = 256
+"""Queries per block of the attention (see `attention`); rows up to this long run as one block."""
+
+
+def _blocks(n: int, window: int | None, block: int):
+    """(q0, q1, k0) per block of queries: each against the keys it can see, k0 .. q1 - 1 (causal;
+    back to the sliding window's start)."""
+    if n <= block:
+        return [(0, n, 0)]
+    out = []
+    for q0 in range(0, n, block):
+        k0 = max(0, q0 - window + 1) if window else 0
+        out.append((q0, min(n, q0 + block), k0))
+    return out
+
+
 def attention(kern, attn, x: mx.array, window: int | None, starts: mx.array | None) -> mx.array:
-    """mlx-lm Gemma 3 Attention.__call__ without a cache, its softmax on the kernel."""
+    """mlx-lm Gemma 3 Attention.__call__ without a cache, its softmax on the kernel.
+
+    Over rows longer than QUERY_BLOCK the queries go in blocks, each block against only the keys
+    it can see (up to its last query; from the sliding window's start): the masked part of the
+    L x L score and value products is never computed (at 1152 tokens, window 512, blocks of 256:
+    0.51x the products of a sliding layer, 0.60x of a global one)."""
     b, n, _ = x.shape
     q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
     k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -50,12 +71,21 @@ def attention(kern, attn, x: mx.array, window: int | None, starts: mx.array | No
     q = attn.rope(attn.q_norm(q))
     k = attn.rope(attn.k_norm(k))
     d = q.shape[-1]
-    # grouped-query: the query heads of one K/V head stacked as rows, [B, kv, rep * L, D]
-    qg = q.reshape(b, attn.n_kv_heads, (attn.n_heads // attn.n_kv_heads) * n, d)
-    scores = qg @ k.swapaxes(-1, -2)
-    p = kern.attention_softmax(scores, attn.scale, window or 0, starts)
-    out = (p @ v).reshape(b, attn.n_heads, n, d).transpose(0, 2, 1, 3).reshape(b, n, -1)
-    return attn.o_proj(out)
+    kv, rep = attn.n_kv_heads, attn.n_heads // attn.n_kv_heads
+    parts = []
+    for q0, q1, k0 in _blocks(n, window, QUERY_BLOCK):
+        m = q1 - q0
+        # grouped-query: the query heads of one K/V head stacked as rows, [B, kv, rep * m, D]
+        qg = (q if m == n else q[:, :, q0:q1]).reshape(b, kv, rep * m, d)
+        kb = k if (k0, q1) == (0, n) else k[:, :, k0:q1]
+        vb = v if (k0, q1) == (0, n) else v[:, :, k0:q1]
+        scores = qg @ kb.swapaxes(-1, -2)
+        p = kern.attention_softmax(
+            scores, attn.scale, window or 0, starts, queries=m, q_offset=q0, k_offset=k0
+        )
+        parts.append((p @ vb).reshape(b, attn.n_heads, m, d))
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
 def mlp(kern, module, y: mx.array) -> mx.array:
