@@ -14,26 +14,13 @@ from mlxlab.lora import apply as lora
 from mlxlab.models import runners, tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import trainer
+from tests.helpers.lora_model import lora_model
 
 
 def _setup(family, seed=0):
-    import mlx.core as mx
-
-    model, _, _ = tiny.build(family, seed=seed)
-    plan = lora.plan(model, LoraConfig(targets=["q", "k", "v", "o", "down"], rank=4))
-    lora.apply(model, plan, seed=seed)
-    mx.random.seed(seed)
-    for _, m in lora.lora_modules(model):  # non-zero B: gradients reach A too
-        m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
-    rng = np.random.default_rng(seed)
     # 40 > the tiny sliding window (16): sliding layers get real window masks.
-    batch = B.collate(
-        [
-            D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o)
-            for n, o in [(40, 10), (30, 3), (12, 0)]
-        ]
-    )
-    return model, batch
+    model, examples = lora_model(family, [(40, 10), (30, 3), (12, 0)], seed)
+    return model, B.collate(examples)
 
 
 def _assert_same(got, ref):

@@ -138,7 +138,7 @@ def test_gelu_mul_matches_mlx():
 def test_bad_inputs_are_refused():
     k = train_kernels()
     with pytest.raises(ValueError):
-        k.attention_softmax(mx.zeros((2, 3, 4, 5)), 1.0)  # not L x L
+        k.attention_softmax(mx.zeros((2, 3, 4, 5)), 1.0)  # rows not whole blocks of 5 queries
     with pytest.raises(ValueError):
         k.gelu_mul(mx.zeros((2, 3)), mx.zeros((3, 2)))
     with pytest.raises(ValueError):

@@ -7,13 +7,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxlab  # noqa: F401
-from mlxlab.config import LoraConfig
 from mlxlab.data import batches as B
 from mlxlab.data import datasets as D
-from mlxlab.lora import apply as lora
 from mlxlab.models import runners, tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import trainer
+from tests.helpers.lora_model import lora_model
 
 # (length, offset): 40 > the tiny sliding window (16), so sliding layers see real windows
 # inside packed examples too; offsets 0 train the whole example.
@@ -21,17 +20,7 @@ SHAPES = [(40, 10), (30, 3), (12, 0), (25, 20), (9, 1)]
 
 
 def _setup(family, seed=0):
-    import mlx.core as mx
-
-    model, _, _ = tiny.build(family, seed=seed)
-    plan = lora.plan(model, LoraConfig(targets=["q", "k", "v", "o", "down"], rank=4))
-    lora.apply(model, plan, seed=seed)
-    mx.random.seed(seed)
-    for _, m in lora.lora_modules(model):  # non-zero B: gradients reach A too
-        m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
-    rng = np.random.default_rng(seed)
-    examples = [D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o) for n, o in SHAPES]
-    return model, examples
+    return lora_model(family, SHAPES, seed)
 
 
 def _grad_fn(model, mode):

@@ -55,8 +55,9 @@ def matvec():
 
 def train():
     """The training kernels, or None: a module with `cross_entropy(logits, labels) -> [ce, lse]`
-    (float32 [N, V] logits), `attention_softmax(scores, scale, window=0, starts=None)` and
-    `gelu_mul(g, u)`, each differentiable."""
+    (float32 [N, V] logits), `attention_softmax(scores, scale, window=0, starts=None, *,
+    queries=0, q_offset=0, k_offset=0)` (a block of queries against the keys they see; see
+    kernels.h) and `gelu_mul(g, u)`, each differentiable."""
     return _group("train")
 
 

@@ -140,75 +140,25 @@ ALWAYS_INLINE void backward_impl(
   }
 }
 
-void forward_generic(const float* x, const int32_t* l, float* ce, float* lse, float* aux, int V, int r0, int r1) {
-  forward_impl(x, l, ce, lse, aux, V, r0, r1);
-}
-void backward_generic(
-    const float* x, const int32_t* l, const float* aux, const float* a, const float* b, float* g,
-    int V, int r0, int r1) {
-  backward_impl(x, l, aux, a, b, g, V, r0, r1);
-}
-#ifdef MLXLAB_X86_DISPATCH
-__attribute__((target("avx2,fma"))) void
-forward_avx2(const float* x, const int32_t* l, float* ce, float* lse, float* aux, int V, int r0, int r1) {
-  forward_impl(x, l, ce, lse, aux, V, r0, r1);
-}
-__attribute__((target("avx2,fma"))) void backward_avx2(
-    const float* x, const int32_t* l, const float* aux, const float* a, const float* b, float* g,
-    int V, int r0, int r1) {
-  backward_impl(x, l, aux, a, b, g, V, r0, r1);
-}
-#endif
+MLXLAB_DISPATCH(
+    forward,
+    (const float* x, const int32_t* l, float* ce, float* lse, float* aux, int V, int r0, int r1),
+    (x, l, ce, lse, aux, V, r0, r1))
+MLXLAB_DISPATCH(
+    backward,
+    (const float* x, const int32_t* l, const float* aux, const float* a, const float* b, float* g,
+     int V, int r0, int r1),
+    (x, l, aux, a, b, g, V, r0, r1))
 
-void forward(
-    const float* x, const int32_t* l, float* ce, float* lse, float* aux, int V, int r0, int r1) {
-#ifdef MLXLAB_X86_DISPATCH
-  if (has_avx2_fma()) {
-    forward_avx2(x, l, ce, lse, aux, V, r0, r1);
-    return;
-  }
-#endif
-  forward_generic(x, l, ce, lse, aux, V, r0, r1);
-}
-
-void backward(
-    const float* x, const int32_t* l, const float* aux, const float* a, const float* b, float* g,
-    int V, int r0, int r1) {
-#ifdef MLXLAB_X86_DISPATCH
-  if (has_avx2_fma()) {
-    backward_avx2(x, l, aux, a, b, g, V, r0, r1);
-    return;
-  }
-#endif
-  backward_generic(x, l, aux, a, b, g, V, r0, r1);
-}
-
-// Rows per thread: a few thousand logits is not worth a hand-off.
-int threads_for(int rows, int V) {
-  size_t work = static_cast<size_t>(rows) * V;
-  return std::max(1, std::min<int>(cores(), static_cast<int>(work / 65536)));
-}
-
-void check_row_contiguous(const array& a, const char* what) {
-  if (!a.flags().row_contiguous) {
-    throw std::runtime_error(std::string("[cross_entropy] ") + what + " must be row-contiguous");
-  }
-}
+// Threads for rows of V logits: below ~64k logits a hand-off is not worth it.
+int threads_for_rows(int rows, int V) { return threads_for(static_cast<size_t>(rows) * V, 65536); }
 
 class CrossEntropyGrad : public UnaryPrimitive {
  public:
   explicit CrossEntropyGrad(Stream stream) : UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    for (auto& a : inputs) {
-      check_row_contiguous(a, "every input");
-    }
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = bind_io(stream(), inputs, out, "[cross_entropy]");
     int N = inputs[0].shape(0), V = inputs[0].shape(1);
     const float* x = inputs[0].data<float>();
     const int32_t* l = inputs[1].data<int32_t>();
@@ -217,7 +167,7 @@ class CrossEntropyGrad : public UnaryPrimitive {
     const float* b = inputs[4].data<float>();
     float* g = out.data<float>();
     encoder.dispatch([=]() {
-      parallel_for(threads_for(N, V), N, [=](int r0, int r1) { backward(x, l, aux, a, b, g, V, r0, r1); });
+      parallel_for(threads_for_rows(N, V), N, [=](int r0, int r1) { backward(x, l, aux, a, b, g, V, r0, r1); });
     });
   }
 
@@ -238,17 +188,7 @@ class CrossEntropy : public Primitive {
   explicit CrossEntropy(Stream stream) : Primitive(stream) {}
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    check_row_contiguous(inputs[0], "logits");
-    check_row_contiguous(inputs[1], "labels");
-    for (auto& o : outputs) {
-      o.set_data(allocator::malloc(o.nbytes()));
-    }
-    auto& encoder = cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_input_array(inputs[1]);
-    for (auto& o : outputs) {
-      encoder.set_output_array(o);
-    }
+    auto& encoder = bind_io(stream(), inputs, outputs, "[cross_entropy]");
     int N = inputs[0].shape(0), V = inputs[0].shape(1);
     const float* x = inputs[0].data<float>();
     const int32_t* l = inputs[1].data<int32_t>();
@@ -256,7 +196,7 @@ class CrossEntropy : public Primitive {
     float* lse = outputs[1].data<float>();
     float* aux = outputs[2].data<float>();
     encoder.dispatch([=]() {
-      parallel_for(threads_for(N, V), N, [=](int r0, int r1) { forward(x, l, ce, lse, aux, V, r0, r1); });
+      parallel_for(threads_for_rows(N, V), N, [=](int r0, int r1) { forward(x, l, ce, lse, aux, V, r0, r1); });
     });
   }
 

@@ -206,28 +206,7 @@ ALWAYS_INLINE void gelu_mul_grad_impl(
   }
 }
 
-// --- instruction-set dispatch ----------------------------------------------------------------
-
-#define MLXLAB_DISPATCH(name, params, args)                         \
-  void name##_generic params { name##_impl args; }                  \
-  MLXLAB_AVX2_VARIANT(name, params, args)                           \
-  void name params {                                                \
-    MLXLAB_AVX2_CALL(name, args)                                    \
-    name##_generic args;                                            \
-  }
-
-#ifdef MLXLAB_X86_DISPATCH
-#define MLXLAB_AVX2_VARIANT(name, params, args) \
-  __attribute__((target("avx2,fma"))) void name##_avx2 params { name##_impl args; }
-#define MLXLAB_AVX2_CALL(name, args) \
-  if (has_avx2_fma()) {              \
-    name##_avx2 args;                \
-    return;                          \
-  }
-#else
-#define MLXLAB_AVX2_VARIANT(name, params, args)
-#define MLXLAB_AVX2_CALL(name, args)
-#endif
+// --- instruction-set dispatch (common.h) ----------------------------------------------------
 
 MLXLAB_DISPATCH(
     softmax,
@@ -246,9 +225,8 @@ MLXLAB_DISPATCH(
     (const float* g, const float* u, const float* d, float* dg, float* du, size_t i0, size_t i1),
     (g, u, d, dg, du, i0, i1))
 
-int threads_for_work(size_t elements) {
-  return std::max(1, std::min<int>(cores(), static_cast<int>(elements / 32768)));
-}
+// Below ~32k floats of exp and friends a thread hand-off costs more than it saves.
+int threads_for_work(size_t elements) { return threads_for(elements, 32768); }
 
 // Elementwise work over [0, n) in pieces of whole 8-float vectors.
 void parallel_elements(size_t n, const std::function<void(size_t, size_t)>& fn) {
@@ -264,12 +242,6 @@ void parallel_elements(size_t n, const std::function<void(size_t, size_t)>& fn) 
       }
     }
   });
-}
-
-void need_contiguous(const array& a, const char* who) {
-  if (!a.flags().row_contiguous) {
-    throw std::runtime_error(std::string(who) + ": inputs must be row-contiguous");
-  }
 }
 
 RowMask make_mask(const array& scores, const Band& band, int window, const array* starts) {
@@ -291,15 +263,7 @@ class AttentionSoftmaxGrad : public UnaryPrimitive {
       : UnaryPrimitive(s), scale_(scale), window_(window), band_(band), has_starts_(has_starts) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    for (auto& a : inputs) {
-      need_contiguous(a, "[attention_softmax]");
-    }
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& enc = cpu::get_command_encoder(stream());
-    for (auto& a : inputs) {
-      enc.set_input_array(a);
-    }
-    enc.set_output_array(out);
+    auto& enc = bind_io(stream(), inputs, out, "[attention_softmax]");
     const array& p = inputs[0];
     int rows = static_cast<int>(p.size() / p.shape(-1));
     RowMask m = make_mask(p, band_, window_, has_starts_ ? &inputs[2] : nullptr);
@@ -340,15 +304,7 @@ class AttentionSoftmax : public UnaryPrimitive {
       : UnaryPrimitive(s), scale_(scale), window_(window), band_(band), has_starts_(has_starts) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    for (auto& a : inputs) {
-      need_contiguous(a, "[attention_softmax]");
-    }
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& enc = cpu::get_command_encoder(stream());
-    for (auto& a : inputs) {
-      enc.set_input_array(a);
-    }
-    enc.set_output_array(out);
+    auto& enc = bind_io(stream(), inputs, out, "[attention_softmax]");
     const array& s = inputs[0];
     int rows = static_cast<int>(s.size() / s.shape(-1));
     RowMask m = make_mask(s, band_, window_, has_starts_ ? &inputs[1] : nullptr);
@@ -410,17 +366,7 @@ class GeluMulGrad : public Primitive {
  public:
   explicit GeluMulGrad(Stream s) : Primitive(s) {}
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    for (auto& a : inputs) {
-      need_contiguous(a, "[gelu_mul]");
-    }
-    auto& enc = cpu::get_command_encoder(stream());
-    for (auto& a : inputs) {
-      enc.set_input_array(a);
-    }
-    for (auto& o : outputs) {
-      o.set_data(allocator::malloc(o.nbytes()));
-      enc.set_output_array(o);
-    }
+    auto& enc = bind_io(stream(), inputs, outputs, "[gelu_mul]");
     const float* g = inputs[0].data<float>();
     const float* u = inputs[1].data<float>();
     const float* d = inputs[2].data<float>();
@@ -445,14 +391,7 @@ class GeluMul : public UnaryPrimitive {
  public:
   explicit GeluMul(Stream s) : UnaryPrimitive(s) {}
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    for (auto& a : inputs) {
-      need_contiguous(a, "[gelu_mul]");
-    }
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& enc = cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
-    enc.set_input_array(inputs[1]);
-    enc.set_output_array(out);
+    auto& enc = bind_io(stream(), inputs, out, "[gelu_mul]");
     const float* g = inputs[0].data<float>();
     const float* u = inputs[1].data<float>();
     float* o = out.data<float>();
@@ -536,8 +475,10 @@ array attention_softmax(
   }
   std::vector<array> in = {contiguous(scores, false, stream)};
   if (starts) {
-    if (starts->ndim() != 2 || starts->shape(0) != scores.shape(0) ||
-        starts->shape(1) < q_offset + Q) {
+    // square blocks (queries = 0) are whole rows: starts [B, K]; else it spans the block
+    bool fits = starts->ndim() == 2 && starts->shape(0) == scores.shape(0) &&
+        (queries == 0 ? starts->shape(1) == K : starts->shape(1) >= q_offset + Q);
+    if (!fits) {
       throw std::invalid_argument(
           "[attention_softmax] starts must be [B, L] with L >= q_offset + queries");
     }

@@ -78,42 +78,18 @@ ALWAYS_INLINE void rows_impl(const float* x, const W* w, float* y, int M, int K,
   }
 }
 
-template <typename W>
-void rows_generic(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
-  rows_impl(x, w, y, M, K, N, n0, n1);
-}
+MLXLAB_DISPATCH_WITH(
+    template <typename W>,
+    rows,
+    (const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1),
+    (x, w, y, M, K, N, n0, n1))
 
-#ifdef MLXLAB_X86_DISPATCH
-template <typename W>
-__attribute__((target("avx2,fma"))) void
-rows_avx2(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
-  rows_impl(x, w, y, M, K, N, n0, n1);
-}
-
-#endif
-
-// One CPU always takes the same path, so results are deterministic on it.
-template <typename W>
-void rows(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
-#ifdef MLXLAB_X86_DISPATCH
-  if (has_avx2_fma()) {
-    rows_avx2(x, w, y, M, K, N, n0, n1);
-    return;
-  }
-#endif
-  rows_generic(x, w, y, M, K, N, n0, n1);
-}
-
-int threads_for(size_t weight_bytes) {
-  int hw = cores();
-  // Below ~256 KB a thread hand-off costs more than the reading it saves.
-  int by_size = static_cast<int>(weight_bytes / (256 * 1024));
-  return std::max(1, std::min(hw, by_size));
-}
+// Below ~256 KB of weights a thread hand-off costs more than the reading it saves.
+int threads_for_weights(size_t weight_bytes) { return threads_for(weight_bytes, 256 * 1024); }
 
 template <typename W>
 void run(const float* x, const W* w, float* y, int M, int K, int N) {
-  int T = threads_for(static_cast<size_t>(N) * K * sizeof(W));
+  int T = threads_for_weights(static_cast<size_t>(N) * K * sizeof(W));
   parallel_for(T, N, [=](int n0, int n1) { rows(x, w, y, M, K, N, n0, n1); });
 }
 

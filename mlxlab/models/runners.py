@@ -39,6 +39,8 @@ class Context:
 class Runner:
     """llama-style families: `layer(h, mask, cache)`, optional sliding-window layers."""
 
+    window_attr: str | None = None  # the inner model's sliding-window attribute, where required
+
     def __init__(self, model):
         self.model = model
         self.inner = model.model
@@ -50,7 +52,11 @@ class Runner:
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window, or None for full attention."""
-        return getattr(self.inner, "sliding_window", None) if not self.is_global(i) else None
+        if self.is_global(i):
+            return None
+        if self.window_attr is None:  # llama-style: `sliding_window` where the family has one
+            return getattr(self.inner, "sliding_window", None)
+        return getattr(self.inner, self.window_attr)
 
     def packed_masks(self, segments: mx.array) -> list:
         """Per layer, the boolean [B, 1, T, T] mask of packed rows (`segments` [B, T])."""
@@ -93,6 +99,8 @@ class Runner:
 class Gemma3Runner(Runner):
     """Gemma 3; in float32 on the CPU its layers run on mlxlab's kernels (models/fastlayers.py)."""
 
+    window_attr = "window_size"
+
     def embed(self, inputs, segments=None):
         from mlxlab.models import fastlayers
 
@@ -111,9 +119,6 @@ class Gemma3Runner(Runner):
 
         return gemma3_layer(ctx.fast, self.layers[i], h, self.window(i), ctx.starts), None
 
-    def window(self, i):
-        return None if self.is_global(i) else self.inner.window_size
-
     def _masks(self, h):
         pattern = self.inner.sliding_window_pattern
         full = create_attention_mask(h, None)
@@ -130,8 +135,7 @@ class Gemma3Runner(Runner):
 
 
 class Gemma4Runner(Runner):
-    def window(self, i):
-        return None if self.is_global(i) else self.inner.window_size
+    window_attr = "window_size"
 
     def embed(self, inputs, segments=None):
         emb = self.inner.embed_tokens(inputs)
