@@ -19,6 +19,11 @@ results (what `eval chunk` and the chunk task's base/tuned evaluations call); wi
 `constrained=true` it decodes the split a second time under `answer_schema` (mlxlab/grammar.py:
 the JSON shape of the answer, its uuids limited to the conversation's own), still batched, and
 reports those scores as a second row next to the unconstrained ones.
+
+Two scorers, both with the weights above: `strict` (this module's `score_case`: the
+well-formedness above; a gap or overlap zeroes the anchors) and `ref` (`score_ref`: the
+predecessor's chunk-eval and its validator, reproduced rule for rule, the one its 95.10 is
+held against; see `score_ref`). Each case carries both.
 """
 
 from __future__ import annotations
@@ -142,6 +147,146 @@ def is_specific(label) -> bool:
     return any(w not in GENERIC for w in core)
 
 
+# --- the reference scorer (the predecessor's chunk-eval) -------------------------------------
+
+REF_GENERIC = {
+    "technical discussion",
+    "conversation",
+    "q&a",
+    "discussion",
+    "chat",
+    "general discussion",
+}
+
+
+def extract_json_ref(text: str):
+    """The reference extraction: the trimmed text; else that text with a leading ```json or ```
+    and a trailing ``` stripped; else its first '{' to its last '}'. None when none parses."""
+    t = text.strip()
+    candidates = [t]
+    fenced = t
+    for lead in ("```json", "```"):
+        if fenced.startswith(lead):
+            fenced = fenced[len(lead) :]
+            break
+    if fenced.endswith("```"):
+        fenced = fenced[:-3]
+    candidates.append(fenced.strip())
+    if "{" in t and "}" in t and t.index("{") < t.rindex("}"):
+        candidates.append(t[t.index("{") : t.rindex("}") + 1])
+    for c in candidates:
+        try:
+            return json.loads(c)
+        except (json.JSONDecodeError, ValueError):
+            continue
+    return None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _resolve_ref(value, uuids, index, conversation_uuid, end: bool):
+    """(message index or None, repaired?): the exact uuid; the conversation's own uuid snapped to
+    the first (start) or last (end) message; else the message uuid with the longest common
+    prefix, if that is >= 8 characters and strictly longer than the second best."""
+    if not isinstance(value, str):
+        return None, False
+    if value in index:
+        return index[value], False
+    if conversation_uuid is not None and value == conversation_uuid:
+        return (len(uuids) - 1 if end else 0), True
+    ranked = sorted(((_common_prefix(value, u), i) for i, u in enumerate(uuids)), reverse=True)
+    if ranked and ranked[0][0] >= 8 and (len(ranked) == 1 or ranked[0][0] > ranked[1][0]):
+        return ranked[0][1], True
+    return None, False
+
+
+def validate_ref(chunks: list, uuids: list[str], conversation_uuid: str | None = None):
+    """(spans or None, repairs, notes) by the reference validator: anchors resolve as in
+    `_resolve_ref` (one repair each when not exact; unresolvable: None, the case fails); an
+    inverted range is swapped (one repair); gaps and overlaps between chunks cost nothing; a
+    trailing gap is covered by extending the latest-ending chunk to the last message (one
+    repair)."""
+    index = {u: i for i, u in enumerate(uuids)}
+    spans, repairs, notes = [], 0, []
+    for c in chunks:
+        if not isinstance(c, dict):
+            return None, repairs, notes + ["a chunk is not an object"]
+        s, rs = _resolve_ref(c.get("start_message_uuid"), uuids, index, conversation_uuid, False)
+        e, re_ = _resolve_ref(c.get("end_message_uuid"), uuids, index, conversation_uuid, True)
+        if s is None or e is None:
+            bad = c.get("start_message_uuid") if s is None else c.get("end_message_uuid")
+            return None, repairs, notes + [f"unresolvable anchor {bad!r}"]
+        repairs += rs + re_
+        if rs or re_:
+            notes.append("anchor resolved by the conversation uuid or a prefix")
+        if s > e:
+            s, e = e, s
+            repairs += 1
+            notes.append(f"inverted range {e}..{s} swapped")
+        spans.append((s, e))
+    if spans and uuids:
+        latest = max(range(len(spans)), key=lambda k: spans[k][1])
+        if spans[latest][1] < len(uuids) - 1:
+            spans[latest] = (spans[latest][0], len(uuids) - 1)
+            repairs += 1
+            notes.append("trailing gap covered")
+    return spans, repairs, notes
+
+
+def is_specific_ref(label) -> bool:
+    """2-12 whitespace-separated words, and not exactly one of the generic labels."""
+    return (
+        isinstance(label, str)
+        and 2 <= len(label.split()) <= 12
+        and label.strip().lower() not in REF_GENERIC
+    )
+
+
+@dataclass
+class RefScore:
+    ref: float
+    schema: float
+    anchors: float
+    labels: float
+    nonempty: float
+    repairs: int
+    notes: list[str]
+
+
+def score_ref(text: str, uuids: list[str], conversation_uuid: str | None = None) -> RefScore:
+    """The predecessor's chunk-eval score of one answer, 0-100, with the weights of `strict`
+    (`conversation_uuid`: the uuid the prompt gives the whole conversation; None where the prompt
+    gives none, as the chunk task's data today, and then the snap rule never applies):
+    no JSON object or no `chunks` array scores 0; an empty chunk list scores schema, anchors and
+    labels 1 and nonempty 0 (80); schema = share of chunks whose start, end and label are
+    strings; labels = share that `is_specific_ref`; anchors = max(0, 1 - repairs / (2 * chunks))
+    after `validate_ref`, 0 when it fails."""
+    obj = extract_json_ref(text)
+    chunks = obj.get("chunks") if isinstance(obj, dict) else None
+    if not isinstance(chunks, list):
+        return RefScore(0.0, 0.0, 0.0, 0.0, 0.0, 0, ["no chunks array"])
+    if not chunks:
+        return RefScore(80.0, 1.0, 1.0, 1.0, 0.0, 0, ["empty chunk list"])
+    n = len(chunks)
+    keys = ("start_message_uuid", "end_message_uuid", "label")
+    schema = sum(
+        isinstance(c, dict) and all(isinstance(c.get(k), str) for k in keys) for c in chunks
+    )
+    labels = sum(isinstance(c, dict) and is_specific_ref(c.get("label")) for c in chunks)
+    spans, repairs, notes = validate_ref(chunks, uuids, conversation_uuid)
+    anchors = 0.0 if spans is None else max(0.0, 1 - repairs / (2 * n))
+    schema, labels = schema / n, labels / n
+    total = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20)
+    return RefScore(total, schema, anchors, labels, 1.0, repairs, notes)
+
+
 @dataclass
 class CaseScore:
     wellformed: float
@@ -154,6 +299,8 @@ class CaseScore:
     extraction: str
     repairs: int
     notes: list[str]
+    ref: float = 0.0  # the reference scorer's total (score_ref)
+    ref_notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -163,11 +310,28 @@ def boundaries(spans: list[tuple[int, int]]) -> set[int]:
     return {s for s, _ in spans if s > 0}
 
 
-def score_case(text: str, uuids: list[str], gold: list[dict]) -> CaseScore:
+def score_case(
+    text: str, uuids: list[str], gold: list[dict], conversation_uuid: str | None = None
+) -> CaseScore:
+    """The strict score and the accuracy against `gold`, with the reference score beside."""
+    ref = score_ref(text, uuids, conversation_uuid)
     obj, method = extract_json(text)
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
     if not isinstance(chunks, list):
-        return CaseScore(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, method, 0, ["no chunks list found"])
+        return CaseScore(
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            method,
+            0,
+            ["no chunks list found"],
+            ref.ref,
+            ref.notes,
+        )
     n = len(chunks)
     schema = (
         sum(
@@ -204,23 +368,56 @@ def score_case(text: str, uuids: list[str], gold: list[dict]) -> CaseScore:
         r = tp / len(gb) if gb else 0.0
         f1 = 2 * p * r / (p + r) if p + r else 0.0
     exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
-    return CaseScore(wf, schema, anchors, labels, nonempty, f1, exact, method, v.repairs, v.notes)
+    return CaseScore(
+        wf,
+        schema,
+        anchors,
+        labels,
+        nonempty,
+        f1,
+        exact,
+        method,
+        v.repairs,
+        v.notes,
+        ref.ref,
+        ref.notes,
+    )
 
 
-METRICS = ("wellformed", "schema", "anchors", "labels", "nonempty", "boundary_f1", "exact_match")
+METRICS = (
+    "ref",
+    "wellformed",
+    "schema",
+    "anchors",
+    "labels",
+    "nonempty",
+    "boundary_f1",
+    "exact_match",
+)
 
 
 def summarize(rows: list[dict]) -> dict:
     """Means of the per-case metrics (rows as `evaluate` returns them)."""
     n = max(len(rows), 1)
-    return {"cases": len(rows), **{k: sum(r[k] for r in rows) / n for k in METRICS}}
+    out = {"cases": len(rows)}
+    for k in METRICS:
+        if k == "ref" and any(k not in r for r in rows):
+            continue  # results written before the reference scorer existed
+        out[k] = sum(r[k] for r in rows) / n
+    return out
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def table(summaries: dict[str, dict]) -> str:
     """A markdown table, one row per evaluated model; a summary's "constrained" entry (the same
     model decoded under the answer schema) is the row below it, "<name>, constrained"."""
-    head = "| model | cases | well-formedness | boundary F1 | exact chunks | schema | anchors | labels |"
-    lines = [head, "|" + "---|" * 8]
+    head = (
+        "| model | cases | ref | strict | boundary F1 | exact chunks | schema | anchors | labels |"
+    )
+    lines = [head, "|" + "---|" * 9]
     rows = []
     for name, s in summaries.items():
         rows.append((name, s))
@@ -228,7 +425,8 @@ def table(summaries: dict[str, dict]) -> str:
             rows.append((f"{name}, constrained", s["constrained"]))
     for name, s in rows:
         lines.append(
-            f"| {name} | {s['cases']} | {s['wellformed']:.1f} | {s['boundary_f1']:.3f} | "
+            f"| {name} | {s['cases']} | {_fmt(s.get('ref'))} | {s['wellformed']:.1f} | "
+            f"{s['boundary_f1']:.3f} | "
             f"{s['exact_match']:.3f} | {s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |"
         )
     return "\n".join(lines)
