@@ -187,3 +187,16 @@ def test_fast_gemma3_gradients_equal_mlx_lm(block, monkeypatch):
     for k, g in tree_flatten(grads):
         a, b = np.array(g), np.array(r[k])
         assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-9, k
+
+
+def test_query_blocks_cover_only_the_keys_each_block_sees():
+    # gemma3-270m at 1152 tokens: a sliding layer (window 512) and a global one
+    assert fastlayers._blocks(1152, 512, 256) == [
+        (0, 256, 0),
+        (256, 512, 0),
+        (512, 768, 1),
+        (768, 1024, 257),
+        (1024, 1152, 513),
+    ]
+    assert fastlayers._blocks(600, None, 256) == [(0, 256, 0), (256, 512, 0), (512, 600, 0)]
+    assert fastlayers._blocks(200, 512, 256) == [(0, 200, 0)]  # one block: the whole row

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -147,6 +148,13 @@ def is_specific(label) -> bool:
     return any(w not in GENERIC for w in core)
 
 
+def schema_share(chunks: list) -> float:
+    """The share of a non-empty chunk list whose start, end and label are strings (both scorers)."""
+    keys = ("start_message_uuid", "end_message_uuid", "label")
+    ok = sum(isinstance(c, dict) and all(isinstance(c.get(k), str) for k in keys) for c in chunks)
+    return ok / len(chunks)
+
+
 # --- the reference scorer (the predecessor's chunk-eval) -------------------------------------
 
 REF_GENERIC = {
@@ -182,15 +190,6 @@ def extract_json_ref(text: str):
     return None
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _resolve_ref(value, uuids, index, conversation_uuid, end: bool):
     """(message index or None, repaired?): the exact uuid; the conversation's own uuid snapped to
     the first (start) or last (end) message; else the message uuid with the longest common
@@ -201,7 +200,9 @@ def _resolve_ref(value, uuids, index, conversation_uuid, end: bool):
         return index[value], False
     if conversation_uuid is not None and value == conversation_uuid:
         return (len(uuids) - 1 if end else 0), True
-    ranked = sorted(((_common_prefix(value, u), i) for i, u in enumerate(uuids)), reverse=True)
+    ranked = sorted(
+        ((len(os.path.commonprefix((value, u))), i) for i, u in enumerate(uuids)), reverse=True
+    )
     if ranked and ranked[0][0] >= 8 and (len(ranked) == 1 or ranked[0][0] > ranked[1][0]):
         return ranked[0][1], True
     return None, False
@@ -275,14 +276,10 @@ def score_ref(text: str, uuids: list[str], conversation_uuid: str | None = None)
     if not chunks:
         return RefScore(80.0, 1.0, 1.0, 1.0, 0.0, 0, ["empty chunk list"])
     n = len(chunks)
-    keys = ("start_message_uuid", "end_message_uuid", "label")
-    schema = sum(
-        isinstance(c, dict) and all(isinstance(c.get(k), str) for k in keys) for c in chunks
-    )
-    labels = sum(isinstance(c, dict) and is_specific_ref(c.get("label")) for c in chunks)
+    schema = schema_share(chunks)
+    labels = sum(isinstance(c, dict) and is_specific_ref(c.get("label")) for c in chunks) / n
     spans, repairs, notes = validate_ref(chunks, uuids, conversation_uuid)
     anchors = 0.0 if spans is None else max(0.0, 1 - repairs / (2 * n))
-    schema, labels = schema / n, labels / n
     total = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20)
     return RefScore(total, schema, anchors, labels, 1.0, repairs, notes)
 
@@ -333,19 +330,7 @@ def score_case(
             ref.notes,
         )
     n = len(chunks)
-    schema = (
-        sum(
-            isinstance(c, dict)
-            and all(
-                isinstance(c.get(k), str)
-                for k in ("start_message_uuid", "end_message_uuid", "label")
-            )
-            for c in chunks
-        )
-        / n
-        if n
-        else 0.0
-    )
+    schema = schema_share(chunks) if n else 0.0
     v = validate(chunks, uuids)
     anchors = 0.0 if v.spans is None or not n else max(0.0, 1 - v.repairs / (2 * n))
     labels = (

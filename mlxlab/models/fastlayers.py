@@ -48,13 +48,10 @@ QUERY_BLOCK = 256
 def _blocks(n: int, window: int | None, block: int):
     """(q0, q1, k0) per block of queries: each against the keys it can see, k0 .. q1 - 1 (causal;
     back to the sliding window's start)."""
-    if n <= block:
-        return [(0, n, 0)]
-    out = []
-    for q0 in range(0, n, block):
-        k0 = max(0, q0 - window + 1) if window else 0
-        out.append((q0, min(n, q0 + block), k0))
-    return out
+    return [
+        (q0, min(n, q0 + block), max(0, q0 - window + 1) if window else 0)
+        for q0 in range(0, n, block)
+    ]
 
 
 def attention(kern, attn, x: mx.array, window: int | None, starts: mx.array | None) -> mx.array:
