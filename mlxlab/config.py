@@ -273,44 +273,57 @@ class BackwardConfig:
 
 @dataclass
 class ChunkDataConfig:
-    """How the chunk-task dataset is stitched from the Python reference topics (mlxlab/data/chunk.py)."""
+    """How the chunk-task dataset is built: user/assistant conversations over documentation topics
+    (mlxlab/data/chunk.py)."""
 
     seed: int = 0
     """Seeds the topic split and every conversation."""
-    train: int = 400
-    """Training conversations."""
-    valid: int = 16
+    train: int = 300
+    """Training conversations (a long one becomes several windowed examples)."""
+    valid: int = 8
     """Validation conversations."""
     test: int = 24
     """Test conversations (topics disjoint from train and valid)."""
-    min_topics: int = 2
-    """Fewest topics (gold chunks) per conversation."""
-    max_topics: int = 3
-    """Most topics per conversation."""
-    min_messages: int = 2
-    """Fewest messages per topic."""
-    max_messages: int = 3
-    """Most messages per topic."""
-    max_paragraph_chars: int = 300
-    """A message is one paragraph of a topic, cut to this many characters."""
-    max_chars: int = 2400
-    """Longest rendered conversation (characters); longer draws are skipped."""
+    topic_weights: list[float] = field(default_factory=lambda: [0.55, 0.25, 0.1, 0.06, 0.04])
+    """Relative odds of 1, 2, 3, ... topics in a conversation (the skew toward one or two)."""
+    median_pairs: float = 7.0
+    """Median user/assistant pairs per conversation (log-normal spread)."""
+    max_messages: int = 75
+    """Most messages in a conversation."""
+    return_rate: float = 0.15
+    """Chance that a later topic is interrupted by a return to an earlier one (a new chunk)."""
+    subtle_rate: float = 0.5
+    """Chance that a change of topic comes without a marker ("Different question: ...")."""
+    thanks_rate: float = 0.2
+    """Chance that a conversation ends with a thank-you exchange (part of the last chunk)."""
+    max_message_chars: int = 12000
+    """A message's text is cut to this many characters."""
+    window_chars: int = 4000
+    """A training example's messages take at most this many characters (4000: <= ~1,750 Gemma 3
+    tokens at the data's densest 2.3 characters a token, so an example and its answer fit
+    data.max_seq_length=2048); a longer conversation becomes overlapping windows
+    (mlxlab/data/chunk.py `windows`), as evaluation reads it."""
+    window_overlap: int = 2
+    """Messages each window shares with the one before."""
 
     def __post_init__(self):
         for key in ("train", "valid", "test"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if not 1 <= self.min_topics <= self.max_topics:
+        weights = list(self.topic_weights)
+        if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise UserError(
-                f"need 1 <= min_topics <= max_topics, got {self.min_topics}, {self.max_topics}"
+                f"topic_weights must be non-negative with a positive sum, got {weights}"
             )
-        if not 1 <= self.min_messages <= self.max_messages:
+        if not 4 <= self.max_messages <= 1000 or self.median_pairs < 1:
+            raise UserError("need 4 <= max_messages <= 1000 and median_pairs >= 1")
+        for key in ("return_rate", "subtle_rate", "thanks_rate"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise UserError(f"{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.max_message_chars < 40 or self.window_chars < 400 or self.window_overlap < 0:
             raise UserError(
-                "need 1 <= min_messages <= max_messages, got "
-                f"{self.min_messages}, {self.max_messages}"
+                "need max_message_chars >= 40, window_chars >= 400 and window_overlap >= 0"
             )
-        if self.max_paragraph_chars < 40 or self.max_chars < 200:
-            raise UserError("max_paragraph_chars must be >= 40 and max_chars >= 200")
 
 
 @dataclass
@@ -345,11 +358,23 @@ class EvalSettings:
     """Also decode every case under the answer's JSON schema (its start/end uuids limited to that
     conversation's messages; mlxlab/grammar.py) and report those scores next to the unconstrained
     ones, which stay the headline. Doubles the evaluation time."""
+    max_prompt_tokens: int = 0
+    """A conversation whose prompt is longer is read in windows of consecutive messages of at
+    most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: what
+    the model's context leaves after max_tokens, at most 8192."""
+    window_overlap: int = 2
+    """Messages each window shares with the one before."""
 
     def __post_init__(self):
         check_choice("split", self.split, ("train", "valid", "test"))
         if self.cases < 0 or self.max_tokens < 1 or self.batch_size < 1:
             raise UserError("cases must be >= 0, max_tokens and batch_size >= 1")
+        if self.max_prompt_tokens < 0 or 0 < self.max_prompt_tokens < 256:
+            raise UserError(
+                f"max_prompt_tokens must be 0 (auto) or >= 256, got {self.max_prompt_tokens}"
+            )
+        if self.window_overlap < 0:
+            raise UserError(f"window_overlap must be >= 0, got {self.window_overlap}")
 
 
 @dataclass
@@ -365,7 +390,9 @@ class EvalConfig(EvalSettings):
     adapter: str | None = None
     """LoRA adapter directory (or a training run directory); none evaluates the base model."""
     data: str | None = None
-    """Dataset directory with <split>.jsonl; default: the chunk dataset built with its defaults."""
+    """A dataset directory (its <split>.cases.json) or a JSON file of cases `[{id, name, uuid?,
+    messages: [{uuid, sender, text}], chunks?}]` (without gold chunks only ref and strict are
+    scored); default: the chunk dataset built with its defaults."""
     out: str | None = None
     """Per-case results (JSONL) path; default: eval_<task>_<split>.jsonl in the current directory."""
 

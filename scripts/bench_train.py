@@ -5,8 +5,9 @@
 
 --config chunk (default) is the flagship `+exp=chunk_seg4` setting: gemma3-270m, LoRA rank 8
 (scale 20) on q k v o gate up down of every layer, the segmented backward in segments of 4,
-batch 2, max_seq_length 1152, on the chunk task's own training conversations (built here with
-`python -m mlxlab data chunk`, so the real length distribution); --config quickstart is the
+batch 2, max_seq_length 2048, on the chunk task's own training examples (built here with
+`python -m mlxlab data chunk`, so the real length distribution; the figures in
+experiments/training_throughput were measured on the earlier dataset at max_seq_length 1152); --config quickstart is the
 bundled quickstart data at batch 4, max_seq_length 256. Every run is its own process:
 
   mlxlab                         `python -m mlxlab train` with those settings (float32 on a CPU)
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 CONFIGS = {
     "chunk": {
         "batch_size": 2,
-        "max_seq_length": 1152,
+        "max_seq_length": 2048,
         "backward": ["backward.mode=segmented", "backward.segment_size=4"],
         "lora": ["lora.targets=[q,k,v,o,gate,up,down]", "lora.rank=8", "lora.scale=20.0"],
     },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,25 +29,88 @@ GOLD = [
 
 
 def test_builder_is_deterministic_and_keeps_topics_apart():
-    cfg = ChunkDataConfig(seed=1, train=20, valid=5, test=5)
+    cfg = ChunkDataConfig(seed=1, train=40, valid=5, test=10)
     a, b = data.build(cfg), data.build(cfg)
     assert a == b
-    labels = {split: {c["label"] for ex in rows for c in ex["chunks"]} for split, rows in a.items()}
-    assert not labels["train"] & labels["test"] and not labels["train"] & labels["valid"]
-    ex = a["train"][0]
-    assert (
-        len(ex["chunks"]) >= 2
-        and ex["chunks"][0]["start_message_uuid"] == ex["messages"][0]["uuid"]
-    )
-    chat = data.to_chat(ex)
-    assert json.loads(chat["messages"][-1]["content"])["chunks"] == ex["chunks"]
-    assert (
-        "(uuid: " in chat["messages"][1]["content"] and "\n---\n" in chat["messages"][1]["content"]
-    )
+    topics = {split: {t for case in rows for t in case["topics"]} for split, rows in a.items()}
+    assert not topics["train"] & topics["test"] and not topics["train"] & topics["valid"]
+    labels = {
+        split: {c["label"] for case in rows for c in case["chunks"]} for split, rows in a.items()
+    }
+    assert not labels["train"] & labels["test"]
     assert data.build(ChunkDataConfig(seed=2, train=5))["train"] != a["train"][:5]
-    for ex in a["train"]:
-        assert 2 <= len(ex["chunks"]) <= 3 and len(data.render(ex["messages"])) <= cfg.max_chars
-        assert all(len(m["text"]) <= cfg.max_paragraph_chars for m in ex["messages"])
+    for case in a["train"]:
+        senders = [m["sender"] for m in case["messages"]]
+        assert senders[::2] == ["user"] * len(senders[::2])  # user and assistant take turns
+        assert senders[1::2] == ["assistant"] * len(senders[1::2])
+        assert 4 <= len(senders) <= cfg.max_messages
+        uuids = [m["uuid"] for m in case["messages"]]
+        index = {u: i for i, u in enumerate(uuids)}
+        spans = [
+            (index[c["start_message_uuid"]], index[c["end_message_uuid"]]) for c in case["chunks"]
+        ]
+        assert spans[0][0] == 0 and spans[-1][1] == len(uuids) - 1  # gold covers it in order
+        assert all(s1 == e0 + 1 for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False))
+        assert all(2 <= len(c["label"].split()) <= 12 for c in case["chunks"])
+    # the skew: most conversations are on one or two topics, some on more
+    n_chunks = [len(c["chunks"]) for c in a["train"]]
+    assert sum(n <= 2 for n in n_chunks) > len(n_chunks) / 2 and max(n_chunks) >= 3
+
+
+def test_prompt_format_is_the_predecessors():
+    case = {
+        "id": "c1",
+        "name": "Sorting help",
+        "uuid": "conv-uuid",
+        "messages": [
+            {"uuid": U[0], "sender": "user", "text": "How do I sort?"},
+            {"uuid": U[1], "sender": "assistant", "text": ""},
+            {"uuid": U[2], "sender": "assistant", "text": "Use sorted()."},
+        ],
+    }
+    text = data.prompt(case)
+    assert text == (
+        f"{data.INSTRUCTIONS}\n\nConversation: Sorting help (uuid: conv-uuid)\n\n"
+        f"[user] (uuid: {U[0]})\nHow do I sort?\n\n---\n[assistant] (uuid: {U[2]})\nUse sorted().\n"
+    )
+    assert [m["uuid"] for m in data.shown(case["messages"])] == [U[0], U[2]]
+    ex = data.chat({**case, "chunks": GOLD[:1]})
+    assert [m["role"] for m in ex["messages"]] == ["user", "assistant"]
+    assert json.loads(ex["messages"][1]["content"]) == {"chunks": GOLD[:1]}
+
+
+def test_windows_cover_in_order_within_budget_and_overlap():
+    costs = [3, 5, 2, 8, 1, 1, 4, 20, 2]
+    ws = data.windows(costs, budget=10, overlap=1)
+    assert ws[0][0] == 0 and ws[-1][1] == len(costs) - 1
+    for (a0, b0), (a1, b1) in zip(ws, ws[1:], strict=False):
+        assert a0 < a1 <= b0 + 1 and b1 > b0  # forward, overlapping by at most one message
+    for a, b in ws:
+        assert sum(costs[a : b + 1]) <= 10 or a == b  # an over-long message is a window alone
+    assert data.windows([1, 1, 1], budget=10, overlap=2) == [(0, 2)]
+    assert data.windows([5, 5, 5], budget=5, overlap=3) == [(0, 0), (1, 1), (2, 2)]
+    long = {"uuid": "x", "sender": "assistant", "text": "word " * 500}
+    cut = data.fit(long, data.char_cost, 300)
+    assert data.char_cost(cut) <= 300 and cut["text"].endswith(data.TRUNCATED)
+
+
+def test_training_examples_are_windows_with_clipped_gold():
+    cfg = ChunkDataConfig(seed=3, train=30, valid=1, test=1, window_chars=2500)
+    cases = data.build(cfg)["train"]
+    long = max(cases, key=lambda c: len(data.prompt(c)))
+    examples = data.training_examples(long, cfg)
+    assert len(examples) > 1
+    seen = []
+    for ex in examples:
+        body = ex["messages"][0]["content"].split("\n\n", 2)[2]
+        assert len(body) <= cfg.window_chars + 100 * len(examples)
+        shown_ids = [m for m in re.findall(r"\(uuid: ([0-9a-f-]+)\)", body)]
+        gold = json.loads(ex["messages"][1]["content"])["chunks"]
+        assert gold[0]["start_message_uuid"] == shown_ids[0]  # clipped to the window
+        assert gold[-1]["end_message_uuid"] == shown_ids[-1]
+        assert all(c["label"] in {g["label"] for g in long["chunks"]} for c in gold)
+        seen += shown_ids
+    assert set(seen) == {m["uuid"] for m in long["messages"]}
 
 
 def test_gold_answer_scores_perfectly():
@@ -114,27 +178,147 @@ def test_generic_labels():
 def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     from mlx_lm.utils import load
 
-    from mlxlab.config import DataConfig
+    from mlxlab.config import DataConfig, EvalSettings
     from mlxlab.data.datasets import load_split
 
-    out = data.write_jsonl(tmp_path / "chunk", ChunkDataConfig(train=6, valid=2, test=3))
-    assert sorted(p.name for p in out.iterdir()) == [
+    out = data.write_dataset(tmp_path / "chunk", ChunkDataConfig(train=6, valid=2, test=3))
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
         "build.json",
+        "test.cases.json",
         "test.jsonl",
+        "train.cases.json",
         "train.jsonl",
+        "valid.cases.json",
         "valid.jsonl",
     ]
+    built = json.loads((out / "build.json").read_text())
+    assert built["stats"]["train"]["cases"] == 6 and built["train"] == 6
     model, tokenizer = load(str(tiny_dir("gemma3")))
-    split = load_split(out / "train.jsonl", tokenizer, DataConfig(max_seq_length=4096))
-    assert len(split.examples) == 6 and all(e.offset > 0 for e in split.examples)
-    records = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
-    _, uuids, gold = data.case_from_chat(records[0])
-    assert uuids[0] == gold[0]["start_message_uuid"] and uuids[-1] == gold[-1]["end_message_uuid"]
-    results = ev.evaluate(model, tokenizer, records, max_tokens=8, batch_size=2)
+    split = load_split(out / "train.jsonl", tokenizer, DataConfig(max_seq_length=8192))
+    assert len(split.examples) >= 6 and all(e.offset > 0 for e in split.examples)
+    cases = ev.read_split(out, EvalSettings())
+    assert [c["id"] for c in cases] == ["test-0000", "test-0001", "test-0002"]
+    results = ev.evaluate(model, tokenizer, cases, max_tokens=8, batch_size=2, budget=8192)
     assert len(results) == 3 and all(0.0 <= r["wellformed"] <= 100.0 for r in results)
-    assert [r["case"] for r in results] == [0, 1, 2]
-    one_by_one = ev.evaluate(model, tokenizer, records, max_tokens=8, batch_size=1)
+    assert [r["case"] for r in results] == [0, 1, 2] and all(r["windows"] == 1 for r in results)
+    one_by_one = ev.evaluate(model, tokenizer, cases, max_tokens=8, batch_size=1, budget=8192)
     assert [r["prompt_tokens"] for r in one_by_one] == [r["prompt_tokens"] for r in results]
+    labels = ev.training_labels(out)
+    assert labels and all(label == label.lower() for label in labels)
+
+
+def _long_case(n_cases: int = 40) -> dict:
+    """One synthetic conversation from many test conversations end to end (their gold chunks
+    end to end too)."""
+    cases = data.build(ChunkDataConfig(seed=5, train=1, valid=1, test=n_cases))["test"]
+    return {
+        "id": "long",
+        "name": "a long one",
+        "uuid": "0f0f0f0f-aaaa-4bbb-8ccc-123456789abc",
+        "messages": [m for c in cases for m in c["messages"]],
+        "chunks": [ch for c in cases for ch in c["chunks"]],
+    }
+
+
+def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
+    """plan_windows keeps every prompt within the budget; answers that are each window's gold
+    merge back into exactly the whole conversation's gold; a window that fails owns a chunk with
+    no label, which the scores count against the case."""
+    from mlx_lm.utils import load
+
+    _, tokenizer = load(str(tiny_dir("gemma3")))
+    case = _long_case()
+    uuids = [m["uuid"] for m in data.shown(case["messages"])]
+    total = len(tokenizer.apply_chat_template([{"role": "user", "content": data.prompt(case)}]))
+    assert total >= 40_000
+    budget = 4096
+    windows = ev.plan_windows([case], tokenizer, budget, overlap=2)
+    assert len(windows) >= total // budget
+    assert all(len(w.prompt) <= budget for w in windows)
+    assert windows[0].first == 0 and windows[-1].last == len(uuids) - 1
+    perfect = [
+        json.dumps({"chunks": data.clip(case["chunks"], uuids, w.first, w.last)}) for w in windows
+    ]
+    starts, labels, failed = ev.merge_windows(windows, perfect, len(uuids), case["uuid"])
+    index = {u: i for i, u in enumerate(uuids)}
+    assert failed == 0
+    assert starts == [index[c["start_message_uuid"]] for c in case["chunks"]]
+    assert [labels[s] for s in starts] == [c["label"] for c in case["chunks"]]
+    broken = perfect[:]
+    broken[3] = "I cannot do that"
+    starts, labels, failed = ev.merge_windows(windows, broken, len(uuids), case["uuid"])
+    assert failed == 1 and None in labels.values()
+    assert starts[0] == 0 and sorted(set(starts)) == starts
+
+
+def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
+    """End to end on the tiny model: a conversation over the budget is decoded window by window
+    under the answer schema, and the merged answer is one contiguous cover of it."""
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(tiny_dir("gemma3")))
+    case = _long_case(3)
+    rows = ev.evaluate(
+        model, tokenizer, [case], max_tokens=2000, batch_size=4, constrained=True, budget=1024
+    )
+    row = rows[0]
+    assert row["windows"] > 2 and len(row["window_outputs"]) == row["windows"]
+    assert row["window_failures"] == 0  # every window's answer is schema-valid JSON
+    v = ev.validate(json.loads(row["output"])["chunks"], [m["uuid"] for m in case["messages"]])
+    assert v.spans is not None and v.repairs == 0  # contiguous, from first to last message
+    assert row["anchors"] == 1.0 and row["schema"] == 1.0
+
+
+def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxlab.config import EvalSettings
+    from mlxlab.errors import UserError
+
+    mine = [
+        {
+            "id": "chat-1",
+            "name": "My chat",
+            "messages": [
+                {"uuid": U[0], "sender": "user", "text": "hi, how do I parse JSON?"},
+                {"uuid": U[1], "sender": "assistant", "text": "Use json.loads."},
+            ],
+        }
+    ]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(mine))
+    cases = ev.read_split(path, EvalSettings())
+    model, tokenizer = load(str(tiny_dir("gemma3")))
+    row = ev.evaluate(model, tokenizer, cases, max_tokens=4, batch_size=1)[0]
+    assert row["boundary_f1"] is None and row["exact_match"] is None and row["label_f1"] is None
+    summary = ev.summarize([row])
+    assert "ref" in summary and "boundary_f1" not in summary
+    assert "| x | 1 |" in ev.table({"x": summary}) and "| - |" in ev.table({"x": summary})
+    for bad, message in [
+        ("[]", "non-empty JSON list"),
+        ('[{"messages": [{"text": "hi"}]}]', "message 0 has no uuid"),
+        ('[{"messages": [{"uuid": "a", "text": ""}]}]', "no message has text"),
+        ("{oops", "not JSON"),
+        (
+            '[{"messages": [{"uuid": "a", "text": "x"}], "chunks": [{"start_message_uuid": "b"}]}]',
+            "gold",
+        ),
+    ]:
+        path.write_text(bad)
+        with pytest.raises(UserError, match=message):
+            ev.read_split(path, EvalSettings())
+
+
+def test_label_relevance_and_memorized_labels():
+    assert ev.token_f1(
+        "NumPy argsort: sorting indices", "NumPy argsort: indices that sort"
+    ) == pytest.approx(2 * (3 / 4) * (3 / 5) / (3 / 4 + 3 / 5))
+    assert ev.token_f1("", "x y") == 0.0
+    answer = json.dumps({"chunks": GOLD})
+    assert ev.score_case(answer, U, GOLD).label_f1 == 1.0
+    swapped = [{**GOLD[0], "label": "Python chat"}, GOLD[1]]
+    assert ev.score_case(json.dumps({"chunks": swapped}), U, GOLD).label_f1 == 0.5
 
 
 @pytest.mark.slow  # CLI subprocesses
@@ -145,16 +329,15 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
     out = tmp_path / "chunk"
     r = run_cli("data", "chunk", f"out={out}", "chunk.train=5", "chunk.valid=2", "chunk.test=3")
     assert r.returncode == 0, r.stderr
-    assert "train: 5 conversations" in r.stdout and (out / "test.jsonl").is_file()
+    assert "train: 5 conversations" in r.stdout and (out / "test.cases.json").is_file()
+    assert "| gold chunks per conversation | train | valid | test |" in r.stdout
     assert json.loads((out / "build.json").read_text())["train"] == 5
     again = run_cli("data", "chunk", f"out={out}")
     assert (
         again.returncode == 1 and "force=true" in again.stderr and "Traceback" not in again.stderr
     )
-    bad = run_cli(
-        "data", "chunk", f"out={tmp_path / 'x'}", "chunk.min_topics=5", "chunk.max_topics=2"
-    )
-    assert bad.returncode == 1 and "min_topics" in bad.stderr
+    bad = run_cli("data", "chunk", f"out={tmp_path / 'x'}", "chunk.topic_weights=[-1,2]")
+    assert bad.returncode == 1 and "topic_weights" in bad.stderr
     res = tmp_path / "res.jsonl"
     ev_run = run_cli(
         "eval",
@@ -170,7 +353,7 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
     rows = [json.loads(x) for x in res.read_text().splitlines()]
     assert len(rows) == 3 and {"wellformed", "boundary_f1", "exact_match", "output"} <= set(rows[0])
     missing = run_cli("eval", "chunk", "model=tiny-gemma3", f"data={tmp_path}")
-    assert missing.returncode == 1 and "no test.jsonl" in missing.stderr
+    assert missing.returncode == 1 and "no test.cases.json" in missing.stderr
 
 
 @pytest.mark.slow  # end to end: data, base eval, training, tuned eval, report
@@ -191,6 +374,7 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
             "task.data.test=3",
             "task.eval.max_tokens=6",
             "task.eval.constrained=true",
+            "data.max_seq_length=8192",  # the tiny tokenizer takes ~1.4 characters a token
             "iters=2",
             "batch_size=2",
             "val_every=0",
@@ -232,16 +416,15 @@ def test_answer_schema_accepts_the_gold_answer():
 
 
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
-    """n short test conversations (two topics of one message) and the tiny Gemma 3."""
+    """n short test conversations (one or two topics, two pairs) and the tiny Gemma 3."""
     from mlx_lm.utils import load
 
-    cfg = ChunkDataConfig(
-        train=2, valid=1, test=n, min_topics=2, max_topics=2, min_messages=1, max_messages=1
-    )
-    out = data.write_jsonl(tmp_path / "chunk", cfg)
-    records = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
+    from mlxlab.config import EvalSettings
+
+    cfg = ChunkDataConfig(train=2, valid=1, test=n, median_pairs=1, max_message_chars=200)
+    out = data.write_dataset(tmp_path / "chunk", cfg)
     model, tokenizer = load(str(tiny_dir("gemma3")))
-    return model, tokenizer, records
+    return model, tokenizer, ev.read_split(out, EvalSettings())
 
 
 @pytest.mark.parametrize("batch_size", [2, 1])
@@ -251,13 +434,19 @@ def test_constrained_eval_parses_and_uses_only_the_conversations_uuids(
     """A random tiny model writes garbage unconstrained; under the answer schema every output is
     the answer's JSON with this conversation's uuids, on the batched and the one-by-one path."""
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, batch_size)
-    free = ev.evaluate(model, tokenizer, records, max_tokens=48, batch_size=batch_size)
+    free = ev.evaluate(model, tokenizer, records, max_tokens=48, batch_size=batch_size, budget=8192)
     assert all(r["extraction"] == "none" and r["schema"] == 0.0 for r in free)
     held = ev.evaluate(
-        model, tokenizer, records, max_tokens=1024, batch_size=batch_size, constrained=True
+        model,
+        tokenizer,
+        records,
+        max_tokens=1024,
+        batch_size=batch_size,
+        constrained=True,
+        budget=8192,
     )
     for row, record in zip(held, records, strict=True):
-        _, uuids, _ = data.case_from_chat(record)
+        uuids = [m["uuid"] for m in data.shown(record["messages"])]
         answer = json.loads(row["output"])  # the whole text, no extraction needed
         assert row["extraction"] == "raw" and list(answer) == ["chunks"] and row["schema"] == 1.0
         assert 1 <= len(answer["chunks"]) <= len(uuids)
@@ -271,7 +460,7 @@ def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tm
     from mlxlab.config import EvalSettings
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
-    settings = EvalSettings(max_tokens=8, batch_size=2, constrained=True)
+    settings = EvalSettings(max_tokens=8, batch_size=2, constrained=True, max_prompt_tokens=8192)
     summary = ev.evaluate_model(model, tokenizer, records, settings, tmp_path / "res.jsonl", "tiny")
     held = tmp_path / "res.constrained.jsonl"
     assert summary["constrained"]["results"] == str(held) and summary["results"] == str(

@@ -1,66 +1,352 @@
-"""The chunk task's data: conversations stitched from real text with known topic boundaries.
+"""The chunk task's data: user/assistant conversations with known topic boundaries, the prompt
+format, and the windows a long conversation is read in.
 
-Source: the Python language reference topics that ship with CPython (`pydoc_data.topics`, the
-text `help("assert")` shows). Each topic has a title ('The "assert" statement') and paragraphs.
-A conversation takes a few topics, several consecutive paragraphs of each, and turns every
-paragraph into a message from a named sender with a uuid; the gold answer has one chunk per
-topic, labelled from its title. Topics are split between train/valid/test, so no topic seen in
-training appears in evaluation. Everything is deterministic for a seed.
+A conversation is what an exported chat looks like: a title, a uuid, and alternating `user` /
+`assistant` messages, each with its own uuid. The user's short questions steer it (ask about a
+thing, follow up, change the subject, now and then come back to an earlier one, say thanks); the
+assistant answers at length with real documentation text (mlxlab/data/chunk_topics.py: CPython's
+reference topics, the standard library's module docs, NumPy's docstrings; markdown lists and
+code). The gold answer has one chunk per stretch on one topic, labelled from that topic's own
+summary. Topics are split between train / valid / test, so nothing in evaluation was seen in
+training. The number of topics per conversation is skewed toward one or two (`topic_weights`),
+conversations run from 4 to `max_messages` messages, and everything is deterministic for a seed.
+
+Prompt (one user message, as the predecessor's chunk task): the instructions, then
+`Conversation: <title> (uuid: <conversation uuid>)`, a blank line, and each message as
+`[sender] (uuid: U)\\n<text>\\n`, joined with `\\n---\\n`; messages with empty text are skipped (and
+are not anchors). A conversation longer than the budget is read in `windows` of consecutive
+messages that overlap; training sees each window as its own example with the gold clipped to it,
+evaluation merges the windows' answers (mlxlab/eval/chunk.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
-import re
 import uuid
-from dataclasses import dataclass
+from collections import Counter
 from pathlib import Path
 
 from mlxlab.config import ChunkDataConfig
+from mlxlab.data.chunk_topics import Topic, load_topics
 from mlxlab.errors import UserError
 
-SYSTEM = (
-    "You segment conversations into topical chunks. Answer with JSON only: "
-    '{"chunks":[{"start_message_uuid":"...","end_message_uuid":"...","label":"..."}]}.'
-)
 INSTRUCTIONS = (
-    "Split the conversation below into contiguous chunks, one per topic, covering every "
-    "message in order. Give each chunk a short, specific label (2-12 words)."
+    "Split the conversation below into contiguous chunks, one per topic, covering every message "
+    "in order. Give each chunk a short, specific label (2-12 words) that says what it is about. "
+    'Answer with JSON only: {"chunks":[{"start_message_uuid":"...","end_message_uuid":"...",'
+    '"label":"..."}]}'
 )
-SENDERS = ["alice", "bob", "carol", "dave", "erin", "frank"]
+TRUNCATED = "\n[...]"
+
+# --- the prompt -------------------------------------------------------------------------------
 
 
-@dataclass
-class Topic:
-    key: str
-    label: str
-    paragraphs: list[str]
+def message_block(m: dict) -> str:
+    return f"[{m['sender']}] (uuid: {m['uuid']})\n{m['text']}\n"
 
 
-def load_topics() -> list[Topic]:
-    """The reference topics with at least three usable paragraphs, in a fixed order."""
-    from pydoc_data.topics import topics
+def shown(messages: list[dict]) -> list[dict]:
+    """The messages a prompt shows (and the only valid anchors): those with non-empty text."""
+    return [m for m in messages if isinstance(m.get("text"), str) and m["text"].strip()]
 
-    out = []
-    for key in sorted(topics):
-        text = topics[key].strip()
-        title, _, body = text.partition("\n")
-        label = " ".join(title.replace('"', "").split())
-        paragraphs = []
-        for p in re.split(r"\n\s*\n", body):
-            p = p.strip()
-            if not p or set(p) <= set("*=-"):
-                continue
-            p = " ".join(p.split()) if not p.startswith("   ") else p
-            paragraphs.append(p)
-        if len(paragraphs) >= 3 and 2 <= len(label.split()) <= 12:
-            out.append(Topic(key, label, paragraphs))
+
+def header(case: dict) -> str:
+    return f"Conversation: {case.get('name') or ''} (uuid: {case.get('uuid') or case.get('id')})"
+
+
+def prompt(case: dict, messages: list[dict] | None = None) -> str:
+    """The user message for `case` (or for one window of its messages)."""
+    msgs = shown(case["messages"] if messages is None else messages)
+    return f"{INSTRUCTIONS}\n\n{header(case)}\n\n" + "\n---\n".join(message_block(m) for m in msgs)
+
+
+def windows(costs: list[int], budget: int, overlap: int) -> list[tuple[int, int]]:
+    """[(first, last)] message index ranges that cover all messages in order, each costing at most
+    `budget` (a message over the budget alone is its own window; `fit` cuts its text); each after
+    the first reaches past the previous one's end and shares its last `overlap` messages (fewer
+    where they would not fit with the next one)."""
+    out, start, n = [], 0, len(costs)
+    while start < n:
+        end, total = start, costs[start]
+        while end + 1 < n and total + costs[end + 1] <= budget:
+            end += 1
+            total += costs[end]
+        out.append((start, end))
+        if end == n - 1:
+            break
+        # the next window reaches past this one's end, sharing up to `overlap` messages
+        start = max(end + 1 - overlap, start + 1)
+        while start <= end and sum(costs[start : end + 2]) > budget:
+            start += 1
     return out
 
 
-def split_topics(topics: list[Topic], seed: int, fractions=(0.7, 0.15)) -> dict[str, list[Topic]]:
-    order = topics[:]
+def fit(message: dict, cost, budget: int) -> dict:
+    """`message` with its text cut (marked `TRUNCATED`) until cost(message) <= budget."""
+    if cost(message) <= budget:
+        return message
+    text = message["text"]
+    lo, hi = 0, len(text)
+    while lo < hi:  # the longest prefix that fits
+        mid = (lo + hi + 1) // 2
+        if cost({**message, "text": text[:mid] + TRUNCATED}) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return {**message, "text": text[:lo] + TRUNCATED}
+
+
+def window_cases(case: dict, cost, budget: int, overlap: int) -> list[tuple[int, int, list[dict]]]:
+    """[(first, last, messages)] for the shown messages of `case`: the windows within `budget`
+    (cost(message) = its block's share of the prompt), over-long messages cut to fit."""
+    msgs = shown(case["messages"])
+    costs = [cost(m) for m in msgs]
+    return [
+        (a, b, [fit(m, cost, budget) for m in msgs[a : b + 1]])
+        for a, b in windows(costs, budget, overlap)
+    ]
+
+
+def clip(chunks: list[dict], uuids: list[str], first: int, last: int) -> list[dict]:
+    """The gold chunks restricted to messages first..last (indices into `uuids`)."""
+    index = {u: i for i, u in enumerate(uuids)}
+    out = []
+    for c in chunks:
+        s, e = index[c["start_message_uuid"]], index[c["end_message_uuid"]]
+        if e < first or s > last:
+            continue
+        out.append(
+            {
+                "start_message_uuid": uuids[max(s, first)],
+                "end_message_uuid": uuids[min(e, last)],
+                "label": c["label"],
+            }
+        )
+    return out
+
+
+# --- conversations ----------------------------------------------------------------------------
+
+OPENERS = {
+    "numpy": [
+        "How do I use `{name}`?",
+        "What does np.{short} do?",
+        "Is there a NumPy function to {task}?",
+        "Can you explain {name} with an example?",
+        "quick q: how does np.{short} work",
+        "I keep seeing `{short}` in numpy code. What is it for?",
+        "I'm trying to {task} with numpy arrays. How?",
+    ],
+    "module": [
+        "How do I use the `{name}` module?",
+        "What is Python's {name} module for?",
+        "Can you give me an overview of `{name}`?",
+        "I need something for this: {task}. Does the standard library have it?",
+        "explain the {name} module please",
+        "When would I reach for `{name}`?",
+    ],
+    "ref": [
+        "Can you explain {name} in Python?",
+        "How does {name} work?",
+        "I'm confused about {name}. Can you walk me through it?",
+        "What are the rules for {name}?",
+        "python question: {name}, how does it work?",
+    ],
+}
+FOLLOW = {
+    "Parameters": [
+        "What parameters does it take?",
+        "What are the arguments?",
+        "which args does it accept?",
+    ],
+    "Returns": ["What does it return?", "And the return value?", "what comes back from it?"],
+    "Examples": ["Can you show some examples?", "Example please?", "Could you show it in code?"],
+    "Notes": ["Any caveats I should know about?", "Anything subtle about it?", "Any notes on it?"],
+    "See Also": ["What related functions are there?", "What else is similar?"],
+    "": [
+        "Go on.",
+        "What else should I know?",
+        "Can you give more detail?",
+        "And then?",
+        "Interesting, tell me more.",
+        "ok. continue",
+        "What about edge cases?",
+    ],
+    "member": [
+        "What about `{member}`?",
+        "And how do I use {member}?",
+        "Can you show me {member}?",
+        "What does `{member}` do exactly?",
+        "ok, and {short}?",
+    ],
+    "other": ["Tell me about the {heading} part.", "What about {heading}?"],
+}
+SWITCH = [
+    "Thanks! Different question: ",
+    "Switching topics. ",
+    "Unrelated, but ",
+    "ok, another thing. ",
+    "Got it. Now something else: ",
+    "Thanks. New question: ",
+]
+RETURN = ["Going back to {name}: ", "Back to {name} for a second. ", "One more on {name}. "]
+PREFACE = ["", "", "Sure.\n\n", "Good question.\n\n", "Here is how it works.\n\n", "Yes.\n\n"]
+THANKS = [
+    ("thanks, that helps", "You're welcome! Let me know if anything else comes up."),
+    ("Perfect, thank you!", "Glad it helped."),
+    ("great, got it", "Happy to help. Good luck with it!"),
+]
+
+
+def label(topic: Topic) -> str:
+    """The gold label: the topic's subject and its own one-line summary, at most 12 words."""
+    if topic.kind == "ref":
+        text = f"{topic.name[0].upper()}{topic.name[1:]} in Python"
+    elif topic.kind == "numpy":
+        text = f"NumPy {topic.name.split('.', 1)[1]}: {topic.summary}"
+    else:
+        text = f"Python {topic.name} module: {topic.summary}"
+    return " ".join(text.split()[:12])
+
+
+def title(topic: Topic, rng: random.Random) -> str:
+    """A conversation title like an exported chat's (sometimes empty)."""
+    if rng.random() < 0.1:
+        return ""
+    short = topic.name.split(".")[-1] if topic.kind == "numpy" else topic.name
+    options = [
+        f"{short} question",
+        f"Help with {short}",
+        " ".join(topic.summary.split()[:6]),
+        f"Using {short}",
+    ]
+    return rng.choice(options)
+
+
+def _task(topic: Topic) -> str:
+    s = topic.summary
+    return s[0].lower() + s[1:] if s else topic.name
+
+
+def _question(topic: Topic, section, rng: random.Random, opener: bool) -> str:
+    short = topic.name.rsplit(".", 1)[-1]
+    if opener:
+        return rng.choice(OPENERS[topic.kind]).format(
+            name=topic.name, short=short, task=_task(topic)
+        )
+    subject = section.subject
+    if topic.kind == "module" and subject:
+        member = subject
+        return rng.choice(FOLLOW["member"]).format(member=member, short=member.rsplit(".", 1)[-1])
+    if subject in FOLLOW:
+        return rng.choice(FOLLOW[subject])
+    return rng.choice(FOLLOW["other"]).format(heading=subject.lower())
+
+
+def _answer(topic: Topic, sections, rng: random.Random) -> str:
+    """Markdown: a preface, then each section (numpy's under its heading in bold)."""
+    parts = [
+        f"**{s.subject}**\n\n{s.text}" if topic.kind == "numpy" and s.subject in FOLLOW else s.text
+        for s in sections
+    ]
+    return rng.choice(PREFACE) + "\n\n".join(parts)
+
+
+def _pairs_count(rng: random.Random, cfg: ChunkDataConfig) -> int:
+    """User/assistant pairs in one conversation: log-normal around `median_pairs`, within
+    2 .. max_messages / 2."""
+    n = round(math.exp(rng.gauss(math.log(cfg.median_pairs), 0.75)))
+    return max(2, min(cfg.max_messages // 2, n))
+
+
+def _mid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def make_conversation(
+    topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig, cid: str
+) -> dict:
+    """One case: {id, name, uuid, messages: [{uuid, sender, text}], chunks (gold), topics}."""
+    k = rng.choices(range(1, len(cfg.topic_weights) + 1), weights=cfg.topic_weights)[0]
+    kinds = sorted({t.kind for t in topics})
+    chosen = []
+    while len(chosen) < min(k, len(topics)):
+        kind = rng.choice(kinds)
+        pool = [t for t in topics if t.kind == kind and t not in chosen]
+        if pool:
+            chosen.append(rng.choice(pool))
+    pairs = max(_pairs_count(rng, cfg), len(chosen))
+    # pairs per topic: at least one each, the rest spread at random, capped by what it can say
+    share = [1] * len(chosen)
+    for _ in range(pairs - len(chosen)):
+        share[rng.randrange(len(chosen))] += 1
+    cursor = [0] * len(chosen)  # next section of each topic
+    plan = []  # (topic index, pairs) stretches in conversation order
+    for i, n in enumerate(share):
+        if len(chosen) > 1 and i > 0 and n >= 2 and rng.random() < cfg.return_rate:
+            first = rng.randint(1, n - 1)
+            plan.append((i, first))
+            back = rng.randrange(i)
+            plan.append((back, n - first))  # come back to an earlier topic for the rest
+        else:
+            plan.append((i, n))
+    # merge adjacent stretches of the same topic (a return right after itself is no return)
+    merged = []
+    for i, n in plan:
+        if merged and merged[-1][0] == i:
+            merged[-1] = (i, merged[-1][1] + n)
+        else:
+            merged.append((i, n))
+    messages, chunks = [], []
+    for at, (i, n) in enumerate(merged):
+        topic = chosen[i]
+        ids = []
+        for p in range(n):
+            if cursor[i] >= len(topic.sections):
+                break
+            opener = cursor[i] == 0
+            take = rng.choice((1, 2, 2, 3))
+            secs = topic.sections[cursor[i] : cursor[i] + take]
+            q = _question(topic, secs[0], rng, opener)
+            if p == 0 and at > 0:
+                if not opener:
+                    q = rng.choice(RETURN).format(name=topic.name) + q
+                elif rng.random() >= cfg.subtle_rate:
+                    q = rng.choice(SWITCH) + q
+            cursor[i] += take
+            for sender, text in (("user", q), ("assistant", _answer(topic, secs, rng))):
+                mid = _mid(rng)
+                messages.append(
+                    {"uuid": mid, "sender": sender, "text": text[: cfg.max_message_chars]}
+                )
+                ids.append(mid)
+        if ids:
+            chunks.append(
+                {"start_message_uuid": ids[0], "end_message_uuid": ids[-1], "label": label(topic)}
+            )
+    if len(messages) < 4:  # a one-pair conversation: add a short exchange on the same topic
+        for sender, text in zip(("user", "assistant"), rng.choice(THANKS), strict=True):
+            messages.append({"uuid": _mid(rng), "sender": sender, "text": text})
+        chunks[-1]["end_message_uuid"] = messages[-1]["uuid"]
+    elif rng.random() < cfg.thanks_rate and len(messages) + 2 <= cfg.max_messages:
+        for sender, text in zip(("user", "assistant"), rng.choice(THANKS), strict=True):
+            messages.append({"uuid": _mid(rng), "sender": sender, "text": text})
+        chunks[-1]["end_message_uuid"] = messages[-1]["uuid"]
+    return {
+        "id": cid,
+        "name": title(chosen[0], rng),
+        "uuid": _mid(rng),
+        "messages": messages,
+        "chunks": chunks,
+        "topics": [t.key for t in chosen],
+    }
+
+
+def split_topics(topics, seed: int, fractions=(0.7, 0.1)) -> dict[str, list[Topic]]:
+    """Topics shuffled once for `seed` and cut into train / valid / test (disjoint)."""
+    order = list(topics)
     random.Random(seed).shuffle(order)
     n_train = int(len(order) * fractions[0])
     n_valid = int(len(order) * fractions[1])
@@ -71,71 +357,124 @@ def split_topics(topics: list[Topic], seed: int, fractions=(0.7, 0.15)) -> dict[
     }
 
 
-def make_conversation(topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig) -> dict:
-    """One example: messages, the rendered conversation, and the gold chunks."""
-    chosen = rng.sample(topics, rng.randint(cfg.min_topics, min(cfg.max_topics, len(topics))))
-    messages, chunks = [], []
-    for topic in chosen:
-        n = rng.randint(
-            min(cfg.min_messages, len(topic.paragraphs)),
-            min(cfg.max_messages, len(topic.paragraphs)),
-        )
-        start = rng.randint(0, len(topic.paragraphs) - n)
-        ids = []
-        for text in topic.paragraphs[start : start + n]:
-            mid = str(uuid.UUID(int=rng.getrandbits(128), version=4))
-            messages.append(
-                {
-                    "sender": rng.choice(SENDERS),
-                    "uuid": mid,
-                    "text": text[: cfg.max_paragraph_chars],
-                }
-            )
-            ids.append(mid)
-        chunks.append(
-            {"start_message_uuid": ids[0], "end_message_uuid": ids[-1], "label": topic.label}
-        )
-    return {"messages": messages, "chunks": chunks}
-
-
-def render(messages: list[dict]) -> str:
-    return "\n---\n".join(f"[{m['sender']}] (uuid: {m['uuid']})\n{m['text']}" for m in messages)
-
-
-def to_chat(example: dict) -> dict:
-    return {
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{INSTRUCTIONS}\n\n{render(example['messages'])}"},
-            {"role": "assistant", "content": json.dumps({"chunks": example["chunks"]})},
-        ]
-    }
-
-
 def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
-    """{split: [example, ...]}; every rendered conversation stays under `cfg.max_chars`."""
+    """{split: [case, ...]} (cases as `make_conversation` returns them)."""
     cfg = cfg or ChunkDataConfig()
     parts = split_topics(load_topics(), cfg.seed)
     out = {}
     for split in ("train", "valid", "test"):
         rng = random.Random(f"{cfg.seed}-{split}")
-        rows, tries = [], 0
-        while len(rows) < getattr(cfg, split):
-            ex = make_conversation(parts[split], rng, cfg)
-            tries += 1
-            if len(render(ex["messages"])) <= cfg.max_chars:
-                rows.append(ex)
-            elif tries > 100 * getattr(cfg, split) + 1000:
-                raise UserError(
-                    f"max_chars={cfg.max_chars} is too small: almost no {split} "
-                    "conversation fits; raise it or lower max_topics/max_messages"
-                )
-        out[split] = rows
+        out[split] = [
+            make_conversation(parts[split], rng, cfg, f"{split}-{i:04d}")
+            for i in range(getattr(cfg, split))
+        ]
     return out
 
 
-def write_jsonl(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
-    """Write train/valid/test.jsonl (chat format, what `train` reads) and build.json under `out_dir`."""
+def chat(case: dict, messages: list[dict] | None = None, chunks: list[dict] | None = None):
+    """A chat-format training example: the prompt (for a window: its messages) and the gold."""
+    gold = case["chunks"] if chunks is None else chunks
+    return {
+        "messages": [
+            {"role": "user", "content": prompt(case, messages)},
+            {"role": "assistant", "content": json.dumps({"chunks": gold})},
+        ]
+    }
+
+
+def char_cost(m: dict) -> int:
+    return len(message_block(m)) + 5
+
+
+def training_examples(case: dict, cfg: ChunkDataConfig) -> list[dict]:
+    """The chat examples of one case: the whole conversation when it fits `window_chars`, else
+    one example per window (gold clipped to it), the windows evaluation reads it in."""
+    uuids = [m["uuid"] for m in shown(case["messages"])]
+    return [
+        chat(case, msgs, clip(case["chunks"], uuids, a, b))
+        for a, b, msgs in window_cases(case, char_cost, cfg.window_chars, cfg.window_overlap)
+    ]
+
+
+BINS = {
+    "messages": (4, 10, 20, 40, 76),
+    "chunks": (1, 2, 3, 4, 6, 100),
+    "length": (0, 1000, 2000, 4000, 8000, 16000, 32000, 10**9),
+}
+
+
+def histogram(values, edges) -> list[tuple[str, int]]:
+    """[(bin, count)] of `values` over `edges` (bins [a, b))."""
+    counts = Counter()
+    for v in values:
+        for a, b in zip(edges, edges[1:], strict=False):
+            if a <= v < b:
+                counts[(a, b)] += 1
+                break
+    out = []
+    for a, b in zip(edges, edges[1:], strict=False):
+        name = f"{a}" if b == a + 1 else (f">= {a}" if b >= 10**8 else f"{a}-{b - 1}")
+        out.append((name, counts[(a, b)]))
+    return out
+
+
+def stats(cases: list[dict], length=None, unit: str = "chars") -> dict:
+    """Histograms of a split: messages, gold chunks and length (`length(case)`, default the
+    prompt's characters) per conversation, with medians."""
+    length = length or (lambda c: len(prompt(c)))
+    lens = sorted(length(c) for c in cases)
+    msgs = sorted(len(shown(c["messages"])) for c in cases)
+    return {
+        "cases": len(cases),
+        "unit": unit,
+        "median_length": lens[len(lens) // 2] if lens else 0,
+        "max_length": lens[-1] if lens else 0,
+        "median_messages": msgs[len(msgs) // 2] if msgs else 0,
+        "single_chunk_share": sum(len(c["chunks"]) == 1 for c in cases) / max(len(cases), 1),
+        "messages": histogram(msgs, BINS["messages"]),
+        "chunks": histogram([len(c["chunks"]) for c in cases], BINS["chunks"]),
+        "length": histogram(lens, BINS["length"]),
+    }
+
+
+def stats_markdown(per_split: dict[str, dict]) -> str:
+    """The histograms as markdown tables, one column per split."""
+    splits = list(per_split)
+    unit = next(iter(per_split.values()))["unit"] if per_split else "chars"
+    lines = []
+    for key, title_ in (
+        ("chunks", "gold chunks per conversation"),
+        ("messages", "messages per conversation"),
+        ("length", f"prompt length ({unit})"),
+    ):
+        lines += [f"| {title_} | " + " | ".join(splits) + " |", "|---" * (len(splits) + 1) + "|"]
+        names = [name for name, _ in per_split[splits[0]][key]]
+        for j, name in enumerate(names):
+            lines.append(
+                f"| {name} | " + " | ".join(str(per_split[s][key][j][1]) for s in splits) + " |"
+            )
+        lines.append("")
+    lines.append(
+        "| | "
+        + " | ".join(splits)
+        + " |\n|---"
+        + "|---" * len(splits)
+        + "|\n| median length | "
+        + " | ".join(str(per_split[s]["median_length"]) for s in splits)
+        + " |\n| longest | "
+        + " | ".join(str(per_split[s]["max_length"]) for s in splits)
+        + " |\n| single-chunk share | "
+        + " | ".join(f"{per_split[s]['single_chunk_share']:.2f}" for s in splits)
+        + " |"
+    )
+    return "\n".join(lines)
+
+
+def write_dataset(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
+    """Write, atomically, under `out_dir`: <split>.cases.json (whole conversations with gold, what
+    `eval chunk` reads), <split>.jsonl (chat format, what `train` reads; long conversations as
+    windows) and build.json (the settings, the topic keys per split, the histograms)."""
+    import platform
     from dataclasses import asdict
 
     from mlxlab.fsutil import atomic_dir
@@ -143,20 +482,73 @@ def write_jsonl(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
     cfg = cfg or ChunkDataConfig()
 
     def write(tmp: Path) -> None:
-        for split, rows in build(cfg).items():
+        data = build(cfg)
+        per_split = {}
+        for split, cases in data.items():
+            (tmp / f"{split}.cases.json").write_text(json.dumps(cases, indent=1) + "\n")
             with (tmp / f"{split}.jsonl").open("w") as f:
-                for row in rows:
-                    f.write(json.dumps(to_chat(row)) + "\n")
+                for case in cases:
+                    for ex in training_examples(case, cfg):
+                        f.write(json.dumps(ex) + "\n")
+            per_split[split] = stats(cases)
         (tmp / "build.json").write_text(
-            json.dumps({"task": "chunk", **asdict(cfg)}, indent=1) + "\n"
+            json.dumps(
+                {
+                    "task": "chunk",
+                    **asdict(cfg),
+                    "python": platform.python_version(),
+                    "stats": per_split,
+                },
+                indent=1,
+            )
+            + "\n"
         )
 
     return atomic_dir(Path(out_dir), write)
 
 
-def case_from_chat(record: dict) -> tuple[list[dict], list[str], list[dict]]:
-    """(prompt messages, message uuids in order, gold chunks) of one chat-format example."""
-    messages = record["messages"]
-    uuids = re.findall(r"\(uuid: ([0-9a-f-]+)\)", messages[1]["content"])
-    gold = json.loads(messages[-1]["content"])["chunks"]
-    return messages[:-1], uuids, gold
+def read_cases(path) -> list[dict]:
+    """Cases from a JSON file `[{id, name, messages: [{uuid, sender, text}], chunks?}]` (or a
+    dataset directory's test.cases.json), checked with `file: case N: what` errors."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(data, dict) and isinstance(data.get("cases"), list):
+        data = data["cases"]
+    if not isinstance(data, list) or not data:
+        raise UserError(f"{path}: expected a non-empty JSON list of cases")
+    for i, case in enumerate(data):
+        where = f"{path}: case {i}"
+        if not isinstance(case, dict):
+            raise UserError(f"{where}: not an object")
+        msgs = case.get("messages")
+        if not isinstance(msgs, list):
+            raise UserError(f"{where}: no messages list")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("uuid"), str) or not m["uuid"]:
+                raise UserError(f"{where}: message {j} has no uuid string")
+            if not isinstance(m.get("sender", ""), str) or not isinstance(m.get("text", ""), str):
+                raise UserError(f"{where}: message {j}: sender and text must be strings")
+            m.setdefault("sender", "user")
+            m.setdefault("text", "")
+        if not shown(msgs):
+            raise UserError(f"{where}: no message has text")
+        uuids = [m["uuid"] for m in shown(msgs)]
+        if len(set(uuids)) != len(uuids):
+            raise UserError(f"{where}: duplicate message uuids")
+        case.setdefault("id", str(i))
+        gold = case.get("chunks")
+        if gold is not None:
+            ok = isinstance(gold, list) and all(
+                isinstance(c, dict)
+                and c.get("start_message_uuid") in uuids
+                and c.get("end_message_uuid") in uuids
+                for c in gold
+            )
+            if not ok:
+                raise UserError(f"{where}: gold chunks must name uuids of its shown messages")
+    return data

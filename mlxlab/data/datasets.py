@@ -199,7 +199,7 @@ def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
         )
     if truncated:
         log.warning(
-            f"warning: {truncated} of {len(examples)} examples in {path} were truncated to "
+            f"warning: {truncated} of {i + 1} examples in {path} were truncated to "
             f"max_seq_length={cfg.max_seq_length}"
         )
     if dropped:

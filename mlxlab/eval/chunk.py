@@ -259,6 +259,8 @@ class RefScore:
     nonempty: float
     repairs: int
     notes: list[str]
+    spans: list[tuple[int, int]] | None = None  # per chunk, after validation (None: it failed)
+    labels_text: list = field(default_factory=list)  # each chunk's label value
 
 
 def score_ref(text: str, uuids: list[str], conversation_uuid: str | None = None) -> RefScore:
@@ -281,7 +283,8 @@ def score_ref(text: str, uuids: list[str], conversation_uuid: str | None = None)
     spans, repairs, notes = validate_ref(chunks, uuids, conversation_uuid)
     anchors = 0.0 if spans is None else max(0.0, 1 - repairs / (2 * n))
     total = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20)
-    return RefScore(total, schema, anchors, labels, 1.0, repairs, notes)
+    texts = [c.get("label") if isinstance(c, dict) else None for c in chunks]
+    return RefScore(total, schema, anchors, labels, 1.0, repairs, notes, spans, texts)
 
 
 @dataclass
@@ -291,13 +294,14 @@ class CaseScore:
     anchors: float
     labels: float
     nonempty: float
-    boundary_f1: float
-    exact_match: float
+    boundary_f1: float | None  # None without gold
+    exact_match: float | None
     extraction: str
     repairs: int
     notes: list[str]
     ref: float = 0.0  # the reference scorer's total (score_ref)
     ref_notes: list[str] = field(default_factory=list)
+    label_f1: float | None = None  # predicted vs gold label words (`label_f1`); None without gold
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -307,13 +311,49 @@ def boundaries(spans: list[tuple[int, int]]) -> set[int]:
     return {s for s, _ in spans if s > 0}
 
 
+def _label_words(text) -> list[str]:
+    return re.findall(r"[a-z0-9_]+", text.lower()) if isinstance(text, str) else []
+
+
+def token_f1(pred, gold) -> float:
+    """Word-overlap F1 of two labels (lower-cased alphanumeric words, as a bag)."""
+    from collections import Counter
+
+    p, g = Counter(_label_words(pred)), Counter(_label_words(gold))
+    common = sum((p & g).values())
+    if not common:
+        return 0.0
+    precision, recall = common / sum(p.values()), common / sum(g.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+def label_f1(ref: RefScore, gold_spans: list[tuple[int, int]], gold_labels: list[str]) -> float:
+    """Mean over gold chunks of `token_f1` against the label of the predicted chunk that overlaps
+    it most (0 where none does, or the answer did not validate)."""
+    if not gold_spans:
+        return 0.0
+    spans = ref.spans or []
+    total = 0.0
+    for (gs, ge), glabel in zip(gold_spans, gold_labels, strict=True):
+        best, best_overlap = None, 0
+        for k, (ps, pe) in enumerate(spans):
+            overlap = min(ge, pe) - max(gs, ps) + 1
+            if overlap > best_overlap:
+                best, best_overlap = k, overlap
+        if best is not None:
+            total += token_f1(ref.labels_text[best], glabel)
+    return total / len(gold_spans)
+
+
 def score_case(
-    text: str, uuids: list[str], gold: list[dict], conversation_uuid: str | None = None
+    text: str, uuids: list[str], gold: list[dict] | None, conversation_uuid: str | None = None
 ) -> CaseScore:
-    """The strict score and the accuracy against `gold`, with the reference score beside."""
+    """The strict score and, with `gold`, the accuracy against it, with the reference score
+    beside; without gold (a user's own conversations) the accuracy fields are None."""
     ref = score_ref(text, uuids, conversation_uuid)
     obj, method = extract_json(text)
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
+    no_gold = None if gold is None else 0.0
     if not isinstance(chunks, list):
         return CaseScore(
             0.0,
@@ -321,13 +361,14 @@ def score_case(
             0.0,
             0.0,
             0.0,
-            0.0,
-            0.0,
+            no_gold,
+            no_gold,
             method,
             0,
             ["no chunks list found"],
             ref.ref,
             ref.notes,
+            no_gold,
         )
     n = len(chunks)
     schema = schema_share(chunks) if n else 0.0
@@ -338,21 +379,26 @@ def score_case(
     )
     nonempty = 1.0 if n else 0.0
     wf = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20 * nonempty)
-
-    index = {u: i for i, u in enumerate(uuids)}
-    gold_spans = sorted(
-        (index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in gold
-    )
-    pred_spans = v.spans or []
-    gb, pb = boundaries(gold_spans), boundaries(pred_spans)
-    if not gb and not pb:
-        f1 = 1.0 if pred_spans else 0.0
-    else:
-        tp = len(gb & pb)
-        p = tp / len(pb) if pb else 0.0
-        r = tp / len(gb) if gb else 0.0
-        f1 = 2 * p * r / (p + r) if p + r else 0.0
-    exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
+    f1 = exact = lf1 = None
+    if gold is not None:
+        index = {u: i for i, u in enumerate(uuids)}
+        ordered = sorted(
+            gold, key=lambda g: (index[g["start_message_uuid"]], index[g["end_message_uuid"]])
+        )
+        gold_spans = [
+            (index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in ordered
+        ]
+        pred_spans = v.spans or []
+        gb, pb = boundaries(gold_spans), boundaries(pred_spans)
+        if not gb and not pb:
+            f1 = 1.0 if pred_spans else 0.0
+        else:
+            tp = len(gb & pb)
+            p = tp / len(pb) if pb else 0.0
+            r = tp / len(gb) if gb else 0.0
+            f1 = 2 * p * r / (p + r) if p + r else 0.0
+        exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
+        lf1 = label_f1(ref, gold_spans, [g["label"] for g in ordered])
     return CaseScore(
         wf,
         schema,
@@ -366,6 +412,7 @@ def score_case(
         v.notes,
         ref.ref,
         ref.notes,
+        lf1,
     )
 
 
@@ -378,31 +425,37 @@ METRICS = (
     "nonempty",
     "boundary_f1",
     "exact_match",
+    "label_f1",
+    "memorized_labels",
+    "window_ref",
 )
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Means of the per-case metrics (rows as `evaluate` returns them)."""
-    n = max(len(rows), 1)
+    """Means of the per-case metrics (rows as `evaluate` returns them); a metric no row has (or
+    that is None, as the accuracy without gold) is left out; `window_ref` is the mean over the
+    cases read in more than one window."""
     out = {"cases": len(rows)}
     for k in METRICS:
-        if k == "ref" and any(k not in r for r in rows):
-            continue  # results written before the reference scorer existed
-        out[k] = sum(r[k] for r in rows) / n
+        values = [r[k] for r in rows if r.get(k) is not None]
+        if values:
+            out[k] = sum(values) / len(values)
+    out["windowed_cases"] = sum(r.get("windows", 1) > 1 for r in rows)
     return out
 
 
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def table(summaries: dict[str, dict]) -> str:
     """A markdown table, one row per evaluated model; a summary's "constrained" entry (the same
     model decoded under the answer schema) is the row below it, "<name>, constrained"."""
     head = (
-        "| model | cases | ref | strict | boundary F1 | exact chunks | schema | anchors | labels |"
+        "| model | cases | ref | strict | boundary F1 | exact chunks | label F1 | memorized "
+        "labels | schema | anchors | labels |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 11]
     rows = []
     for name, s in summaries.items():
         rows.append((name, s))
@@ -411,25 +464,46 @@ def table(summaries: dict[str, dict]) -> str:
     for name, s in rows:
         lines.append(
             f"| {name} | {s['cases']} | {_fmt(s.get('ref'))} | {s['wellformed']:.1f} | "
-            f"{s['boundary_f1']:.3f} | "
-            f"{s['exact_match']:.3f} | {s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |"
+            f"{_fmt(s.get('boundary_f1'), 3)} | {_fmt(s.get('exact_match'), 3)} | "
+            f"{_fmt(s.get('label_f1'), 3)} | {_fmt(s.get('memorized_labels'), 3)} | "
+            f"{s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |"
         )
     return "\n".join(lines)
 
 
-def read_split(data_dir, settings) -> list[dict]:
-    """The records of `settings.split` (the first `settings.cases` when set)."""
-    from pathlib import Path
-
+def read_split(data, settings) -> list[dict]:
+    """The cases to evaluate: `data` a JSON file of cases (mlxlab/data/chunk.py `read_cases`), or
+    a dataset directory and its `<settings.split>.cases.json`; the first `settings.cases` when
+    set."""
+    from mlxlab.data.chunk import read_cases
     from mlxlab.errors import UserError
 
-    path = Path(data_dir) / f"{settings.split}.jsonl"
+    path = Path(data)
+    if path.is_dir():
+        path = path / f"{settings.split}.cases.json"
+        if not path.is_file():
+            raise UserError(
+                f"no {path.name} in {data} (build the dataset: python -m mlxlab data chunk "
+                "out=DIR; or pass data=FILE.json, a JSON list of cases)"
+            )
+    elif not path.is_file():
+        raise UserError(f"data={data}: no such file or directory")
+    cases = read_cases(path)
+    return cases[: settings.cases] if settings.cases else cases
+
+
+def training_labels(data) -> set[str] | None:
+    """The gold labels of a dataset directory's train split (normalised), for the memorized-label
+    share; None when `data` is not a dataset directory with one."""
+    path = Path(data) / "train.cases.json"
     if not path.is_file():
-        raise UserError(
-            f"no {settings.split}.jsonl in {data_dir} (build one: python -m mlxlab data chunk)"
-        )
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records[: settings.cases] if settings.cases else records
+        return None
+    cases = json.loads(path.read_text())
+    return {_norm_label(c["label"]) for case in cases for c in case.get("chunks", [])}
+
+
+def _norm_label(text) -> str:
+    return " ".join(text.lower().split()) if isinstance(text, str) else ""
 
 
 LABEL_CHARS = 80  # a label's most characters under the schema (gold titles are 2-12 words)
@@ -541,31 +615,131 @@ def generate_all(
     return texts
 
 
+def max_prompt_tokens(model, settings) -> int:
+    """The window budget: `settings.max_prompt_tokens`, or when 0 what the model's context leaves
+    after the answer, at most `AUTO_PROMPT_TOKENS`."""
+    if getattr(settings, "max_prompt_tokens", 0):
+        return settings.max_prompt_tokens
+    args = getattr(model, "args", None)
+    context = int(getattr(args, "max_position_embeddings", 0) or 0) or AUTO_PROMPT_TOKENS
+    return max(256, min(context - settings.max_tokens, AUTO_PROMPT_TOKENS))
+
+
+AUTO_PROMPT_TOKENS = 8192  # the default budget's cap: prefill time and memory grow past it
+
+
+@dataclass
+class Window:
+    case: int
+    first: int  # index of its first message among the case's shown messages
+    last: int
+    uuids: list[str]
+    prompt: list[int]
+
+
+def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> list[Window]:
+    """Each case as one prompt if it fits `budget` tokens, else as overlapping windows of
+    consecutive messages (mlxlab/data/chunk.py `window_cases`), each within the budget."""
+    from mlxlab.data import chunk as data
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+
+    out = []
+    for i, case in enumerate(cases):
+        whole = encode(data.prompt(case))
+        if len(whole) <= budget:
+            msgs = data.shown(case["messages"])
+            out.append(Window(i, 0, len(msgs) - 1, [m["uuid"] for m in msgs], whole))
+            continue
+        room = budget - len(encode(data.prompt(case, [])))
+
+        def cost(m: dict) -> int:
+            return len(
+                tokenizer.encode(data.message_block(m) + "\n---\n", add_special_tokens=False)
+            )
+
+        for a, b, msgs in data.window_cases(case, cost, max(room, 16), overlap):
+            out.append(Window(i, a, b, [m["uuid"] for m in msgs], encode(data.prompt(case, msgs))))
+    return out
+
+
+def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
+    """(chunk starts, label per start, failed windows): one cover of messages 0..n_messages-1
+    from the windows' answers. Each window owns the messages from the middle of its overlap with
+    the one before (the earlier window keeps the first half, rounded up, so every owned message
+    has one message of context before it) to the middle of its overlap with the one after; the
+    chunk starts a window's answer (validated as `score_ref` does) puts inside what it owns are
+    the merged boundaries, with its labels (without overlap, a chunk starting with the window is
+    a new one only under a different label). A window whose answer does not parse or validate owns one chunk labelled
+    None (not a string: the merged answer's schema and labels scores count it against the case),
+    and the window after it starts a chunk where it takes over. Message 0 always starts one."""
+    cuts = [0]
+    for prev, cur in zip(windows, windows[1:], strict=False):
+        cuts.append(min(max((cur.first + prev.last + 2) // 2, cur.first), prev.last + 1))
+    cuts.append(n_messages)
+    labels: dict[int, str | None] = {}
+    failed, prev_failed = 0, False
+    for k, (w, text) in enumerate(zip(windows, texts, strict=True)):
+        if cuts[k] >= cuts[k + 1]:
+            continue  # owns nothing
+        r = score_ref(text, w.uuids, conversation_uuid)
+        if not r.spans:
+            failed += 1
+            labels[cuts[k]] = None
+            prev_failed = True
+            continue
+        spans = sorted(
+            ((s + w.first, e + w.first), lab if isinstance(lab, str) else None)
+            for (s, e), lab in zip(r.spans, r.labels_text, strict=True)
+        )
+        covering = [lab for (s, e), lab in spans if s <= cuts[k] <= e]
+        if cuts[k] not in [s for (s, _), _ in spans] and (prev_failed or k == 0):
+            labels[cuts[k]] = covering[0] if covering else spans[0][1]
+        for (s, _), lab in spans:
+            if not cuts[k] <= s < cuts[k + 1] or s in labels:
+                continue
+            if k and s == w.first and not prev_failed:
+                # no overlap with the window before: a chunk that starts with the window is a
+                # new one only if its label differs from the chunk it would continue
+                before = labels[max(x for x in labels if x < s)]
+                if _norm_label(lab) == _norm_label(before):
+                    continue
+            labels[s] = lab
+        prev_failed = False
+    starts = sorted(labels)
+    return starts, labels, failed
+
+
 def evaluate(
     model,
     tokenizer,
-    records: list[dict],
+    cases: list[dict],
     max_tokens: int = 256,
     batch_size: int = 8,
     progress=None,
     constrained: bool = False,
+    budget: int = AUTO_PROMPT_TOKENS,
+    overlap: int = 2,
+    train_labels: set[str] | None = None,
 ) -> list[dict]:
-    """Greedy-decode each chat record's prompt (model in eval mode) and score it; one dict per case.
-    `constrained` decodes each case under its `answer_schema`."""
-    from mlxlab.data.chunk import case_from_chat
+    """Greedy-decode each case (model in eval mode; a case longer than `budget` prompt tokens in
+    windows, their answers merged by `merge_windows`) and score it; one dict per case.
+    `constrained` decodes each window under its `answer_schema`; `train_labels` (normalised
+    training-set labels) adds the share of predicted labels that are one of them."""
+    from mlxlab.data.chunk import shown
 
-    cases = [case_from_chat(r) for r in records]
-    prompts = [
-        tokenizer.apply_chat_template(msgs, add_generation_prompt=True) for msgs, _, _ in cases
-    ]
+    windows = plan_windows(cases, tokenizer, budget, overlap)
     processors = None
     if constrained:
         from mlxlab import grammar
 
         width = n_vocab(model, tokenizer)
         grammars = [
-            grammar.json_schema(answer_schema(uuids), f"case {i} answer schema")
-            for i, (_, uuids, _) in enumerate(cases)
+            grammar.json_schema(answer_schema(w.uuids), f"case {w.case} answer schema")
+            for w in windows
         ]
 
         def processors(i):
@@ -575,19 +749,62 @@ def evaluate(
     model.eval()
     try:
         texts = generate_all(
-            model, tokenizer, prompts, max_tokens, batch_size, progress, processors
+            model,
+            tokenizer,
+            [w.prompt for w in windows],
+            max_tokens,
+            batch_size,
+            progress,
+            processors,
         )
     finally:
         model.train(was_training)
-    return [
-        {
-            "case": i,
-            "output": text,
-            "prompt_tokens": len(p),
-            **score_case(text, uuids, gold).to_dict(),
-        }
-        for i, (text, p, (_, uuids, gold)) in enumerate(zip(texts, prompts, cases, strict=True))
-    ]
+    rows = []
+    for i, case in enumerate(cases):
+        mine = [k for k, w in enumerate(windows) if w.case == i]
+        uuids = [m["uuid"] for m in shown(case["messages"])]
+        conv = case.get("uuid")
+        row = {"case": i, "id": case.get("id", str(i)), "windows": len(mine)}
+        ws, wt = [windows[k] for k in mine], [texts[k] for k in mine]
+        points, labels, failed = (
+            merge_windows(ws, wt, len(uuids), conv) if len(mine) > 1 else ([], {}, 0)
+        )
+        if len(mine) == 1 or failed == len(mine):
+            text = wt[0]  # one prompt, or no window answered: the first answer as it is
+        else:
+            ends = [*points[1:], len(uuids)]
+            text = json.dumps(
+                {
+                    "chunks": [
+                        {
+                            "start_message_uuid": uuids[s],
+                            "end_message_uuid": uuids[e - 1],
+                            "label": labels[s],
+                        }
+                        for s, e in zip(points, ends, strict=True)
+                    ]
+                }
+            )
+        if len(mine) > 1:
+            row["window_failures"] = failed
+            row["window_outputs"] = wt
+            row["window_ref"] = sum(
+                score_ref(t, w.uuids, conv).ref for w, t in zip(ws, wt, strict=True)
+            ) / len(ws)
+        row["output"] = text
+        row["prompt_tokens"] = sum(len(windows[k].prompt) for k in mine)
+        row.update(score_case(text, uuids, case.get("chunks"), conv).to_dict())
+        if train_labels is not None:
+            obj = extract_json_ref(text)
+            chunks = obj.get("chunks") if isinstance(obj, dict) else None
+            labs = [c.get("label") for c in chunks or [] if isinstance(c, dict)]
+            labs = [x for x in labs if isinstance(x, str)]
+            if labs:
+                row["memorized_labels"] = sum(_norm_label(x) in train_labels for x in labs) / len(
+                    labs
+                )
+        rows.append(row)
+    return rows
 
 
 def constrained_path(out: Path) -> Path:
@@ -596,7 +813,9 @@ def constrained_path(out: Path) -> Path:
     return out.with_name(f"{out.stem}.constrained{out.suffix or '.jsonl'}")
 
 
-def evaluate_model(model, tokenizer, records: list[dict], settings, out: Path, label: str) -> dict:
+def evaluate_model(
+    model, tokenizer, records: list[dict], settings, out: Path, label: str, train_labels=None
+) -> dict:
     """Evaluate `records` (read_split) with `settings` (EvalSettings: max_tokens, batch_size,
     constrained), write per-case JSONL to `out`; return the summary (+ seconds, results path).
     With `settings.constrained` the split is decoded again under the answer schema, written to
@@ -607,7 +826,7 @@ def evaluate_model(model, tokenizer, records: list[dict], settings, out: Path, l
         t0 = time.perf_counter()
 
         def progress(done, total):
-            log.info(f"[{tag}] {done}/{total} cases")
+            log.info(f"[{tag}] {done}/{total} prompts")
 
         rows = evaluate(
             model,
@@ -617,6 +836,9 @@ def evaluate_model(model, tokenizer, records: list[dict], settings, out: Path, l
             settings.batch_size,
             progress,
             constrained,
+            max_prompt_tokens(model, settings),
+            getattr(settings, "window_overlap", 2),
+            train_labels,
         )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
         return {

@@ -4,8 +4,12 @@
     python -m mlxlab eval chunk adapter=outputs/chunk_seg4/<run>    # a run dir means its final adapter
     python -m mlxlab eval chunk data=data/chunk split=valid cases=8 batch_size=1 out=valid.jsonl
     python -m mlxlab eval chunk constrained=true    # also decoded under the answer's JSON schema
+    python -m mlxlab eval chunk data=my_chats.json adapter=RUN   # your own exported chats
 
-Greedy decoding; per-case results (output, scores, repairs) go to `out` as JSONL and the
+`data=` is a dataset directory (its `<split>.cases.json`) or a JSON file of cases, `[{id, name,
+uuid?, messages: [{uuid, sender, text}], chunks?}]`: without gold `chunks` only `ref` and
+`strict` are scored. A conversation longer than `max_prompt_tokens` is read in overlapping windows
+of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; per-case results (output, scores, repairs) go to `out` as JSONL and the
 summary table to stdout (with `constrained=true` a second row, "<model>, constrained", from a
 second decode of the split under the answer's JSON schema; its cases go next to `out`, named
 `<stem>.constrained.jsonl`). Without `data=`, the chunk dataset is built with its defaults (the same
@@ -30,19 +34,19 @@ def run(cfg: EvalConfig) -> dict:
     from mlxlab.lora import io as lora_io
     from mlxlab.models.zoo import load
 
-    data_dir = Path(cfg.data).expanduser() if cfg.data else None
-    if data_dir is None:
-        data_dir = chunk.write_jsonl(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
-    records = ev.read_split(
-        data_dir, cfg
-    )  # read (and fail on a missing split) before loading the model
+    data = Path(cfg.data).expanduser() if cfg.data else None
+    if data is None:
+        data = chunk.write_dataset(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
+    records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
         name += f" + {lora_io.resolve_dir(cfg.adapter)}"
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
-    summary = ev.evaluate_model(model, tokenizer, records, cfg, out, cfg.task)
+    summary = ev.evaluate_model(
+        model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
+    )
     print(ev.table({name: summary}))
     log.info(f"per-case results: {out} ({summary['seconds']:.0f} s)")
     if "constrained" in summary:

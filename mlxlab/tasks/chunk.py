@@ -80,8 +80,8 @@ class ChunkTask(Hooks):
         from mlxlab.data import chunk
 
         data_dir = run_dir / "data"
-        if not (data_dir / "train.jsonl").is_file():
-            chunk.write_jsonl(data_dir, self.cfg.data)
+        if not (data_dir / "train.cases.json").is_file():
+            chunk.write_dataset(data_dir, self.cfg.data)
             log.info(f"built the {self.cfg.name} dataset in {data_dir}")
         return dataclasses.replace(data, train=str(data_dir))
 
@@ -106,6 +106,7 @@ class ChunkTask(Hooks):
             summary["gradients"],
             summary["wall_s"],
             self.command,
+            run.tokenizer,
         )
         atomic_write_text(run.run_dir / "README.md", text)
         if self.cfg.report:
@@ -118,7 +119,7 @@ class ChunkTask(Hooks):
     def evaluate(self, run: Run, which: str) -> dict:
         """Evaluate on the task's split; results in <run>/eval_<which>.jsonl, summary cached in
         <run>/eval_<which>.json (a resumed run does not evaluate the base model again)."""
-        from mlxlab.eval.chunk import evaluate_model, read_split
+        from mlxlab.eval.chunk import evaluate_model, read_split, training_labels
         from mlxlab.fsutil import atomic_write_text
 
         cached = run.run_dir / f"eval_{which}.json"
@@ -136,6 +137,7 @@ class ChunkTask(Hooks):
             self.cfg.eval,
             run.run_dir / f"eval_{which}.jsonl",
             which,
+            training_labels(data_dir),
         )
         summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
         atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
@@ -146,16 +148,62 @@ def _fmt_minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
-def failure_modes(rows: list[dict]) -> list[tuple[str, int]]:
-    """Why cases lost points, most common first (the validator's last note, numbers removed)."""
+def failure_modes(rows: list[dict], scorer: str = "strict") -> list[tuple[str, int]]:
+    """Why cases lost points under `scorer` (strict | ref), most common first: the validator's
+    last note with numbers and quoted values removed; "clean" for a full score, "labels" when
+    only labels cost points."""
     import re
     from collections import Counter
 
     reasons = Counter()
     for r in rows:
-        note = r["notes"][-1] if r["notes"] else ("clean" if r["wellformed"] == 100.0 else "labels")
-        reasons[re.sub(r"\b\d+\b", "N", re.sub(r"'[^']*'", "'...'", note))] += 1
+        reasons[re.sub(r"\b\d+\b", "N", re.sub(r"'[^']*'", "'...'", verdict(r, scorer)))] += 1
     return reasons.most_common()
+
+
+def verdict(row: dict, scorer: str = "strict") -> str:
+    """One case's verdict under `scorer`: the validator's last note; else "clean" for a full
+    score, "labels or schema" when only those cost points."""
+    notes_key, total = ("notes", "wellformed") if scorer == "strict" else ("ref_notes", "ref")
+    notes = row.get(notes_key) or []
+    if notes:
+        return notes[-1]
+    return "clean" if row.get(total) == 100.0 else "labels or schema"
+
+
+def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
+    """The dataset's histograms in tokens (per split), and how the training examples fit
+    max_seq_length."""
+    from mlxlab.data import chunk as data
+    from mlxlab.data.datasets import read_records
+
+    per_split = {}
+    for split in ("train", "valid", "test"):
+        path = data_dir / f"{split}.cases.json"
+        if path.is_file():
+            cases = json.loads(path.read_text())
+            per_split[split] = data.stats(
+                cases, lambda c: len(tokenizer.encode(data.prompt(c))), "tokens"
+            )
+    lengths = [
+        len(tokenizer.apply_chat_template(r["messages"]))
+        for r in read_records(data_dir / "train.jsonl")
+    ]
+    over = sum(n > max_seq_length for n in lengths)
+    return [
+        "## Data",
+        "",
+        f"Whole conversations per split (the prompt as `eval chunk` reads it, in "
+        f"{'tokens'}; training reads a conversation longer than `window_chars` as overlapping "
+        f"windows: {len(lengths)} training examples from {per_split['train']['cases']} "
+        f"conversations, the longest {max(lengths)} tokens with its answer; max_seq_length "
+        f"{max_seq_length}, {over} examples over it"
+        + (" (cut: see the training log)" if over else ", none cut")
+        + ").",
+        "",
+        data.stats_markdown(per_split),
+        "",
+    ]
 
 
 def report(
@@ -167,8 +215,10 @@ def report(
     how: str,
     wall_s: float,
     command: str | None = None,
+    tokenizer=None,
 ) -> str:
-    """The experiment's README: question, command, config, result table, memory and time."""
+    """The experiment's README: question, command, config, result table, failure modes, data
+    histograms (in tokens, with `tokenizer`), memory and time."""
     import mlx.core as mx
 
     from mlxlab.eval import chunk as ev
@@ -214,6 +264,14 @@ def report(
         ev.table(evals),
         "",
     ]
+    for name, e in evals.items():
+        for tag, sm in ((name, e), (f"{name}, constrained", e.get("constrained"))):
+            if isinstance(sm, dict) and sm.get("windowed_cases"):
+                lines.append(
+                    f"- {tag}: {sm['windowed_cases']} of {sm['cases']} conversations read in "
+                    f"windows; their windows' answers scored alone: ref "
+                    f"{ev._fmt(sm.get('window_ref'))}"
+                )
     val0, val1 = summary.get("initial_val_loss"), summary.get("val_loss")
     if val1 is not None:
         lines.append(
@@ -232,7 +290,12 @@ def report(
         "chunk-eval (gaps and overlaps between chunks cost nothing; the one compared with its "
         "95.10), strict = gaps and overlaps zero the anchors (schema, anchors and labels columns "
         "are strict's); boundary F1 over chunk starts; exact chunks = share of gold chunks "
-        "reproduced exactly (mlxlab/eval/chunk.py).",
+        "reproduced exactly; label F1 = word-overlap F1 of each gold chunk's label with the "
+        "label of the predicted chunk that overlaps it most; memorized labels = share of "
+        "predicted labels that are verbatim training-set labels (the test topics are unseen, so "
+        "these are wrong). A conversation longer than the window budget "
+        f"({task.eval.max_prompt_tokens or 'auto'} prompt tokens) is read in overlapping windows "
+        "and scored on the merged answer (mlxlab/eval/chunk.py).",
         "",
     ]
     tuned_rows = run_dir / "eval_tuned.jsonl"
@@ -241,26 +304,54 @@ def report(
         lines += [
             "## Where the tuned model loses points",
             "",
-            "The validator's verdict per test case (repairs cost anchor points; a gap or overlap "
-            "between chunks cannot be repaired and zeroes them):",
+            "The validators' verdicts (ref: an unresolvable anchor fails the case, repairs cost "
+            "anchor points; strict: a gap or overlap between chunks also zeroes the anchors):",
             "",
-            "| verdict | cases |",
+            "| ref verdict | cases |",
             "|---|---|",
+            *[f"| {reason} | {n} |" for reason, n in failure_modes(rows, "ref")],
+            "",
+            "| strict verdict | cases |",
+            "|---|---|",
+            *[f"| {reason} | {n} |" for reason, n in failure_modes(rows, "strict")],
+            "",
+            "Per case (windows: prompts the conversation was read in; chunks: predicted / gold):",
+            "",
+            "| case | windows | chunks | ref | strict | boundary F1 | label F1 | ref verdict |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        lines += [f"| {reason} | {n} |" for reason, n in failure_modes(rows)]
+        gold_n = {}
+        cases_path = run_dir / "data" / f"{task.eval.split}.cases.json"
+        if cases_path.is_file():
+            gold_n = {c["id"]: len(c["chunks"]) for c in json.loads(cases_path.read_text())}
+        for r in rows:
+            obj = ev.extract_json_ref(r["output"])
+            n_pred = (
+                len(obj["chunks"])
+                if isinstance(obj, dict) and isinstance(obj.get("chunks"), list)
+                else "-"
+            )
+            lines.append(
+                f"| {r.get('id', r['case'])} | {r.get('windows', 1)} | {n_pred} / "
+                f"{gold_n.get(r.get('id'), '?')} | {r['ref']:.1f} | {r['wellformed']:.1f} | "
+                f"{ev._fmt(r.get('boundary_f1'), 2)} | {ev._fmt(r.get('label_f1'), 2)} | "
+                f"{verdict(r, 'ref')[:60]} |"
+            )
         lines.append("")
-        first = json.loads(tuned_rows.read_text().splitlines()[0])
+        first = rows[0]
         lines += [
             "## A tuned answer (first test case)",
             "",
             "```json",
             first["output"].strip(),
             "```",
-            (f"ref {first['ref']:.1f}, " if "ref" in first else "")
-            + f"strict {first['wellformed']:.1f}, boundary F1 {first['boundary_f1']:.2f}, "
-            f"exact chunks {first['exact_match']:.2f}",
+            f"ref {first['ref']:.1f}, strict {first['wellformed']:.1f}, boundary F1 "
+            f"{ev._fmt(first.get('boundary_f1'), 2)}, exact chunks "
+            f"{ev._fmt(first.get('exact_match'), 2)}",
             "",
         ]
+    if tokenizer is not None and (run_dir / "data" / "train.cases.json").is_file():
+        lines += data_report(run_dir / "data", tokenizer, cfg.data.max_seq_length)
     lines += [
         "## Files",
         "",
