@@ -360,8 +360,9 @@ class EvalSettings:
     ones, which stay the headline. Doubles the evaluation time."""
     max_prompt_tokens: int = 0
     """A conversation whose prompt is longer is read in windows of consecutive messages of at
-    most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: what
-    the model's context leaves after max_tokens, at most 8192."""
+    most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: the
+    windows the adapter's chunk-task run used (its run directory's config.yaml), else what the
+    model's context leaves after max_tokens, at most 8192."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
 

@@ -310,6 +310,38 @@ def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
             ev.read_split(path, EvalSettings())
 
 
+def test_an_adapter_from_a_task_run_sets_the_window_budget(tmp_path):
+    from mlxlab.eval.cli import trained_window
+
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    assert trained_window(run / "adapter") == 0
+    (run / "config.yaml").write_text("task:\n  eval:\n    max_prompt_tokens: 1800\n")
+    assert trained_window(run / "adapter") == 1800
+    (run / "config.yaml").write_text("task: [not, a, mapping]\n")
+    assert trained_window(run / "adapter") == 0
+
+
+def test_claude_exports_are_read_as_cases(tmp_path):
+    from mlxlab.config import EvalSettings
+
+    export = [
+        {
+            "uuid": "conv-1",
+            "name": "Parsing JSON",
+            "chat_messages": [
+                {"uuid": U[0], "sender": "human", "text": "how do I parse JSON?"},
+                {"uuid": U[1], "sender": "assistant", "text": "json.loads"},
+            ],
+        }
+    ]
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps(export))
+    (case,) = ev.read_split(path, EvalSettings())
+    assert case["id"] == "conv-1" and "(uuid: conv-1)" in data.prompt(case)
+    assert "[human] (uuid: " in data.prompt(case)
+
+
 def test_label_relevance_and_memorized_labels():
     assert ev.token_f1(
         "NumPy argsort: sorting indices", "NumPy argsort: indices that sort"

@@ -525,6 +525,8 @@ def read_cases(path) -> list[dict]:
         where = f"{path}: case {i}"
         if not isinstance(case, dict):
             raise UserError(f"{where}: not an object")
+        if "messages" not in case and isinstance(case.get("chat_messages"), list):
+            case["messages"] = case["chat_messages"]  # a claude.ai export's conversation
         msgs = case.get("messages")
         if not isinstance(msgs, list):
             raise UserError(f"{where}: no messages list")
@@ -540,7 +542,7 @@ def read_cases(path) -> list[dict]:
         uuids = [m["uuid"] for m in shown(msgs)]
         if len(set(uuids)) != len(uuids):
             raise UserError(f"{where}: duplicate message uuids")
-        case.setdefault("id", str(i))
+        case.setdefault("id", case.get("uuid") or str(i))
         gold = case.get("chunks")
         if gold is not None:
             ok = isinstance(gold, list) and all(

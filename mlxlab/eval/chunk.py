@@ -13,9 +13,13 @@ Per case, from the model's raw text and the conversation's message uuids:
 - labels: fraction of labels of 2-12 words that are not generic ("Chunk 1", "Other topics");
 - nonempty: at least one chunk.
 
-Accuracy against the gold chunks: boundary F1 (chunk starts after the first message) and the
-rate of gold chunks reproduced exactly. `evaluate_model` runs a whole split and writes per-case
-results (what `eval chunk` and the chunk task's base/tuned evaluations call); with
+Accuracy against the gold chunks (when a case has them): boundary F1 (chunk starts after the
+first message), the rate of gold chunks reproduced exactly, and label F1 (`label_f1`); with the
+training split's labels, the share of predicted labels that are verbatim training labels.
+`evaluate` reads a case longer than the prompt budget in windows of consecutive messages
+(`plan_windows`) and merges their answers into one cover (`merge_windows`); the merged answer is
+what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
+chunk` and the chunk task's base/tuned evaluations call); with
 `constrained=true` it decodes the split a second time under `answer_schema` (mlxlab/grammar.py:
 the JSON shape of the answer, its uuids limited to the conversation's own), still batched, and
 reports those scores as a second row next to the unconstrained ones.

@@ -43,6 +43,11 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
         name += f" + {lora_io.resolve_dir(cfg.adapter)}"
+    if cfg.adapter and not cfg.max_prompt_tokens:
+        trained = trained_window(lora_io.resolve_dir(cfg.adapter))
+        if trained:
+            cfg.max_prompt_tokens = trained
+            log.info(f"max_prompt_tokens={trained}: the windows the adapter's task run used")
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
     summary = ev.evaluate_model(
         model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
@@ -53,6 +58,22 @@ def run(cfg: EvalConfig) -> dict:
         c = summary["constrained"]
         log.info(f"constrained per-case results: {c['results']} ({c['seconds']:.0f} s)")
     return summary
+
+
+def trained_window(adapter_dir: Path) -> int:
+    """task.eval.max_prompt_tokens of the chunk-task run an adapter came from (its run
+    directory's config.yaml, next to `adapter/`), or 0: an adapter trained on windows reads long
+    conversations in windows of the same length by default."""
+    import yaml
+
+    for path in (adapter_dir / "config.yaml", adapter_dir.parent / "config.yaml"):
+        if path.is_file():
+            try:
+                task = (yaml.safe_load(path.read_text()) or {}).get("task") or {}
+                return int(((task.get("eval") or {}).get("max_prompt_tokens")) or 0)
+            except (yaml.YAMLError, AttributeError, TypeError, ValueError):
+                return 0
+    return 0
 
 
 def main(argv: list[str]) -> None:

@@ -39,6 +39,9 @@ class ChunkTaskConfig:
     eval: EvalSettings = field(default_factory=EvalSettings)
     eval_base: bool = True
     """Also evaluate the base model (before LoRA is attached)."""
+    eval_base_constrained: bool = True
+    """With eval.constrained, also decode the base model under the answer schema (false saves
+    that pass: the base model writes to max_tokens unconstrained, the slowest decode of a run)."""
     report: str | None = None
     """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
 
@@ -129,12 +132,15 @@ class ChunkTask(Hooks):
 
         train = Path(run.data.train)
         data_dir = train if train.is_dir() else train.parent
+        settings = self.cfg.eval
+        if which == "base" and not self.cfg.eval_base_constrained:
+            settings = dataclasses.replace(settings, constrained=False)
         mx.reset_peak_memory()
         summary = evaluate_model(
             run.model,
             run.tokenizer,
-            read_split(data_dir, self.cfg.eval),
-            self.cfg.eval,
+            read_split(data_dir, settings),
+            settings,
             run.run_dir / f"eval_{which}.jsonl",
             which,
             training_labels(data_dir),
