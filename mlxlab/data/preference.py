@@ -1,0 +1,128 @@
+"""Preference data: pairs of a prompt with a chosen and a rejected response (DPO, ORPO).
+
+One JSON object per line, in the shapes TRL and mlx-lm-lora use:
+
+    {"prompt": "...", "chosen": "...", "rejected": "..."}                   strings
+    {"messages": [...], "chosen": "..." | [...], "rejected": "..." | [...]}  a chat prompt
+    {"prompt": [...], "chosen": [...], "rejected": [...]}                  conversational
+    {"chosen": [...], "rejected": [...]}                                   implicit prompt
+
+A response is a string (one assistant message) or a list of messages (assistant, tool, ...). In
+the implicit shape both lists are whole conversations and the prompt is the messages they share
+from the start. Each side is tokenized with the model's chat template as one conversation; the
+prompt's tokens (the template up to the generation prompt) get no loss, and the two sides of a
+pair are scored on their response tokens only. Errors name `file:line`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxlab.data.datasets import Example
+from mlxlab.errors import UserError
+
+
+@dataclass
+class PairExample:
+    chosen: Example
+    rejected: Example
+
+
+def _messages(value, what: str) -> list[dict] | str:
+    """A list of messages, or why not."""
+    if not isinstance(value, list) or not value:
+        return f"'{what}' must be a string or a non-empty list of messages"
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"{what}[{i}] must be an object with a 'role'"
+        if m.get("content") is None and not m.get("tool_calls"):
+            return f"{what}[{i}] has no 'content'"
+    return value
+
+
+def split_record(record) -> tuple[list[dict], list[dict], list[dict]] | str:
+    """(prompt messages, chosen messages, rejected messages) of one record, or why it is bad."""
+    if not isinstance(record, dict):
+        return "expected a JSON object"
+    if "chosen" not in record or "rejected" not in record:
+        return "expected 'chosen' and 'rejected' (and 'prompt' or 'messages')"
+    sides = []
+    for key in ("chosen", "rejected"):
+        value = record[key]
+        if isinstance(value, str):
+            sides.append([{"role": "assistant", "content": value}])
+            continue
+        msgs = _messages(value, key)
+        if isinstance(msgs, str):
+            return msgs
+        sides.append(msgs)
+    prompt = record.get("messages", record.get("prompt"))
+    if prompt is None:
+        if not all(isinstance(record[k], list) for k in ("chosen", "rejected")):
+            return "no 'prompt' or 'messages', and 'chosen'/'rejected' are not conversations"
+        n = 0
+        while n < min(map(len, sides)) - 1 and sides[0][n] == sides[1][n]:
+            n += 1
+        if n == 0:
+            return "no 'prompt': 'chosen' and 'rejected' must share their first messages"
+        return sides[0][:n], sides[0][n:], sides[1][n:]
+    if isinstance(prompt, str):
+        if not prompt:
+            return "'prompt' is empty"
+        prompt = [{"role": "user", "content": prompt}]
+    else:
+        prompt = _messages(prompt, "messages" if "messages" in record else "prompt")
+        if isinstance(prompt, str):
+            return prompt
+    return prompt, sides[0], sides[1]
+
+
+def read_pairs(path: str | Path) -> list[tuple[list[dict], list[dict], list[dict]]]:
+    """Every record of a preference JSONL file as (prompt, chosen, rejected) messages; the first
+    ten problems as one error, each `file:line: what`."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    out, errors = [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        parts = split_record(record)
+        if isinstance(parts, str):
+            errors.append(f"{path}:{lineno}: {parts}")
+        else:
+            out.append(parts)
+    if not out and not errors:
+        errors.append(f"{path}: no examples")
+    if errors:
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise UserError("bad preference data:\n  " + "\n  ".join(errors[:10]) + more)
+    return out
+
+
+def tokenize_pair(prompt: list[dict], chosen: list[dict], rejected: list[dict], tokenizer):
+    """The two sides as Examples whose offset is the first response token: the prompt's tokens
+    through the template's generation prompt (the longest prefix both sides share with it, where
+    a template renders the prompt differently once a response follows)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("preference data needs a tokenizer with a chat template")
+    head = list(
+        tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+    )
+    sides = []
+    for response in (chosen, rejected):
+        ids = list(tokenizer.apply_chat_template(prompt + response, return_dict=False))
+        offset = 0
+        while offset < min(len(head), len(ids)) and head[offset] == ids[offset]:
+            offset += 1
+        sides.append(Example(ids, offset))
+    return PairExample(*sides)
