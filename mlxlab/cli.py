@@ -72,17 +72,25 @@ def to_dataclass(cfg, cls):
     return from_dict(cls, data)
 
 
+ALIASES = {"orpo.lambda": "orpo.lam"}
+"""Override keys spelled as papers and peers spell them, for fields named otherwise."""
+
+
 def select_named_groups(name: str, overrides: list[str]) -> list[str]:
     """Check and normalize the overrides that pick a config group's option.
 
     `task.name=chunk` is `task=chunk` (the override path from before `task` was a group);
     `task=null` (or `task.name=null`) means no task, even when an experiment picked one; an
-    unknown option is a UserError naming the choices. Other overrides pass unchanged.
+    unknown option is a UserError naming the choices; an `ALIASES` key is renamed. Other
+    overrides pass unchanged.
     """
     groups = command_groups(name)
     out = []
     for override in overrides:
         key, sep, value = override.partition("=")
+        if sep and key.lstrip("+~") in ALIASES:  # a config key Python cannot name
+            key = key[: len(key) - len(key.lstrip("+~"))] + ALIASES[key.lstrip("+~")]
+            override = f"{key}={value}"
         group = key.lstrip("+").removesuffix(".name")
         if not sep or group not in groups or key.lstrip("+") not in (group, f"{group}.name"):
             out.append(override)

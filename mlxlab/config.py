@@ -404,8 +404,42 @@ class EvalConfig(EvalSettings):
 
 
 @dataclass
+class DPOConfig:
+    """DPO (`objective=dpo`): the policy against the base model with the adapter switched off."""
+
+    beta: float = 0.1
+    """Strength of the preference margin (the KL penalty's inverse temperature)."""
+    loss: str = "sigmoid"
+    """sigmoid (DPO) | ipo (IPO, on per-token mean log-probs)."""
+    label_smoothing: float = 0.0
+    """Assumed share of flipped preferences (conservative DPO); sigmoid only."""
+    precompute_ref: bool = True
+    """Compute the reference log-probs once per example before training (saved in the run
+    directory, reused on resume); false recomputes them with each batch."""
+
+    def __post_init__(self):
+        check_choice("dpo.loss", self.loss, ("sigmoid", "ipo"))
+        if self.beta <= 0:
+            raise UserError(f"dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise UserError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+
+@dataclass
+class ORPOConfig:
+    """ORPO (`objective=orpo`): SFT on the chosen response plus the odds-ratio term."""
+
+    lam: float = 0.1
+    """Weight of the odds-ratio term (the paper's lambda; `orpo.lambda=` sets it too)."""
+
+    def __post_init__(self):
+        if self.lam < 0:
+            raise UserError(f"orpo.lam must be >= 0, got {self.lam}")
+
+
+@dataclass
 class TrainConfig:
-    """`python -m mlxlab train`: LoRA SFT."""
+    """`python -m mlxlab train`: LoRA SFT, DPO or ORPO."""
 
     name: str = "run"
     """Run name: outputs go to outputs/<name>/<timestamp> unless out_dir is set."""
@@ -441,12 +475,22 @@ class TrainConfig:
     """wandb mode: offline | online | disabled."""
     wandb_project: str = "mlxlab"
     """wandb project name."""
+    objective: str = "sft"
+    """sft (data: chat, completions or text) | dpo | orpo (data: preference pairs,
+    mlxlab/data/preference.py; batch_size counts pairs)."""
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     backward: BackwardConfig = field(default_factory=BackwardConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
 
     def __post_init__(self):
+        check_choice("objective", self.objective, ("sft", "dpo", "orpo"))
+        if self.objective != "sft" and self.data.pack:
+            raise UserError(
+                f"data.pack is for SFT; objective={self.objective} keeps one side a row"
+            )
         for key in ("iters", "batch_size", "grad_accum", "keep_last", "log_every"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")

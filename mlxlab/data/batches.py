@@ -31,11 +31,16 @@ class Batch:
     ntoks: int  # trained tokens (sum of weights)
     lengths: tuple = ()  # real input length of each example (not row), for the FLOP count
     segments: object = None  # packed rows: mx.array [B, T] int32, example number (0: padding)
+    ref: object = None  # preference pairs (rows 2k, 2k+1: chosen, rejected of pair k): the
+    # reference model's summed response log-prob per row, mx.array [B] float32 (DPO)
+    pairs: bool = False  # rows are (chosen, rejected) pairs
 
     def arrays(self) -> tuple:
-        """What the losses take: (inputs, positions, labels, weights[, segments])."""
+        """What the losses take: (inputs, positions, labels, weights[, segments][, ref])."""
         base = (self.inputs, self.positions, self.labels, self.weights)
-        return base if self.segments is None else (*base, self.segments)
+        if self.segments is not None:
+            base = (*base, self.segments)
+        return base if self.ref is None else (*base, self.ref)
 
     @property
     def padding(self) -> float:
@@ -144,18 +149,26 @@ class BatchSampler:
         seed: int,
         shuffle: bool = True,
         pack_length: int = 0,
+        pairs: bool = False,
     ):
         from mlxlab.errors import UserError
 
         self.examples = examples
-        if pack_length:
+        self.pairs = pairs
+        self.ref = None  # per example: the reference log-prob (PairSampler.set_reference)
+        if pairs:  # examples 2k, 2k+1 are pair k's chosen and rejected sides, one row each
+            units = sorted(
+                ([i, i + 1] for i in range(0, len(examples) - 1, 2)),
+                key=lambda u: max(len(examples[u[0]].ids), len(examples[u[1]].ids)),
+            )
+        elif pack_length:
             lengths = [len(e.ids) - 1 for e in examples]
             rows = pack_rows(lengths, pack_length)
             units = sorted(rows, key=lambda row: sum(lengths[i] for i in row))
         else:
             units = [[i] for i in sorted(range(len(examples)), key=lambda i: len(examples[i].ids))]
         if len(units) < batch_size:
-            what = "packed rows" if pack_length else "examples"
+            what = "pairs" if pairs else "packed rows" if pack_length else "examples"
             raise UserError(
                 f"the dataset has {len(units)} {what}, fewer than batch_size={batch_size}"
             )
@@ -185,13 +198,31 @@ class BatchSampler:
         return self._collate(group)
 
     def _collate(self, group: list[list[int]]) -> Batch:
-        return collate_rows([[self.examples[i] for i in row] for row in group], self.packed)
+        if not self.pairs:
+            return collate_rows([[self.examples[i] for i in row] for row in group], self.packed)
+        import dataclasses
+
+        import mlx.core as mx
+
+        order = [i for unit in group for i in unit]
+        batch = collate_rows([[self.examples[i]] for i in order], packed=False)
+        ref = None if self.ref is None else mx.array([self.ref[i] for i in order], mx.float32)
+        return dataclasses.replace(batch, ref=ref, pairs=True)
+
+    def set_reference(self, ref: list[float]) -> None:
+        """The reference model's summed response log-prob of every example (DPO), in order."""
+        if len(ref) != len(self.examples):
+            raise ValueError(f"{len(ref)} reference log-probs for {len(self.examples)} examples")
+        self.ref = list(ref)
+
+    def _rows(self, group: list[list[int]]) -> list[list[int]]:
+        return [[i] for unit in group for i in unit] if self.pairs else group
 
     def padding(self) -> float:
         """Share of padding positions over one epoch's batches (as collate pads them)."""
         real = total = 0
         for group in self.groups:
-            n = [sum(len(self.examples[i].ids) - 1 for i in row) for row in group]
+            n = [sum(len(self.examples[i].ids) - 1 for i in row) for row in self._rows(group)]
             real += sum(n)
             total += len(n) * _round_up(max(n))
         return 1.0 - real / max(total, 1)

@@ -126,3 +126,50 @@ def tokenize_pair(prompt: list[dict], chosen: list[dict], rejected: list[dict], 
             offset += 1
         sides.append(Example(ids, offset))
     return PairExample(*sides)
+
+
+def load_pair_split(path, tokenizer, cfg):
+    """A preference file as a TokenizedSet whose examples are the pairs' sides in order (2k:
+    chosen, 2k+1: rejected), each within cfg.max_seq_length: a longer side is cut there
+    (data.on_too_long=truncate, counted and logged) or the file refused (error); a pair with a
+    side that keeps no response token is skipped."""
+    import logging
+
+    from mlxlab.data.datasets import TokenizedSet
+
+    log = logging.getLogger(__name__)
+    examples, truncated, dropped, too_long = [], 0, 0, []
+    for i, (prompt, chosen, rejected) in enumerate(read_pairs(path)):
+        pair = tokenize_pair(prompt, chosen, rejected, tokenizer)
+        sides = [pair.chosen, pair.rejected]
+        if any(len(s.ids) > cfg.max_seq_length for s in sides):
+            if cfg.on_too_long == "error":
+                too_long.append(
+                    f"pair {i + 1} has {max(len(s.ids) for s in sides)} tokens on a side"
+                )
+                continue
+            for s in sides:
+                s.ids = s.ids[: cfg.max_seq_length]
+            truncated += 1
+        if any(s.offset >= len(s.ids) for s in sides):
+            dropped += 1
+            continue
+        examples += sides
+    if too_long:
+        raise UserError(
+            f"{path}: {len(too_long)} pairs exceed max_seq_length={cfg.max_seq_length} "
+            "(data.on_too_long=error): " + "; ".join(too_long[:5])
+        )
+    if truncated:
+        log.warning(
+            f"warning: {truncated} pairs in {path} had a side truncated to "
+            f"max_seq_length={cfg.max_seq_length}"
+        )
+    if dropped:
+        log.warning(
+            f"warning: {dropped} pairs in {path} have a side with no response token within "
+            f"max_seq_length={cfg.max_seq_length} and were skipped"
+        )
+    if not examples:
+        raise UserError(f"{path}: no pair has response tokens left on both sides")
+    return TokenizedSet(examples, str(path), truncated)

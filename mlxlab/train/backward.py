@@ -129,8 +129,11 @@ def make_plan(model, cfg, batch_shape: tuple[int, int]) -> Plan:
     return plan_auto(runner, costs, budget)
 
 
-def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True):
-    """(GradFn, description) for BackwardConfig `cfg`."""
+def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True, objective=None):
+    """(GradFn, description) for BackwardConfig `cfg`. `objective` (train/objectives.py
+    PairObjective; None: SFT) makes every mode differentiate that pair loss instead, its GradFn
+    returning the objective's metrics as a fourth value; a DPO batch without reference
+    log-probs gets them computed first (adapters off)."""
     import functools
 
     from mlxlab.train.losses import response_ce
@@ -138,15 +141,38 @@ def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True)
 
     chunk = cfg.head_chunk
     head = f", loss head in chunks of {chunk} positions" if chunk else ""
+    if objective is not None:
+        head += f", {objective.kind} on pairs"
     if cfg.mode == "full":
-        loss_fn = functools.partial(response_ce, head_chunk=chunk) if chunk else response_ce
-        return full_backward(model, loss_fn, compile=compile), "full backward" + head
-    if cfg.mode == "checkpoint":
-        return checkpointed_backward(model, chunk), "per-layer checkpointed backward" + head
-    plan = make_plan(model, cfg, batch_shape)
-    return segmented_backward(
-        model, plan, head_chunk=chunk
-    ), "segmented backward: " + plan.describe(runner_for(model)) + head
+        if objective is not None:
+            loss_fn = functools.partial(objective.loss, head_chunk=chunk)
+        else:
+            loss_fn = functools.partial(response_ce, head_chunk=chunk) if chunk else response_ce
+        grad_fn, how = full_backward(model, loss_fn, compile=compile), "full backward" + head
+    elif cfg.mode == "checkpoint":
+        grad_fn = checkpointed_backward(model, chunk, objective)
+        how = "per-layer checkpointed backward" + head
+    else:
+        plan = make_plan(model, cfg, batch_shape)
+        grad_fn = segmented_backward(model, plan, head_chunk=chunk, objective=objective)
+        how = "segmented backward: " + plan.describe(runner_for(model)) + head
+    if objective is None or not objective.needs_reference:
+        return grad_fn, how
+    return with_reference(grad_fn), how
+
+
+def with_reference(grad_fn):
+    """A GradFn that first fills a batch's missing reference log-probs (objectives.py)."""
+    import dataclasses
+
+    from mlxlab.train.objectives import reference_logps
+
+    def wrapped(model, batch):
+        if batch.ref is None:
+            batch = dataclasses.replace(batch, ref=reference_logps(model, batch))
+        return grad_fn(model, batch)
+
+    return wrapped
 
 
 # --- gradient functions -----------------------------------------------------------------------
@@ -181,11 +207,13 @@ def _grad_tree(model, flat: dict[str, mx.array]):
     return tree_map_with_path(pick, model.trainable_parameters())
 
 
-def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0):
+def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0, objective=None):
     """GradFn computing the full backward's gradients one segment at a time.
 
     `timer(phase)`, if given, is called after each evaluated phase ("embed", "forward s",
-    "backward s"): `diag profile` times the step by phase that way."""
+    "backward s"): `diag profile` times the step by phase that way. `objective` (a
+    PairObjective) differentiates its pair loss: both sides of every pair go through the
+    segments together, as rows of the batch, and its metrics come back as a fourth value."""
     mark = timer or (lambda phase: None)
     runner = runner_for(model)
     donors = runner.kv_donors()  # sharer -> donor
@@ -210,7 +238,9 @@ def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0):
 
     def grad_fn(model_, batch):
         assert model_ is model, "segmented_backward was built for another model"
-        inputs, positions, labels, weights, *segments = batch.arrays()
+        inputs, positions, labels, weights, *rest = batch.arrays()
+        segments = [] if objective is not None else rest
+        ref = rest[0] if objective is not None and rest else None
         # Dropout: each segment draws from its own seed, so its recomputation inside the vjp
         # sees the same masks as its first run.
         base = int(mx.random.randint(0, 2**30, ()).item())
@@ -242,11 +272,25 @@ def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0):
                 kv = {d: (kv_flat[2 * k], kv_flat[2 * k + 1]) for k, d in enumerate(incoming[s])}
                 h_out, kv_out = run_segment(s, h_in, ctx, kv)
                 if s == last:
+                    if objective is not None:
+                        return list(
+                            objective.head(
+                                model,
+                                runner.norm(h_out),
+                                positions,
+                                labels,
+                                weights,
+                                ref,
+                                head_chunk,
+                            )
+                        )
                     return list(head_loss(runner, h_out, positions, labels, weights, head_chunk))
                 return [h_out] + [x for d in outgoing[s] for x in kv_out[d]]
 
             if s == last:
                 cot = [mx.array(1.0), mx.array(0.0)]
+                if objective is not None:
+                    cot.append(mx.zeros((len(objective.metrics),), mx.float32))
             else:
                 cot = [dh]
                 for d in outgoing[s]:
@@ -256,7 +300,7 @@ def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0):
             outs, vjps = mx.vjp(fn, [bounds[s], *kv_in, *(v for _, v in named)], cot)
             _set_layer_params(model, named)  # put the original arrays back
             if s == last:
-                loss, ntoks = outs
+                loss, ntoks, *aux = outs
             dh = vjps[0]
             for k, d in enumerate(incoming[s]):
                 add = [vjps[1 + 2 * k], vjps[2 + 2 * k]]
@@ -264,23 +308,31 @@ def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0):
             for name, g in zip(names, vjps[1 + n_kv :], strict=True):
                 grads[name] = g
             mx.eval(
-                loss, ntoks, dh, [g for n, g in grads.items() if n in names], list(dkv.values())
+                loss,
+                ntoks,
+                aux,
+                dh,
+                [g for n, g in grads.items() if n in names],
+                list(dkv.values()),
             )
             mark(f"backward {s}")
-        return loss, ntoks, _grad_tree(model, grads)
+        return (loss, ntoks, _grad_tree(model, grads), *aux)
 
     return grad_fn
 
 
-def checkpointed_backward(model, head_chunk: int = 0):
+def checkpointed_backward(model, head_chunk: int = 0, objective=None):
     """GradFn with each layer wrapped in mx.checkpoint (recomputed in the backward).
 
     Like `mlx_lm.lora --grad-checkpoint`, but by wrapping the call, not patching the class.
+    `objective` (a PairObjective): its pair loss, metrics as a fourth value.
     """
     runner = runner_for(model)
     donors = runner.kv_donors()
 
-    def loss_fn(params, inputs, positions, labels, weights, segments=None):
+    def loss_fn(params, inputs, positions, labels, weights, *rest):
+        segments = rest[0] if objective is None and rest else None
+        ref = rest[0] if objective is not None and rest else None
         model.update(params)
         base = int(mx.random.randint(0, 2**30, ()).item())
         h, ctx = runner.embed(inputs, segments)
@@ -302,6 +354,10 @@ def checkpointed_backward(model, head_chunk: int = 0):
                 h, kvs[i] = out[0], (out[1], out[2])
             else:
                 h = out
+        if objective is not None:
+            return objective.head(
+                model, runner.norm(h), positions, labels, weights, ref, head_chunk
+            )
         return head_loss(runner, h, positions, labels, weights, head_chunk)
 
     value_and_grad = mx.value_and_grad(loss_fn)
@@ -309,8 +365,8 @@ def checkpointed_backward(model, head_chunk: int = 0):
     def grad_fn(model_, batch):
         assert model_ is model, "checkpointed_backward was built for another model"
         params = model.trainable_parameters()
-        (loss, ntoks), grads = value_and_grad(params, *batch.arrays())
+        (loss, ntoks, *aux), grads = value_and_grad(params, *batch.arrays())
         model.update(params)
-        return loss, ntoks, grads
+        return (loss, ntoks, grads, *aux)
 
     return grad_fn

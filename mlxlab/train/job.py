@@ -123,6 +123,9 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     train_path, valid_path = resolve_paths(data_cfg)
     # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
     model, tokenizer = load(cfg.model, cfg.dtype, decode_head="exact")
+    pairs = cfg.objective != "sft"
+    if pairs:
+        from mlxlab.data.preference import load_pair_split as load_split  # noqa: F811
     train_set = load_split(train_path, tokenizer, data_cfg)
     valid_set = load_split(valid_path, tokenizer, data_cfg) if valid_path else None
     job = Run(cfg, run_dir, data_cfg, model, tokenizer)
@@ -146,17 +149,27 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
         cfg.batch_size,
         cfg.seed,
         pack_length=cfg.data.max_seq_length if cfg.data.pack else 0,
+        pairs=pairs,
     )
     valid_sampler = (
         BatchSampler(
             valid_set.examples,
-            min(cfg.batch_size, len(valid_set.examples)),
+            min(cfg.batch_size, len(valid_set.examples) // (2 if pairs else 1)),
             cfg.seed,
             shuffle=False,
+            pairs=pairs,
         )
         if valid_set
         else None
     )
+    if cfg.objective == "dpo":
+        from mlxlab.train.objectives import precompute_reference
+
+        writable_dir(run_dir)
+        if valid_sampler is not None:  # validation always against fixed reference log-probs
+            precompute_reference(model, valid_sampler, run_dir / "reference_valid.json")
+        if cfg.dpo.precompute_ref:
+            precompute_reference(model, train_sampler, run_dir / "reference_train.json")
 
     writable_dir(run_dir)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
@@ -164,8 +177,9 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     log.info(
         f"run dir: {run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
         f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
-        f"data: {len(train_set.examples)} train / {len(valid_set.examples) if valid_set else 0} "
-        "valid examples"
+        f"data: {len(train_set.examples) // (2 if pairs else 1)} train / "
+        f"{len(valid_set.examples) // (2 if pairs else 1) if valid_set else 0} valid "
+        + ("pairs" if pairs else "examples")
     )
     unpacked = (
         BatchSampler(train_set.examples, cfg.batch_size, cfg.seed).padding()
@@ -181,8 +195,14 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             else f" ({len(train_sampler)} batches of {cfg.batch_size})"
         )
     )
+    from mlxlab.train.objectives import PairObjective
+
     grad_fn, how = make_grad_fn(
-        model, cfg.backward, (cfg.batch_size, cfg.data.max_seq_length), compile=cfg.compile
+        model,
+        cfg.backward,
+        (cfg.batch_size * (2 if pairs else 1), cfg.data.max_seq_length),
+        compile=cfg.compile,
+        objective=PairObjective.from_config(cfg),
     )
     log.info(f"gradients: {how}")
     meta = {"base_model": cfg.model, "run_dir": str(run_dir)}

@@ -23,6 +23,9 @@ reward (DPO) or log odds (ORPO) is the larger.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -93,3 +96,171 @@ def orpo(
         "logp_rejected": m_r.mean(),
     }
     return nll - lam * ratio.mean(), metrics
+
+
+# --- the model side: per-row log-probs, the pair head, the reference --------------------------
+
+METRICS = {
+    "dpo": (
+        "reward_chosen",
+        "reward_rejected",
+        "reward_margin",
+        "pref_accuracy",
+        "logp_chosen",
+        "logp_rejected",
+    ),
+    "orpo": (
+        "nll_chosen",
+        "log_odds_ratio",
+        "or_term",
+        "pref_accuracy",
+        "logp_chosen",
+        "logp_rejected",
+    ),
+}
+
+
+def row_logps(model, h: mx.array, positions, labels, weights, chunk: int = 0):
+    """(summed log-prob, trained-token count) of each row of final-normed states h [B, T, D] at
+    its trained `positions` (flat indices into B*T), both [B] float32. `chunk` > 0 runs the LM
+    head over that many positions at a time under `mx.checkpoint` (as losses.head_ce)."""
+    from mlxlab.train.losses import lm_head, token_ce
+
+    b, t = h.shape[0], h.shape[1]
+    flat = h.reshape(-1, h.shape[-1])[positions]
+    n = flat.shape[0]
+    if chunk <= 0 or chunk >= n:
+        ce = token_ce(lm_head(model, flat), labels)
+    else:
+        part = mx.checkpoint(lambda hc, lc: token_ce(lm_head(model, hc), lc))
+        ce = mx.concatenate(
+            [part(flat[i : i + chunk], labels[i : i + chunk]) for i in range(0, n, chunk)]
+        )
+    ce = ce.astype(mx.float32) * weights
+    # rows by a one-hot product: a fixed summation order, the same in every backward mode
+    onehot = (positions[:, None] // t == mx.arange(b)[None, :]).astype(mx.float32)
+    return -(ce @ onehot), weights @ onehot
+
+
+@dataclass(frozen=True)
+class PairObjective:
+    """DPO or ORPO over batches of pairs (data/batches.py: rows 2k, 2k+1 are pair k's chosen and
+    rejected sides; DPO's batches carry the reference's summed log-prob per row)."""
+
+    kind: str  # dpo | orpo
+    beta: float = 0.1
+    dpo_loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    lam: float = 0.1
+
+    @classmethod
+    def from_config(cls, cfg) -> PairObjective | None:
+        """From a TrainConfig; None for SFT."""
+        if cfg.objective == "sft":
+            return None
+        return cls(
+            cfg.objective,
+            cfg.dpo.beta,
+            cfg.dpo.loss,
+            cfg.dpo.label_smoothing,
+            cfg.orpo.lam,
+        )
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return METRICS[self.kind]
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kind == "dpo"
+
+    def head(self, model, h, positions, labels, weights, ref=None, chunk: int = 0):
+        """(loss, trained tokens, metrics [len(self.metrics)]) from final-normed states h."""
+        sums, counts = row_logps(model, h, positions, labels, weights, chunk)
+        pi_c, pi_r, n_c, n_r = sums[0::2], sums[1::2], counts[0::2], counts[1::2]
+        if self.kind == "dpo":
+            if ref is None:
+                raise ValueError("DPO needs the reference log-probs of the batch's rows")
+            loss, m = dpo(
+                pi_c,
+                pi_r,
+                ref[0::2],
+                ref[1::2],
+                self.beta,
+                self.dpo_loss,
+                self.label_smoothing,
+                n_c,
+                n_r,
+            )
+        else:
+            loss, m = orpo(pi_c, pi_r, n_c, n_r, self.lam)
+        return loss, weights.sum(), mx.stack([m[k] for k in self.metrics])
+
+    def loss(self, model, inputs, positions, labels, weights, ref=None, head_chunk: int = 0):
+        """The whole forward and the head (full backward, validation)."""
+        from mlxlab.train.losses import hidden_states
+
+        return self.head(
+            model, hidden_states(model, inputs), positions, labels, weights, ref, head_chunk
+        )
+
+
+@contextmanager
+def adapters_off(model):
+    """The base model: every LoRA layer's scale set to 0 (its output is then the base linear's,
+    exactly: y + 0 * z), restored on exit. No second copy of any weight."""
+    from mlxlab.lora.apply import lora_modules
+
+    modules = [m for _, m in lora_modules(model)]
+    saved = [m.scale for m in modules]
+    try:
+        for m in modules:
+            m.scale = 0.0
+        yield model
+    finally:
+        for m, s in zip(modules, saved, strict=True):
+            m.scale = s
+
+
+def reference_logps(model, batch) -> mx.array:
+    """The reference model's (adapters off, eval mode) summed response log-prob of each row of a
+    batch of pairs, [B] float32, evaluated and without a graph."""
+    from mlxlab.train.losses import hidden_states
+
+    was_training = model.training
+    model.eval()
+    try:
+        with adapters_off(model):
+            h = hidden_states(model, batch.inputs)
+            sums, _ = row_logps(model, h, batch.positions, batch.labels, batch.weights)
+            sums = mx.stop_gradient(sums)
+            mx.eval(sums)
+    finally:
+        model.train(was_training)
+    return sums
+
+
+def precompute_reference(model, sampler, path) -> None:
+    """Give `sampler` (of pairs) the reference log-prob of every example it batches, computed
+    once over its batches (the shapes training sees, so the values equal a per-batch
+    computation) and written to `path` (JSON); a later run (resume) reads `path` instead."""
+    import json
+    from pathlib import Path
+
+    from mlxlab.fsutil import atomic_write_text
+
+    path = Path(path)
+    n = len(sampler.examples)
+    if path.is_file():
+        ref = json.loads(path.read_text())
+        if len(ref) == n:
+            sampler.set_reference([float("nan") if v is None else v for v in ref])
+            return
+    ref: list = [None] * n
+    for group in sampler.groups:
+        order = [i for unit in group for i in unit]
+        batch = sampler._collate(group)
+        for i, v in zip(order, reference_logps(model, batch).tolist(), strict=True):
+            ref[i] = v
+    atomic_write_text(path, json.dumps(ref) + "\n")
+    sampler.set_reference([float("nan") if v is None else v for v in ref])

@@ -54,8 +54,8 @@ def full_backward(model, loss_fn=response_ce, compile: bool = True) -> GradFn:
     loss_and_grad = nn.value_and_grad(model, loss_fn)
 
     def step(*arrays):
-        (loss, ntoks), grads = loss_and_grad(model, *arrays)
-        return loss, ntoks, grads
+        (loss, ntoks, *aux), grads = loss_and_grad(model, *arrays)
+        return (loss, ntoks, grads, *aux)
 
     if compile:
         state = [model.state, mx.random.state]
@@ -107,21 +107,26 @@ def make_optimizer(cfg: OptimConfig, iters: int) -> optim.Optimizer:
 
 def train_step(
     model, optimizer, grad_fn: GradFn, batches: list[Batch], grad_clip: float | None, step: int
-) -> tuple[float, float]:
-    """One optimizer step over `batches` (gradient accumulation); returns (loss, grad norm).
+) -> tuple[float, float, list[float] | None]:
+    """One optimizer step over `batches` (gradient accumulation); returns (loss, grad norm,
+    the objective's metrics or None).
 
-    Micro-batch gradients are weighted by their token counts, so the step equals one over
-    the concatenated batch. A non-finite loss or gradient raises before any update.
+    Micro-batch gradients are weighted by their token counts (pairs, for a preference
+    objective), so the step equals one over the concatenated batch. A non-finite loss or
+    gradient raises before any update.
     """
-    total = sum(b.ntoks for b in batches)
-    loss_sum, acc = mx.array(0.0), None
-    for b in batches:
-        loss, _, grads = grad_fn(model, b)
-        w = b.ntoks / total
+    sizes = [b.inputs.shape[0] // 2 if b.pairs else b.ntoks for b in batches]
+    total = sum(sizes)
+    loss_sum, acc, metrics = mx.array(0.0), None, None
+    for b, size in zip(batches, sizes, strict=True):
+        loss, _, grads, *aux = grad_fn(model, b)
+        w = size / total
         grads = tree_map(lambda g, w=w: g * w, grads)
         acc = grads if acc is None else tree_map(mx.add, acc, grads)
         loss_sum = loss_sum + loss * w
-        mx.eval(loss_sum, acc)
+        if aux:
+            metrics = aux[0] * w if metrics is None else metrics + aux[0] * w
+        mx.eval(loss_sum, acc, metrics)
     if grad_clip:
         acc, norm = optim.clip_grad_norm(acc, grad_clip)
     else:
@@ -134,17 +139,19 @@ def train_step(
         )
     optimizer.update(model, acc)
     mx.eval(model.parameters(), optimizer.state)
-    return loss_value, norm_value
+    return loss_value, norm_value, None if metrics is None else metrics.tolist()
 
 
 def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce) -> float:
-    """Token-weighted mean loss over the validation batches (dropout off)."""
+    """Mean loss over the validation batches (dropout off), weighted by trained tokens (by pairs
+    for a preference objective's `loss_fn`, which then takes the batch's reference log-probs)."""
     model.eval()
     total, weighted = 0, 0.0
     for b in sampler.one_pass(limit):
-        loss, ntoks = loss_fn(model, *b.arrays())
-        weighted += loss.item() * b.ntoks
-        total += b.ntoks
+        loss = loss_fn(model, *b.arrays())[0]
+        size = b.inputs.shape[0] // 2 if b.pairs else b.ntoks
+        weighted += loss.item() * size
+        total += size
     model.train()
     return weighted / max(total, 1)
 
@@ -286,7 +293,14 @@ def train(
 
     Resumes from the newest checkpoint in `run_dir` when cfg.resume is set.
     """
-    grad_fn = grad_fn or full_backward(model, compile=cfg.compile)
+    from mlxlab.train.objectives import PairObjective
+
+    objective = PairObjective.from_config(cfg)
+    val_loss = response_ce if objective is None else objective.loss
+    if grad_fn is None:
+        if objective is not None:
+            raise ValueError("a preference objective needs its grad_fn (backward.make_grad_fn)")
+        grad_fn = full_backward(model, compile=cfg.compile)
     optimizer = make_optimizer(cfg.optim, cfg.iters)
     optimizer.init(model.trainable_parameters())
     start = 0
@@ -306,13 +320,15 @@ def train(
     window_flops = run_flops = 0.0
     try:
         if valid_sampler is not None and start == 0 and cfg.val_every:
-            val = evaluate(model, valid_sampler, cfg.val_batches)
+            val = evaluate(model, valid_sampler, cfg.val_batches, val_loss)
             run_log.metrics({"step": 0, "val_loss": val}, show=True)
             summary["initial_val_loss"] = val
         for step in range(start + 1, cfg.iters + 1):
             batches = [train_sampler.next() for _ in range(cfg.grad_accum)]
             mx.random.seed(cfg.seed * 1_000_003 + step)  # dropout stream of this step
-            loss, norm = train_step(model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step)
+            loss, norm, aux = train_step(
+                model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step
+            )
             lr = optimizer.learning_rate.item()  # the rate this step used
             step_tokens = sum(sum(b.lengths) for b in batches)  # real tokens, no padding
             tokens += step_tokens
@@ -325,6 +341,8 @@ def train(
                 "tokens": step_tokens,
                 "trained_tokens": sum(b.ntoks for b in batches),
             }
+            if aux is not None and objective is not None:
+                record.update(zip(objective.metrics, aux, strict=True))
             if shapes is not None:
                 f = sum(
                     step_flops(
@@ -349,7 +367,7 @@ def train(
                 and (step % cfg.val_every == 0 or step == cfg.iters)
             ):
                 record["val_loss"] = summary["val_loss"] = evaluate(
-                    model, valid_sampler, cfg.val_batches
+                    model, valid_sampler, cfg.val_batches, val_loss
                 )
             run_log.metrics(record, show="tok_per_s" in record or "val_loss" in record)
             summary["loss"] = loss
