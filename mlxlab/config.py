@@ -574,6 +574,12 @@ class DiagConfig:
     when that is lossless, as for zoo models: half the bytes of the step's largest read, for
     half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
     rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    objective: str = "sft"
+    """parity: the loss checked: sft (against mlx-lm's default_loss), dpo or orpo (on one pair,
+    against a straightforward implementation on mlx-lm's model: per-token log-probs from its
+    __call__, the published formulas, mx.value_and_grad)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
     out: str = "diag"
     """Report path prefix: <out>_<action>.json (and .png)."""
 
@@ -581,6 +587,7 @@ class DiagConfig:
         check_choice(
             "action", self.action, ("parity", "leak", "memory", "decode", "profile"), "diag action"
         )
+        check_choice("objective", self.objective, ("sft", "dpo", "orpo"))
         if self.batch_size < 1 or self.steps_timed < 1:
             raise UserError("batch_size and steps_timed must be >= 1")
         if not 0.0 < self.trained <= 1.0:

@@ -12,6 +12,12 @@ In float32 on the CPU mlxlab trains on compiled kernels (the loss head's cross-e
 the checks against mlx-lm run with them off (`kernels.off("train")`), so they can be bit for bit,
 and `kernel_checks` then hold the kernels' loss and gradients to MLX's ops (max_rel 1e-4).
 
+With `objective=dpo|orpo` the checks are on one preference pair instead (`_pair_parity`):
+mlxlab's pair loss, metrics and LoRA gradients against a straightforward implementation on
+mlx-lm's model (per-token log-probs from its `__call__`, the reference from a second mlx-lm copy
+without the adapter, the published formulas, `nn.value_and_grad`), and the segmented and
+checkpointed backward against the full one.
+
 Losses are compared on unpadded single sequences: there mlx-lm's `default_loss` trains the
 same tokens as ours. On padded batches it also counts one padding position per sequence (its
 mask is `steps <= length`); the report shows that count beside ours.
@@ -50,6 +56,12 @@ def _random_adapter(model, out: Path, seed: int = 0) -> Path:
 def run(cfg: DiagConfig, verbose: bool = True) -> dict:
     from mlxlab import kernels
 
+    if cfg.objective != "sft":
+        with kernels.off("train"):
+            report = _pair_parity(cfg)
+        if verbose:
+            print_table(report)
+        return report
     with kernels.off("train"):
         report, batch, ours, grads = _against_mlx_lm(cfg)
     report["kernel_checks"] = [c.to_dict() for c in _kernel_checks(cfg, ours, batch, grads)]
@@ -216,7 +228,8 @@ def _against_mlx_lm(cfg: DiagConfig):
 
 def print_table(report: dict) -> None:
     print(
-        f"parity: {report['model']} ({report['dtype']}), {report['length']} tokens, "
+        f"parity{' ' + report['objective'] if report.get('objective') else ''}: "
+        f"{report['model']} ({report['dtype']}), {report['length']} tokens, "
         f"gates max_ulp={report['gates']['max_ulp']} max_rel={report['gates']['max_rel']:g}"
     )
     print(f"{'check':<30}{'verdict':<22}{'max abs':>11}{'rel norm':>11}  gate  note")
@@ -225,7 +238,11 @@ def print_table(report: dict) -> None:
             f"{c['name']:<30}{c['verdict']:<22}{c['max_abs']:>11.2e}{c['rel_norm']:>11.2e}  "
             f"{'pass' if c['passed'] else 'FAIL'}  {c['note']}"
         )
-    tc = report["token_counts"]
+    tc = report.get("token_counts")
+    if tc is None:
+        print("metrics: " + ", ".join(f"{k} {v:.6g}" for k, v in report["metrics"].items()))
+        log.info("PASS" if report["passed"] else "FAIL")
+        return
     print(
         "trained tokens (ours / mlx-lm unpadded / mlx-lm padded batch): "
         + ", ".join(
@@ -234,3 +251,141 @@ def print_table(report: dict) -> None:
         )
     )
     log.info("PASS" if report["passed"] else "FAIL")
+
+
+PAIR_MAX_REL = 1e-4  # ours vs the straightforward pair loss: float rounding, other orders
+
+
+def _straight_logp(model, ids, offset: int):
+    """(summed log-prob of ids[offset:], their count) from the model's own __call__: the
+    log-softmax of the whole sequence's full logits, gathered at the next tokens."""
+    x = mx.array(ids)[None]
+    logits = model(x[:, :-1]).astype(mx.float32)[0]
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    targets = mx.array(ids[1:])
+    picked = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    return picked[offset - 1 :].sum(), float(len(ids) - offset)
+
+
+def _straight_pair_loss(policy, reference, ids_c, ids_r, offset: int, cfg: DiagConfig):
+    """The pair loss written out plainly on mlx-lm models (`_straight_logp`, the paper's
+    formula)."""
+
+    def logp(model, ids):
+        return _straight_logp(model, ids, offset)
+
+    (pc, nc), (pr, nr) = logp(policy, ids_c), logp(policy, ids_r)
+    if cfg.objective == "orpo":
+        mc, mr = pc / nc, pr / nr
+        odds = (mc - mx.log(1 - mx.exp(mc))) - (mr - mx.log(1 - mx.exp(mr)))
+        return -pc / nc - cfg.orpo.lam * nn.log_sigmoid(odds)
+    (rc, _), (rr, _) = logp(reference, ids_c), logp(reference, ids_r)
+    rc, rr = mx.stop_gradient(rc), mx.stop_gradient(rr)
+    beta = cfg.dpo.beta
+    if cfg.dpo.loss == "ipo":
+        h = (pc / nc - pr / nr) - (rc / nc - rr / nr)
+        return (h - 1 / (2 * beta)) ** 2
+    h = beta * ((pc - pr) - (rc - rr))
+    eps = cfg.dpo.label_smoothing
+    return -(1 - eps) * nn.log_sigmoid(h) - eps * nn.log_sigmoid(-h)
+
+
+def _pair_parity(cfg: DiagConfig) -> dict:
+    """DPO / ORPO on one pair (chosen = real text, rejected = the same prompt and the chosen
+    response's tokens reversed, the same length): mlxlab's trainer path vs `_straight_pair_loss`."""
+    import dataclasses
+
+    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import load_adapters
+
+    from mlxlab.data.batches import BatchSampler
+    from mlxlab.data.datasets import Example
+    from mlxlab.lora import io as lora_io
+    from mlxlab.models.zoo import load, resolve
+    from mlxlab.runtime import resolve_dtype
+    from mlxlab.train import backward as bw
+    from mlxlab.train.objectives import PairObjective, reference_logps
+    from mlxlab.train.trainer import full_backward
+
+    gate = {"max_ulp": cfg.max_ulp, "max_rel": cfg.max_rel}
+    path = resolve(cfg.model)
+    dtype = resolve_dtype(cfg.dtype)
+    ours, tokenizer = load(str(path), cfg.dtype, decode_head="exact")
+    policy, _ = mlx_lm_load(str(path))
+    reference, _ = mlx_lm_load(str(path))
+    ids_c = text_ids(tokenizer, cfg.length)
+    offset = len(ids_c) // 2
+    ids_r = ids_c[:offset] + ids_c[offset:][::-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = Path(cfg.adapter) if cfg.adapter else _random_adapter(ours, Path(tmp) / "adapter")
+        lora_io.load(ours, adapter)
+        policy.freeze()
+        load_adapters(policy, str(adapter))
+    for m in (ours, policy, reference):
+        m.set_dtype(dtype)
+        mx.eval(m.parameters())
+    objective = PairObjective(
+        cfg.objective, cfg.dpo.beta, cfg.dpo.loss, cfg.dpo.label_smoothing, cfg.orpo.lam
+    )
+    sampler = BatchSampler(
+        [Example(ids_c, offset), Example(ids_r, offset)], 1, 0, shuffle=False, pairs=True
+    )
+    batch = next(sampler.one_pass())
+    if objective.needs_reference:
+        batch = dataclasses.replace(batch, ref=reference_logps(ours, batch))
+    for m in (ours, policy, reference):
+        m.train(False)  # no dropout on either side
+    loss, _, grads, metrics = full_backward(ours, objective.loss, compile=False)(ours, batch)
+
+    def straight(model):
+        return _straight_pair_loss(model, reference, ids_c, ids_r, offset, cfg)
+
+    their_loss, their_grads = nn.value_and_grad(policy, straight)(policy)
+    # The straightforward side differentiates a log-softmax over every position's full logits;
+    # ours, the response positions' cross-entropy: the same sums in other orders. Each
+    # sequence's log-prob agrees to float rounding (max_rel 1e-6); DPO's loss subtracts four
+    # such sums of similar size, which scales their rounding up (PAIR_MAX_REL).
+    loose = {"max_ulp": cfg.max_ulp, "max_rel": max(cfg.max_rel, PAIR_MAX_REL)}
+    index = {k: i for i, k in enumerate(objective.metrics)}
+    ours_logp = mx.stack([metrics[index["logp_chosen"]], metrics[index["logp_rejected"]]])
+    if objective.kind == "orpo":  # ORPO's metrics are per-token means
+        ours_logp = ours_logp * (len(ids_c) - offset)
+    plain = mx.stack([_straight_logp(policy, ids, offset)[0] for ids in (ids_c, ids_r)])
+    checks = [
+        compare(
+            "response log-probs vs plain", ours_logp, plain, cfg.max_ulp, max(cfg.max_rel, 1e-6)
+        ),
+        compare(f"{cfg.objective} loss vs plain", loss, their_loss, **loose),
+        compare(
+            f"{cfg.objective} grads vs plain",
+            dict(tree_flatten(grads)),
+            dict(tree_flatten(their_grads)),
+            **loose,
+        ),
+    ]
+    for size in cfg.segment_sizes:
+        plan = bw.plan_by_size(len(ours.layers), size)
+        _, _, seg, seg_metrics = bw.segmented_backward(ours, plan, objective=objective)(ours, batch)
+        c = compare(
+            f"segmented size {size} vs full",
+            dict(tree_flatten(seg)),
+            dict(tree_flatten(grads)),
+            **gate,
+        )
+        if not bool(mx.array_equal(seg_metrics, metrics).item()):
+            c.passed, c.note = False, "metrics differ"
+        checks.append(c)
+    _, _, ck, _ = bw.checkpointed_backward(ours, objective=objective)(ours, batch)
+    checks.append(
+        compare("checkpointed vs full", dict(tree_flatten(ck)), dict(tree_flatten(grads)), **gate)
+    )
+    return {
+        "model": cfg.model,
+        "dtype": str(dtype),
+        "length": len(ids_c),
+        "objective": cfg.objective,
+        "gates": gate,
+        "passed": all(c.passed for c in checks),
+        "checks": [c.to_dict() for c in checks],
+        "metrics": dict(zip(objective.metrics, metrics.tolist(), strict=True)),
+    }
