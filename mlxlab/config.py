@@ -25,8 +25,19 @@ DECODE_HEADS = ("auto", "exact", "bfloat16")
 """What the LM head reads at decode on the CPU (models/fastdecode.py: use_head_dtype)."""
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes a converted model's weights are stored in."""
-MEMORY_MODES = ("full", "checkpoint", "segN", "segNhC", "auto", "mlx_lm", "mlx_lm_gc")
-"""`diag memory` modes; segN is seg1, seg2, ... (segments of N layers)."""
+MEMORY_MODES = (
+    "full",
+    "checkpoint",
+    "segN",
+    "segNhC",
+    "auto",
+    "mlx_lm",
+    "mlx_lm_gc",
+    "dpo-MODE",
+    "orpo-MODE",
+)
+"""`diag memory` modes; segN is seg1, seg2, ... (segments of N layers); dpo-MODE / orpo-MODE:
+a preference step (one pair, each side as long as the length) in mlxlab's MODE."""
 
 
 def config_dir() -> Path:
@@ -61,7 +72,11 @@ def optimizer_names() -> list[str]:
 
 def is_memory_mode(mode) -> bool:
     """Whether `mode` is one of MEMORY_MODES (segN: seg1, seg2, ...; segNhC: the loss head in
-    chunks of C positions, e.g. seg2h256)."""
+    chunks of C positions, e.g. seg2h256; dpo-seg4, orpo-full: a preference step)."""
+    if isinstance(mode, str) and mode.startswith(("dpo-", "orpo-")):
+        mode = mode.split("-", 1)[1]
+        if mode.startswith("mlx_lm"):
+            return False
     return isinstance(mode, str) and (
         mode in ("full", "checkpoint", "auto", "mlx_lm", "mlx_lm_gc")
         or re.fullmatch(r"seg[1-9]\d*(h[1-9]\d*)?", mode) is not None

@@ -11,6 +11,8 @@ mlx-lm's own step with its grad checkpointing, what `mlx_lm.lora --grad-checkpoi
 same dtype and BLAS. Prints the table and the ratios at the longest length: segmented peak vs
 mlx-lm's grad-checkpoint peak (target <= 0.5x) and segmented time vs the full backward
 (target <= 1.3x). Writes <out>.json, <out>.md (the table) and <out>.png.
+
+A preference step: `--modes dpo-full dpo-seg4 orpo-seg4` (one pair, each side L tokens).
 """
 
 from __future__ import annotations

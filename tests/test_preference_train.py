@@ -296,3 +296,16 @@ def test_killed_dpo_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_p
     assert (out / "adapter" / "adapters.safetensors").read_bytes() == (
         tmp_path / "ref" / "adapter" / "adapters.safetensors"
     ).read_bytes()
+
+
+def test_memory_harness_takes_preference_modes(tiny_dir):
+    from mlxlab.config import DiagConfig, UserError, is_memory_mode
+    from mlxlab.diag import memory
+
+    assert is_memory_mode("dpo-seg4") and is_memory_mode("orpo-full")
+    assert not is_memory_mode("dpo-mlx_lm") and not is_memory_mode("kto-full")
+    with pytest.raises(UserError, match="memory mode"):
+        DiagConfig(action="memory", modes=["dpo-mlx_lm_gc"])
+    tiny_dir("llama")
+    r = memory.worker("tiny-llama", "dpo-seg2", 64, 1, "auto", 1.6)
+    assert r["s_per_step"] > 0 and r["peak_gb"] > 0

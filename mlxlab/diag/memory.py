@@ -6,6 +6,9 @@ One LoRA step (rank 8 on q k v o gate up down of every layer, AdamW) on one sequ
 text whose last quarter is the response. Each (mode, length) runs in its own process after a
 warm-up step, so peaks never mix. Modes:
   full, checkpoint, segN, auto   mlxlab's backward modes (auto: plan=auto at `target_gb`)
+  dpo-MODE, orpo-MODE            a DPO / ORPO step in MODE on one pair, each side `length` tokens
+                                 (the rejected side: the same prompt, its response reversed); the
+                                 DPO reference log-probs are precomputed, as dpo.precompute_ref
   segNhC                         segments of N with the loss head in chunks of C positions
   mlx_lm, mlx_lm_gc              mlx-lm's own step: nn.value_and_grad(model, default_loss),
                                  plain or with mlx_lm.tuner.trainer.grad_checkpoint on the layers
@@ -46,6 +49,23 @@ def worker(
     offset = length - length // 4
     model, ids, batch = training_setup(model_name, dtype, length, offset)
     optimizer = trainer.make_optimizer(OptimConfig(lr=1e-5), 100)
+    objective = None
+    if mode.startswith(("dpo-", "orpo-")):
+        import dataclasses
+
+        from mlxlab.data.batches import BatchSampler
+        from mlxlab.data.datasets import Example
+        from mlxlab.train.objectives import PairObjective, reference_logps
+
+        kind, mode = mode.split("-", 1)
+        objective = PairObjective(kind)
+        rejected = ids[:offset] + ids[offset:][::-1]  # the same prompt, a scrambled response
+        sampler = BatchSampler(
+            [Example(ids, offset), Example(rejected, offset)], 1, 0, shuffle=False, pairs=True
+        )
+        batch = next(sampler.one_pass())
+        if objective.needs_reference:
+            batch = dataclasses.replace(batch, ref=reference_logps(model, batch))
     if mode.startswith("mlx_lm"):
         from mlx_lm.tuner.trainer import default_loss, grad_checkpoint
 
@@ -67,7 +87,8 @@ def worker(
             )
         else:
             cfg = BackwardConfig(mode=mode)
-        grad_fn, _ = bw.make_grad_fn(model, cfg, (1, length), compile=False)
+        rows = 2 if objective is not None else 1
+        grad_fn, _ = bw.make_grad_fn(model, cfg, (rows, length), compile=False, objective=objective)
     trainer.train_step(model, optimizer, grad_fn, [batch], 1.0, 1)
     mx.synchronize()
     mx.clear_cache()
