@@ -509,3 +509,13 @@ def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tm
     assert "constrained" not in ev.evaluate_model(
         model, tokenizer, records, EvalSettings(max_tokens=2), tmp_path / "plain.jsonl", "tiny"
     )
+
+
+def test_multi_topic_f1_leaves_out_one_topic_cases():
+    one = {"boundary_f1": 1.0, "gold_chunks": 1, "wellformed": 100.0}
+    two = {"boundary_f1": 0.5, "gold_chunks": 2, "wellformed": 100.0}
+    three = {"boundary_f1": 0.0, "gold_chunks": 3, "wellformed": 100.0}
+    s = ev.summarize([one, two, three])
+    assert s["boundary_f1"] == pytest.approx(0.5) and s["boundary_f1_multi"] == 0.25
+    assert s["multi_cases"] == 2 and "boundary_f1_multi" not in ev.summarize([one])
+    assert "| F1 multi-topic |" in ev.table({"m": {**s, "schema": 1, "anchors": 1, "labels": 1}})

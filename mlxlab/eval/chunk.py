@@ -445,6 +445,10 @@ def summarize(rows: list[dict]) -> dict:
         if values:
             out[k] = sum(values) / len(values)
     out["windowed_cases"] = sum(r.get("windows", 1) > 1 for r in rows)
+    multi = [r["boundary_f1"] for r in rows if r.get("gold_chunks", 0) >= 2]
+    if multi:  # on a one-topic case any one-chunk answer has F1 1: these are the telling ones
+        out["boundary_f1_multi"] = sum(multi) / len(multi)
+        out["multi_cases"] = len(multi)
     return out
 
 
@@ -456,10 +460,10 @@ def table(summaries: dict[str, dict]) -> str:
     """A markdown table, one row per evaluated model; a summary's "constrained" entry (the same
     model decoded under the answer schema) is the row below it, "<name>, constrained"."""
     head = (
-        "| model | cases | ref | strict | boundary F1 | exact chunks | label F1 | memorized "
-        "labels | schema | anchors | labels |"
+        "| model | cases | ref | strict | boundary F1 | F1 multi-topic | exact chunks | label F1 "
+        "| memorized labels | schema | anchors | labels |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     rows = []
     for name, s in summaries.items():
         rows.append((name, s))
@@ -468,7 +472,8 @@ def table(summaries: dict[str, dict]) -> str:
     for name, s in rows:
         lines.append(
             f"| {name} | {s['cases']} | {_fmt(s.get('ref'))} | {s['wellformed']:.1f} | "
-            f"{_fmt(s.get('boundary_f1'), 3)} | {_fmt(s.get('exact_match'), 3)} | "
+            f"{_fmt(s.get('boundary_f1'), 3)} | {_fmt(s.get('boundary_f1_multi'), 3)} | "
+            f"{_fmt(s.get('exact_match'), 3)} | "
             f"{_fmt(s.get('label_f1'), 3)} | {_fmt(s.get('memorized_labels'), 3)} | "
             f"{s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |"
         )
@@ -797,6 +802,8 @@ def evaluate(
             ) / len(ws)
         row["output"] = text
         row["prompt_tokens"] = sum(len(windows[k].prompt) for k in mine)
+        if case.get("chunks") is not None:
+            row["gold_chunks"] = len(case["chunks"])
         row.update(score_case(text, uuids, case.get("chunks"), conv).to_dict())
         if train_labels is not None:
             obj = extract_json_ref(text)
