@@ -314,10 +314,12 @@ class ChunkDataConfig:
     max_message_chars: int = 12000
     """A message's text is cut to this many characters."""
     window_chars: int = 4000
-    """A training example's messages take at most this many characters (4000: <= ~1,750 Gemma 3
-    tokens at the data's densest 2.3 characters a token, so an example and its answer fit
-    data.max_seq_length=2048); a longer conversation becomes overlapping windows
-    (mlxlab/data/chunk.py `windows`), as evaluation reads it."""
+    """A training example's messages take at most this many characters; a longer conversation
+    becomes overlapping windows (mlxlab/data/chunk.py `windows`). Evaluation reads a long
+    conversation in windows too, in tokens (EvalSettings.max_prompt_tokens: by default the
+    longest training prompt). 4000 for seed 0: the longest training example with its answer is
+    2,042 Gemma 3 tokens, within data.max_seq_length=2048 (chunk_seg4 sets on_too_long=error,
+    so another setting that overflows stops at load time instead of cutting an answer)."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
 
@@ -375,9 +377,10 @@ class EvalSettings:
     ones, which stay the headline. Doubles the evaluation time."""
     max_prompt_tokens: int = 0
     """A conversation whose prompt is longer is read in windows of consecutive messages of at
-    most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: the
-    windows the adapter's chunk-task run used (its run directory's config.yaml), else what the
-    model's context leaves after max_tokens, at most 8192."""
+    most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: in a
+    chunk-task run, and in `eval chunk` with an adapter from one, the run's setting or else the
+    longest prompt among its training examples (windows as long as it trained on); otherwise
+    what the model's context leaves after max_tokens, at most 8192."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
 
@@ -438,6 +441,8 @@ class DPOConfig:
             raise UserError(f"dpo.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise UserError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise UserError("dpo.label_smoothing applies to dpo.loss=sigmoid only")
 
 
 @dataclass
@@ -445,7 +450,8 @@ class ORPOConfig:
     """ORPO (`objective=orpo`): SFT on the chosen response plus the odds-ratio term."""
 
     lam: float = 0.1
-    """Weight of the odds-ratio term (the paper's lambda; `orpo.lambda=` sets it too)."""
+    """Weight of the odds-ratio term (the paper's lambda; on the command line `orpo.lambda=`
+    sets it too)."""
 
     def __post_init__(self):
         if self.lam < 0:
@@ -492,7 +498,9 @@ class TrainConfig:
     """wandb project name."""
     objective: str = "sft"
     """sft (data: chat, completions or text) | dpo | orpo (data: preference pairs,
-    mlxlab/data/preference.py; batch_size counts pairs)."""
+    mlxlab/data/preference.py; batch_size counts pairs; the prompt is always masked and a
+    record's `tools` are not used). The policy keeps lora.dropout (0 by default) in training;
+    DPO's reference runs without it."""
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

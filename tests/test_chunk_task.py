@@ -84,7 +84,9 @@ def test_windows_cover_in_order_within_budget_and_overlap():
     ws = data.windows(costs, budget=10, overlap=1)
     assert ws[0][0] == 0 and ws[-1][1] == len(costs) - 1
     for (a0, b0), (a1, b1) in zip(ws, ws[1:], strict=False):
-        assert a0 < a1 <= b0 + 1 and b1 > b0  # forward, overlapping by at most one message
+        assert a0 < a1 and b1 > b0 and a1 in (b0, b0 + 1)  # forward, sharing at most one message
+        if costs[b0] + costs[b0 + 1] <= 10:
+            assert a1 == b0  # the shared message fits with the next one: it is shared
     for a, b in ws:
         assert sum(costs[a : b + 1]) <= 10 or a == b  # an over-long message is a window alone
     assert data.windows([1, 1, 1], budget=10, overlap=2) == [(0, 2)]
@@ -103,7 +105,7 @@ def test_training_examples_are_windows_with_clipped_gold():
     seen = []
     for ex in examples:
         body = ex["messages"][0]["content"].split("\n\n", 2)[2]
-        assert len(body) <= cfg.window_chars + 100 * len(examples)
+        assert len(body) <= cfg.window_chars  # each block's cost counts its separator
         shown_ids = [m for m in re.findall(r"\(uuid: ([0-9a-f-]+)\)", body)]
         gold = json.loads(ex["messages"][1]["content"])["chunks"]
         assert gold[0]["start_message_uuid"] == shown_ids[0]  # clipped to the window
@@ -248,8 +250,35 @@ def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
     broken = perfect[:]
     broken[3] = "I cannot do that"
     starts, labels, failed = ev.merge_windows(windows, broken, len(uuids), case["uuid"])
-    assert failed == 1 and None in labels.values()
-    assert starts[0] == 0 and sorted(set(starts)) == starts
+    assert failed == 1 and starts[0] == 0 and sorted(set(starts)) == starts
+    own = (windows[2].last + windows[3].first + 2) // 2  # where window 3 takes over
+    after = (windows[3].last + windows[4].first + 2) // 2  # and window 4
+    assert labels[own] is None and [s for s in starts if own < s < after] == []
+    assert after in starts and labels[after] is not None  # window 4 starts its own chunk
+
+
+def _window(first: int, last: int, uuids: list[str]):
+    return ev.Window(0, first, last, uuids[first : last + 1], [])
+
+
+def test_merging_windows_without_overlap():
+    """Windows 0-3 and 4-7 share nothing: a chunk that starts with the second window is a new
+    one only under another label."""
+    uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(8)]
+    ws = [_window(0, 3, uuids), _window(4, 7, uuids)]
+
+    def answer(*chunks):
+        return json.dumps(
+            {"chunks": [{"start_message_uuid": uuids[a], "end_message_uuid": uuids[b], "label": x}
+                        for a, b, x in chunks]}
+        )  # fmt: skip
+
+    same = [answer((0, 3, "Sorting in NumPy")), answer((4, 7, "sorting in numpy"))]
+    starts, labels, _ = ev.merge_windows(ws, same, 8, None)
+    assert starts == [0] and labels[0] == "Sorting in NumPy"
+    other = [answer((0, 3, "Sorting in NumPy")), answer((4, 5, "JSON parsing"), (6, 7, "Regex"))]
+    starts, labels, _ = ev.merge_windows(ws, other, 8, None)
+    assert starts == [0, 4, 6] and labels[4] == "JSON parsing"
 
 
 def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
@@ -310,16 +339,31 @@ def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
             ev.read_split(path, EvalSettings())
 
 
-def test_an_adapter_from_a_task_run_sets_the_window_budget(tmp_path):
-    from mlxlab.eval.cli import trained_window
+def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
+    from mlx_lm.utils import load
 
+    from mlxlab.eval.cli import task_run, trained_window
+
+    _, tokenizer = load(str(tiny_dir("gemma3")))
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)
-    assert trained_window(run / "adapter") == 0
+    assert task_run(run / "adapter") is None  # no config.yaml: not a task run
     (run / "config.yaml").write_text("task:\n  eval:\n    max_prompt_tokens: 1800\n")
-    assert trained_window(run / "adapter") == 1800
-    (run / "config.yaml").write_text("task: [not, a, mapping]\n")
-    assert trained_window(run / "adapter") == 0
+    assert task_run(run / "adapter") == run and trained_window(run, tokenizer) == 1800
+    # unset: the longest training prompt of the run's own dataset
+    data.write_dataset(run / "data", ChunkDataConfig(train=4, valid=1, test=1))
+    (run / "config.yaml").write_text("task:\n  name: chunk\n")
+    longest = max(
+        len(
+            tokenizer.apply_chat_template(
+                json.loads(x)["messages"][:-1], add_generation_prompt=True
+            )
+        )
+        for x in (run / "data" / "train.jsonl").read_text().splitlines()
+    )
+    assert trained_window(run, tokenizer) == longest == ev.training_window(run / "data", tokenizer)
+    (run / "config.yaml").write_text("model: x\n")  # a plain training run
+    assert task_run(run / "adapter") is None
 
 
 def test_claude_exports_are_read_as_cases(tmp_path):

@@ -41,6 +41,10 @@ def test_every_shape_gives_the_same_pair(record):
         ),
         ('{"prompt": [{"content": "x"}], "chosen": "a", "rejected": "b"}', r"prompt\[0\] must be"),
         ('{"prompt": "", "chosen": "a", "rejected": "b"}', "'prompt' is empty"),
+        (
+            '{"prompt": [{"role": "user", "content": 5}], "chosen": "a", "rejected": "b"}',
+            "must be a string or a list of parts",
+        ),
     ],
 )
 def test_bad_lines_are_named(tmp_path, line, message):
@@ -71,3 +75,32 @@ def test_offsets_mark_the_response_tokens(tiny_dir):
         assert side.ids[: side.offset] == head[: side.offset] and side.offset == len(head)
         assert tokenizer.decode(side.ids[side.offset :]).startswith(text)
     assert pair.chosen.ids[: pair.chosen.offset] == pair.rejected.ids[: pair.rejected.offset]
+
+
+def test_long_pairs_are_cut_or_refused(tiny_dir, tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxlab.config import DataConfig
+
+    _, tokenizer = load(str(tiny_dir("gemma3")))
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "Name a prime.", "chosen": "seven " * 200, "rejected": "8"}) + "\n"
+        + json.dumps({"prompt": "word " * 400, "chosen": "7", "rejected": "8"}) + "\n"
+    )  # fmt: skip
+    cut = preference.load_pair_split(path, tokenizer, DataConfig(max_seq_length=64))
+    assert cut.num_truncated == 1 and len(cut.examples) == 2  # the second pair keeps no response
+    assert all(len(e.ids) <= 64 for e in cut.examples)
+    with pytest.raises(UserError, match="exceed max_seq_length=64"):
+        preference.load_pair_split(
+            path, tokenizer, DataConfig(max_seq_length=64, on_too_long="error")
+        )
+
+
+def test_sft_on_a_preference_file_points_at_the_objective(tmp_path):
+    from mlxlab.data.datasets import read_records
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"messages": [USER], "chosen": "7", "rejected": "8"}) + "\n")
+    with pytest.raises(UserError, match="objective=dpo or objective=orpo"):
+        read_records(path)

@@ -245,6 +245,8 @@ def test_preference_config_errors(tmp_path):
         TrainConfig(objective="dpo", data=DataConfig(pack=True))
     with pytest.raises(UserError, match="dpo.beta"):
         _dpo(beta=0)
+    with pytest.raises(UserError, match="sigmoid only"):
+        _dpo(loss="ipo", label_smoothing=0.1)
     assert compose("train", ["objective=orpo", "orpo.lambda=0.5"]).orpo.lam == 0.5
 
 
@@ -287,11 +289,14 @@ def test_killed_dpo_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_p
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert 60 < max(losses(out)) < 120 and not (out / "adapter").exists()
+    ref_file = out / "reference_train.json"
+    written = ref_file.stat().st_mtime_ns
     resumed = subprocess.run(
         cmd(out, "resume=true"), env=env, capture_output=True, text=True, timeout=600
     )
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
+    assert ref_file.stat().st_mtime_ns == written  # read back, not recomputed
     assert losses(out) == losses(tmp_path / "ref")
     assert (out / "adapter" / "adapters.safetensors").read_bytes() == (
         tmp_path / "ref" / "adapter" / "adapters.safetensors"
@@ -309,3 +314,50 @@ def test_memory_harness_takes_preference_modes(tiny_dir):
     tiny_dir("llama")
     r = memory.worker("tiny-llama", "dpo-seg2", 64, 1, "auto", 1.6)
     assert r["s_per_step"] > 0 and r["peak_gb"] > 0
+
+
+def test_saved_reference_log_probs_must_match_the_data(tmp_path):
+    import json
+
+    from mlxlab.errors import UserError
+
+    model, examples = lora_model("llama", SHAPES)
+    sampler = B.BatchSampler(examples, 2, 0, shuffle=False, pairs=True)
+    path = tmp_path / "reference_train.json"
+    obj.precompute_reference(model, sampler, path, "tiny-llama")
+    first = list(sampler.ref)
+    obj.precompute_reference(model, sampler, path, "tiny-llama")  # read back
+    assert sampler.ref == first
+    other = B.BatchSampler(examples[2:] + examples[:2], 2, 0, shuffle=False, pairs=True)
+    with pytest.raises(UserError, match="other data or another model"):
+        obj.precompute_reference(model, other, path, "tiny-llama")
+    with pytest.raises(UserError, match="other data or another model"):
+        obj.precompute_reference(model, sampler, path, "another-model")
+    path.write_text("{not json")
+    with pytest.raises(UserError, match="not a reference log-prob file"):
+        obj.precompute_reference(model, sampler, path, "tiny-llama")
+    assert json.loads(json.dumps(first))
+
+
+def test_dpo_accumulation_equals_one_batch_of_all_pairs(tiny_dir, tmp_path):
+    """grad_accum=2 of one pair each is the step of one batch of both pairs (DPO's loss is a mean
+    over pairs; accumulation weights micro-batches by pairs), to float rounding."""
+    objective = OBJECTIVES["dpo"]
+    model, examples = lora_model("llama", SHAPES)
+    both = next(B.BatchSampler(examples, 2, 0, shuffle=False, pairs=True).one_pass())
+    both = dataclasses.replace(both, ref=obj.reference_logps(model, both))
+    singles = []
+    for unit in ([0, 1], [2, 3]):
+        b = B.collate([examples[i] for i in unit])
+        b = dataclasses.replace(b, pairs=True)
+        singles.append(dataclasses.replace(b, ref=obj.reference_logps(model, b)))
+    grad_fn = trainer.full_backward(model, objective.loss, compile=False)
+    loss, _, grads, _ = grad_fn(model, both)
+    parts = [grad_fn(model, b) for b in singles]
+    assert loss.item() == pytest.approx((parts[0][0].item() + parts[1][0].item()) / 2, rel=1e-6)
+    g = dict(tree_flatten(grads))
+    acc = {
+        k: (dict(tree_flatten(parts[0][2]))[k] + dict(tree_flatten(parts[1][2]))[k]) / 2 for k in g
+    }
+    for k in g:
+        assert np.allclose(np.array(g[k]), np.array(acc[k]), rtol=1e-4, atol=1e-7), k

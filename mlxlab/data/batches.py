@@ -43,6 +43,12 @@ class Batch:
         return base if self.ref is None else (*base, self.ref)
 
     @property
+    def units(self) -> int:
+        """What a batch's mean loss is over: pairs for a preference batch, else trained tokens
+        (how accumulation and validation weight batches)."""
+        return self.inputs.shape[0] // 2 if self.pairs else self.ntoks
+
+    @property
     def padding(self) -> float:
         """Share of the batch's [B, T] positions that are padding."""
         return 1.0 - sum(self.lengths) / (self.inputs.shape[0] * self.inputs.shape[1])
@@ -155,7 +161,7 @@ class BatchSampler:
 
         self.examples = examples
         self.pairs = pairs
-        self.ref = None  # per example: the reference log-prob (PairSampler.set_reference)
+        self.ref = None  # per example: the reference log-prob (set_reference)
         if pairs:  # examples 2k, 2k+1 are pair k's chosen and rejected sides, one row each
             units = sorted(
                 ([i, i + 1] for i in range(0, len(examples) - 1, 2)),

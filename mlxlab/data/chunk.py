@@ -6,8 +6,8 @@ A conversation is what an exported chat looks like: a title, a uuid, and alterna
 thing, follow up, change the subject, now and then come back to an earlier one, say thanks); the
 assistant answers at length with real documentation text (mlxlab/data/chunk_topics.py: CPython's
 reference topics, the standard library's module docs, NumPy's docstrings; markdown lists and
-code). The gold answer has one chunk per stretch on one topic, labelled from that topic's own
-summary. Topics are split between train / valid / test, so nothing in evaluation was seen in
+code). The gold answer has one chunk per stretch on one topic, labelled from that topic's name
+and own summary (`label`). Topics are split between train / valid / test, so nothing in evaluation was seen in
 training. The number of topics per conversation is skewed toward one or two (`topic_weights`),
 conversations run from 4 to `max_messages` messages, and everything is deterministic for a seed.
 
@@ -52,8 +52,13 @@ def shown(messages: list[dict]) -> list[dict]:
     return [m for m in messages if isinstance(m.get("text"), str) and m["text"].strip()]
 
 
+def conversation_uuid(case: dict):
+    """The uuid the prompt gives the whole conversation (its `uuid`, else its `id`)."""
+    return case.get("uuid") or case.get("id")
+
+
 def header(case: dict) -> str:
-    return f"Conversation: {case.get('name') or ''} (uuid: {case.get('uuid') or case.get('id')})"
+    return f"Conversation: {case.get('name') or ''} (uuid: {conversation_uuid(case)})"
 
 
 def prompt(case: dict, messages: list[dict] | None = None) -> str:
@@ -201,7 +206,8 @@ THANKS = [
 
 
 def label(topic: Topic) -> str:
-    """The gold label: the topic's subject and its own one-line summary, at most 12 words."""
+    """The gold label, at most 12 words: a module's or NumPy function's name and its own one-line
+    summary; a reference topic's title ("The assert statement in Python")."""
     if topic.kind == "ref":
         text = f"{topic.name[0].upper()}{topic.name[1:]} in Python"
     elif topic.kind == "numpy":
@@ -270,6 +276,7 @@ def make_conversation(
 ) -> dict:
     """One case: {id, name, uuid, messages: [{uuid, sender, text}], chunks (gold), topics}."""
     k = rng.choices(range(1, len(cfg.topic_weights) + 1), weights=cfg.topic_weights)[0]
+    k = min(k, cfg.max_messages // 2)  # a topic takes at least one user/assistant pair
     kinds = sorted({t.kind for t in topics})
     chosen = []
     while len(chosen) < min(k, len(topics)):
@@ -292,15 +299,8 @@ def make_conversation(
             plan.append((back, n - first))  # come back to an earlier topic for the rest
         else:
             plan.append((i, n))
-    # merge adjacent stretches of the same topic (a return right after itself is no return)
-    merged = []
-    for i, n in plan:
-        if merged and merged[-1][0] == i:
-            merged[-1] = (i, merged[-1][1] + n)
-        else:
-            merged.append((i, n))
     messages, chunks = [], []
-    for at, (i, n) in enumerate(merged):
+    for at, (i, n) in enumerate(plan):
         topic = chosen[i]
         ids = []
         for p in range(n):
@@ -397,7 +397,7 @@ def training_examples(case: dict, cfg: ChunkDataConfig) -> list[dict]:
 
 
 BINS = {
-    "messages": (4, 10, 20, 40, 76),
+    "messages": (4, 10, 20, 40, 76, 10**9),
     "chunks": (1, 2, 3, 4, 6, 100),
     "length": (0, 1000, 2000, 4000, 8000, 16000, 32000, 10**9),
 }
@@ -470,6 +470,24 @@ def stats_markdown(per_split: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _numpy_version() -> str | None:
+    try:
+        import numpy
+
+        return numpy.__version__
+    except ImportError:
+        return None
+
+
+def topics_digest() -> dict:
+    """How many topics there are and a hash of their keys: the split (and so which topics are
+    unseen) depends on the Python and NumPy the dataset is built with."""
+    import hashlib
+
+    keys = [t.key for t in load_topics()]
+    return {"count": len(keys), "sha256": hashlib.sha256("\n".join(keys).encode()).hexdigest()}
+
+
 def write_dataset(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
     """Write, atomically, under `out_dir`: <split>.cases.json (whole conversations with gold, what
     `eval chunk` reads), <split>.jsonl (chat format, what `train` reads; long conversations as
@@ -497,6 +515,8 @@ def write_dataset(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
                     "task": "chunk",
                     **asdict(cfg),
                     "python": platform.python_version(),
+                    "numpy": _numpy_version(),
+                    "topics": topics_digest(),
                     "stats": per_split,
                 },
                 indent=1,
@@ -549,8 +569,12 @@ def read_cases(path) -> list[dict]:
                 isinstance(c, dict)
                 and c.get("start_message_uuid") in uuids
                 and c.get("end_message_uuid") in uuids
+                and isinstance(c.get("label"), str)
                 for c in gold
             )
             if not ok:
-                raise UserError(f"{where}: gold chunks must name uuids of its shown messages")
+                raise UserError(
+                    f"{where}: gold chunks must be objects with start_message_uuid and "
+                    "end_message_uuid (uuids of its shown messages) and a label string"
+                )
     return data

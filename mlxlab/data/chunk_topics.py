@@ -154,7 +154,7 @@ def _quiet_import(name: str):
         warnings.simplefilter("ignore")
         try:
             return importlib.import_module(name)
-        except BaseException:  # noqa: BLE001 - a module that cannot be imported is not a topic
+        except (Exception, SystemExit):  # a module that cannot be imported is not a topic
             return None
 
 

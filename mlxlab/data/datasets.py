@@ -94,6 +94,12 @@ def validate_jsonl(path: Path) -> str:
             except json.JSONDecodeError as e:
                 errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
                 continue
+            if isinstance(record, dict) and "chosen" in record and "rejected" in record:
+                errors.append(
+                    f"{path}:{lineno}: a preference pair ('chosen'/'rejected'): train it with "
+                    "objective=dpo or objective=orpo"
+                )
+                continue
             fmt = _format_of(record)
             if fmt is None:
                 errors.append(

@@ -39,6 +39,8 @@ def _messages(value, what: str) -> list[dict] | str:
             return f"{what}[{i}] must be an object with a 'role'"
         if m.get("content") is None and not m.get("tool_calls"):
             return f"{what}[{i}] has no 'content'"
+        if m.get("content") is not None and not isinstance(m["content"], (str, list)):
+            return f"{what}[{i}]: 'content' must be a string or a list of parts"
     return value
 
 
@@ -79,8 +81,8 @@ def split_record(record) -> tuple[list[dict], list[dict], list[dict]] | str:
     return prompt, sides[0], sides[1]
 
 
-def read_pairs(path: str | Path) -> list[tuple[list[dict], list[dict], list[dict]]]:
-    """Every record of a preference JSONL file as (prompt, chosen, rejected) messages; the first
+def read_pairs(path: str | Path) -> list[tuple[int, list[dict], list[dict], list[dict]]]:
+    """Every record of a preference JSONL file as (line, prompt, chosen, rejected); the first
     ten problems as one error, each `file:line: what`."""
     path = Path(path)
     try:
@@ -100,7 +102,7 @@ def read_pairs(path: str | Path) -> list[tuple[list[dict], list[dict], list[dict
         if isinstance(parts, str):
             errors.append(f"{path}:{lineno}: {parts}")
         else:
-            out.append(parts)
+            out.append((lineno, *parts))
     if not out and not errors:
         errors.append(f"{path}: no examples")
     if errors:
@@ -139,8 +141,13 @@ def load_pair_split(path, tokenizer, cfg):
 
     log = logging.getLogger(__name__)
     examples, truncated, dropped, too_long = [], 0, 0, []
-    for i, (prompt, chosen, rejected) in enumerate(read_pairs(path)):
-        pair = tokenize_pair(prompt, chosen, rejected, tokenizer)
+    for i, (lineno, prompt, chosen, rejected) in enumerate(read_pairs(path)):
+        try:
+            pair = tokenize_pair(prompt, chosen, rejected, tokenizer)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the template's own complaint, e.g. role order
+            raise UserError(f"{path}:{lineno}: the chat template refused it: {e}") from None
         sides = [pair.chosen, pair.rejected]
         if any(len(s.ids) > cfg.max_seq_length for s in sides):
             if cfg.on_too_long == "error":

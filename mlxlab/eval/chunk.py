@@ -269,8 +269,8 @@ class RefScore:
 
 def score_ref(text: str, uuids: list[str], conversation_uuid: str | None = None) -> RefScore:
     """The predecessor's chunk-eval score of one answer, 0-100, with the weights of `strict`
-    (`conversation_uuid`: the uuid the prompt gives the whole conversation; None where the prompt
-    gives none, as the chunk task's data today, and then the snap rule never applies):
+    (`conversation_uuid`: the uuid the prompt gives the whole conversation, mlxlab/data/chunk.py
+    `conversation_uuid`; None: the snap rule never applies):
     no JSON object or no `chunks` array scores 0; an empty chunk list scores schema, anchors and
     labels 1 and nonempty 0 (80); schema = share of chunks whose start, end and label are
     strings; labels = share that `is_specific_ref`; anchors = max(0, 1 - repairs / (2 * chunks))
@@ -504,11 +504,29 @@ def read_split(data, settings) -> list[dict]:
 def training_labels(data) -> set[str] | None:
     """The gold labels of a dataset directory's train split (normalised), for the memorized-label
     share; None when `data` is not a dataset directory with one."""
+    from mlxlab.data.chunk import read_cases
+
     path = Path(data) / "train.cases.json"
     if not path.is_file():
         return None
-    cases = json.loads(path.read_text())
-    return {_norm_label(c["label"]) for case in cases for c in case.get("chunks", [])}
+    return {_norm_label(c["label"]) for case in read_cases(path) for c in case.get("chunks") or []}
+
+
+def training_window(data, tokenizer) -> int:
+    """The longest prompt (in tokens, with the template's generation prompt) among a dataset
+    directory's training examples: the window budget that reads a long conversation as the
+    adapter trained on it; 0 when `data` has no train.jsonl."""
+    path = Path(data) / "train.jsonl"
+    if not path.is_file():
+        return 0
+    longest = 0
+    for line in path.read_text().splitlines():
+        if line.strip():
+            user = json.loads(line)["messages"][:-1]
+            longest = max(
+                longest, len(tokenizer.apply_chat_template(user, add_generation_prompt=True))
+            )
+    return longest
 
 
 def _norm_label(text) -> str:
@@ -738,7 +756,7 @@ def evaluate(
     windows, their answers merged by `merge_windows`) and score it; one dict per case.
     `constrained` decodes each window under its `answer_schema`; `train_labels` (normalised
     training-set labels) adds the share of predicted labels that are one of them."""
-    from mlxlab.data.chunk import shown
+    from mlxlab.data.chunk import conversation_uuid, shown
 
     windows = plan_windows(cases, tokenizer, budget, overlap)
     processors = None
@@ -772,7 +790,7 @@ def evaluate(
     for i, case in enumerate(cases):
         mine = [k for k, w in enumerate(windows) if w.case == i]
         uuids = [m["uuid"] for m in shown(case["messages"])]
-        conv = case.get("uuid")
+        conv = conversation_uuid(case)
         row = {"case": i, "id": case.get("id", str(i)), "windows": len(mine)}
         ws, wt = [windows[k] for k in mine], [texts[k] for k in mine]
         points, labels, failed = (

@@ -34,7 +34,11 @@ def run(cfg: EvalConfig) -> dict:
     from mlxlab.lora import io as lora_io
     from mlxlab.models.zoo import load
 
+    run_dir = task_run(lora_io.resolve_dir(cfg.adapter)) if cfg.adapter else None
     data = Path(cfg.data).expanduser() if cfg.data else None
+    if data is None and run_dir is not None and (run_dir / "data" / "train.jsonl").is_file():
+        data = run_dir / "data"  # the adapter's own dataset: its test topics are unseen
+        log.info(f"data={data}: the adapter's task run's dataset")
     if data is None:
         data = chunk.write_dataset(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
     records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
@@ -43,11 +47,11 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
         name += f" + {lora_io.resolve_dir(cfg.adapter)}"
-    if cfg.adapter and not cfg.max_prompt_tokens:
-        trained = trained_window(lora_io.resolve_dir(cfg.adapter))
+    if run_dir is not None and not cfg.max_prompt_tokens:
+        trained = trained_window(run_dir, tokenizer)
         if trained:
             cfg.max_prompt_tokens = trained
-            log.info(f"max_prompt_tokens={trained}: the windows the adapter's task run used")
+            log.info(f"max_prompt_tokens={trained}: the windows the adapter was trained on")
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
     summary = ev.evaluate_model(
         model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
@@ -60,20 +64,35 @@ def run(cfg: EvalConfig) -> dict:
     return summary
 
 
-def trained_window(adapter_dir: Path) -> int:
-    """task.eval.max_prompt_tokens of the chunk-task run an adapter came from (its run
-    directory's config.yaml, next to `adapter/`), or 0: an adapter trained on windows reads long
-    conversations in windows of the same length by default."""
+def task_run(adapter_dir: Path) -> Path | None:
+    """The chunk-task run directory an adapter came from (its config.yaml names a task), or
+    None."""
     import yaml
 
     for path in (adapter_dir / "config.yaml", adapter_dir.parent / "config.yaml"):
         if path.is_file():
             try:
-                task = (yaml.safe_load(path.read_text()) or {}).get("task") or {}
-                return int(((task.get("eval") or {}).get("max_prompt_tokens")) or 0)
-            except (yaml.YAMLError, AttributeError, TypeError, ValueError):
-                return 0
-    return 0
+                saved = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError:
+                return None
+            return path.parent if isinstance(saved, dict) and saved.get("task") else None
+    return None
+
+
+def trained_window(run_dir: Path, tokenizer) -> int:
+    """The window budget an adapter's chunk-task run used: its task.eval.max_prompt_tokens, else
+    the longest prompt of its training examples (`training_window`), else 0 (auto): an adapter
+    trained on windows reads a long conversation in windows of that length."""
+    import yaml
+
+    from mlxlab.eval.chunk import training_window
+
+    try:
+        task = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("task") or {}
+        set_to = int(((task.get("eval") or {}).get("max_prompt_tokens")) or 0)
+    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+        set_to = 0
+    return set_to or training_window(run_dir / "data", tokenizer)
 
 
 def main(argv: list[str]) -> None:

@@ -132,9 +132,14 @@ class ChunkTask(Hooks):
 
         train = Path(run.data.train)
         data_dir = train if train.is_dir() else train.parent
+        from mlxlab.eval.chunk import training_window
+
         settings = self.cfg.eval
         if which == "base" and not self.cfg.eval_base_constrained:
             settings = dataclasses.replace(settings, constrained=False)
+        if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
+            window = training_window(data_dir, run.tokenizer)
+            settings = dataclasses.replace(settings, max_prompt_tokens=window)
         mx.reset_peak_memory()
         summary = evaluate_model(
             run.model,
@@ -155,9 +160,8 @@ def _fmt_minutes(seconds: float) -> str:
 
 
 def failure_modes(rows: list[dict], scorer: str = "strict") -> list[tuple[str, int]]:
-    """Why cases lost points under `scorer` (strict | ref), most common first: the validator's
-    last note with numbers and quoted values removed; "clean" for a full score, "labels" when
-    only labels cost points."""
+    """Why cases lost points under `scorer` (strict | ref), most common first: `verdict` with
+    numbers and quoted values removed."""
     import re
     from collections import Counter
 
@@ -199,8 +203,8 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
     return [
         "## Data",
         "",
-        f"Whole conversations per split (the prompt as `eval chunk` reads it, in "
-        f"{'tokens'}; training reads a conversation longer than `window_chars` as overlapping "
+        "Whole conversations per split (the prompt as `eval chunk` reads it, in "
+        "tokens; training reads a conversation longer than `window_chars` as overlapping "
         f"windows: {len(lengths)} training examples from {per_split['train']['cases']} "
         f"conversations, the longest {max(lengths)} tokens with its answer; max_seq_length "
         f"{max_seq_length}, {over} examples over it"

@@ -124,6 +124,7 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
     model, tokenizer = load(cfg.model, cfg.dtype, decode_head="exact")
     pairs = cfg.objective != "sft"
+    per_unit = 2 if pairs else 1  # rows per sampler unit (a pair's two sides)
     if pairs:
         from mlxlab.data.preference import load_pair_split as load_split  # noqa: F811
     train_set = load_split(train_path, tokenizer, data_cfg)
@@ -154,7 +155,7 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     valid_sampler = (
         BatchSampler(
             valid_set.examples,
-            min(cfg.batch_size, len(valid_set.examples) // (2 if pairs else 1)),
+            min(cfg.batch_size, len(valid_set.examples) // per_unit),
             cfg.seed,
             shuffle=False,
             pairs=pairs,
@@ -162,23 +163,21 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
         if valid_set
         else None
     )
-    if cfg.objective == "dpo":
-        from mlxlab.train.objectives import precompute_reference
-
-        writable_dir(run_dir)
-        if valid_sampler is not None:  # validation always against fixed reference log-probs
-            precompute_reference(model, valid_sampler, run_dir / "reference_valid.json")
-        if cfg.dpo.precompute_ref:
-            precompute_reference(model, train_sampler, run_dir / "reference_train.json")
-
     writable_dir(run_dir)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
+    if cfg.objective == "dpo":  # after config.yaml: a run killed here can resume
+        from mlxlab.train.objectives import precompute_reference
+
+        if valid_sampler is not None and cfg.val_every:  # validation: fixed reference log-probs
+            precompute_reference(model, valid_sampler, run_dir / "reference_valid.json", cfg.model)
+        if cfg.dpo.precompute_ref:
+            precompute_reference(model, train_sampler, run_dir / "reference_train.json", cfg.model)
     n_params = sum(v.size for v in lora_apply.adapter_parameters(model).values())
     log.info(
         f"run dir: {run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
         f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
-        f"data: {len(train_set.examples) // (2 if pairs else 1)} train / "
-        f"{len(valid_set.examples) // (2 if pairs else 1) if valid_set else 0} valid "
+        f"data: {len(train_set.examples) // per_unit} train / "
+        f"{len(valid_set.examples) // per_unit if valid_set else 0} valid "
         + ("pairs" if pairs else "examples")
     )
     unpacked = (
@@ -200,7 +199,7 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     grad_fn, how = make_grad_fn(
         model,
         cfg.backward,
-        (cfg.batch_size * (2 if pairs else 1), cfg.data.max_seq_length),
+        (cfg.batch_size * per_unit, cfg.data.max_seq_length),
         compile=cfg.compile,
         objective=PairObjective.from_config(cfg),
     )

@@ -17,7 +17,7 @@ the published formulas, written once:
   loss = NLL(chosen) - lambda * mean(log sigmoid(log odds(y_c) - log odds(y_r))), NLL(chosen) the
   SFT loss (mean cross-entropy over the chosen responses' tokens); no reference model.
 
-Rewards (DPO) are beta * (pi - ref) per sequence; accuracy is the share of pairs whose chosen
+Rewards (DPO) are beta * (pi - ref) per sequence (per token for IPO); accuracy is the share of pairs whose chosen
 reward (DPO) or log odds (ORPO) is the larger.
 """
 
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-OBJECTIVES = ("sft", "dpo", "orpo")
 DPO_LOSSES = ("sigmoid", "ipo")
 
 
@@ -63,7 +62,10 @@ def dpo(
         ) - label_smoothing * nn.log_sigmoid(-beta * logits)
     else:
         raise ValueError(f"unknown DPO loss {loss!r}; choose one of {', '.join(DPO_LOSSES)}")
-    chosen, rejected = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
+    if loss == "ipo":  # IPO's margin is on per-token means: its rewards too (as TRL's)
+        chosen, rejected = beta * (pi_c - ref_c) / n_c, beta * (pi_r - ref_r) / n_r
+    else:
+        chosen, rejected = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
     metrics = {
         "reward_chosen": chosen.mean(),
         "reward_rejected": rejected.mean(),
@@ -124,11 +126,15 @@ def row_logps(model, h: mx.array, positions, labels, weights, chunk: int = 0):
     """(summed log-prob, trained-token count) of each row of final-normed states h [B, T, D] at
     its trained `positions` (flat indices into B*T), both [B] float32. `chunk` > 0 runs the LM
     head over that many positions at a time under `mx.checkpoint` (as losses.head_ce)."""
-    from mlxlab.train.losses import lm_head, token_ce
+    from mlxlab.train.losses import _head_is_trainable, lm_head, token_ce
 
     b, t = h.shape[0], h.shape[1]
     flat = h.reshape(-1, h.shape[-1])[positions]
     n = flat.shape[0]
+    if 0 < chunk < n and _head_is_trainable(model):
+        from mlxlab.errors import UserError
+
+        raise UserError("backward.head_chunk needs a frozen LM head (it would get no gradient)")
     if chunk <= 0 or chunk >= n:
         ce = token_ce(lm_head(model, flat), labels)
     else:
@@ -240,27 +246,52 @@ def reference_logps(model, batch) -> mx.array:
     return sums
 
 
-def precompute_reference(model, sampler, path) -> None:
+def _fingerprint(model_name: str, sampler) -> str:
+    """What the reference log-probs depend on: the model and every example's tokens and offset."""
+    import hashlib
+
+    h = hashlib.sha256(model_name.encode())
+    for e in sampler.examples:
+        h.update(f"{e.offset}:{','.join(map(str, e.ids))};".encode())
+    return h.hexdigest()
+
+
+def precompute_reference(model, sampler, path, model_name: str = "") -> None:
     """Give `sampler` (of pairs) the reference log-prob of every example it batches, computed
     once over its batches (the shapes training sees, so the values equal a per-batch
-    computation) and written to `path` (JSON); a later run (resume) reads `path` instead."""
+    computation) and written to `path` (JSON, with a fingerprint of the model name and the
+    examples); a later run (resume) reads `path` instead, and refuses one made for other data."""
     import json
+    import logging
     from pathlib import Path
 
+    from mlxlab.errors import UserError
     from mlxlab.fsutil import atomic_write_text
 
     path = Path(path)
     n = len(sampler.examples)
+    fingerprint = _fingerprint(model_name, sampler)
     if path.is_file():
-        ref = json.loads(path.read_text())
-        if len(ref) == n:
-            sampler.set_reference([float("nan") if v is None else v for v in ref])
-            return
+        try:
+            saved = json.loads(path.read_text())
+            ref, saved_fp = saved["ref"], saved["fingerprint"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path} is not a reference log-prob file ({e}); delete it") from None
+        if saved_fp != fingerprint or len(ref) != n:
+            raise UserError(
+                f"{path} holds reference log-probs of other data or another model; resume with "
+                "the run's own data and model, or delete the file to recompute them"
+            )
+        sampler.set_reference([float("nan") if v is None else v for v in ref])
+        return
+    logging.getLogger(__name__).info(
+        f"reference log-probs (adapter off) for {n // 2} pairs -> {path.name}"
+    )
     ref: list = [None] * n
     for group in sampler.groups:
         order = [i for unit in group for i in unit]
         batch = sampler._collate(group)
         for i, v in zip(order, reference_logps(model, batch).tolist(), strict=True):
             ref[i] = v
-    atomic_write_text(path, json.dumps(ref) + "\n")
+    atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "ref": ref}) + "\n")
     sampler.set_reference([float("nan") if v is None else v for v in ref])

@@ -1,6 +1,7 @@
 """The LoRA training loop: optimizer, schedule, accumulation, clipping, validation, checkpoints.
 
-The gradient computation is injected (`grad_fn(model, batch) -> (loss, ntoks, grads)`), so the
+The gradient computation is injected (`grad_fn(model, batch) -> (loss, ntoks, grads)`, plus the
+objective's metrics as a fourth value for a preference objective), so the
 full backward, per-layer checkpointing or a segmented backward plug in without touching the
 loop. Checkpoints hold everything a resumed run needs to continue exactly where a killed one
 stopped: LoRA weights, optimizer state (with its step, hence the LR position) and the sampler's
@@ -33,10 +34,11 @@ from mlxlab.lora import io as lora_io
 from mlxlab.lora.apply import LoraPlan
 from mlxlab.train.flops import model_shapes, step_flops
 from mlxlab.train.losses import response_ce
+from mlxlab.train.objectives import METRICS
 
 log = logging.getLogger(__name__)
 
-GradFn = Callable[[nn.Module, Batch], tuple[mx.array, mx.array, dict]]
+GradFn = Callable[[nn.Module, Batch], tuple]  # (loss, ntoks, grads[, metrics])
 
 
 class TrainingDiverged(UserError):
@@ -111,11 +113,12 @@ def train_step(
     """One optimizer step over `batches` (gradient accumulation); returns (loss, grad norm,
     the objective's metrics or None).
 
-    Micro-batch gradients are weighted by their token counts (pairs, for a preference
-    objective), so the step equals one over the concatenated batch. A non-finite loss or
+    Micro-batch gradients are weighted by their token counts, so an SFT step equals one over
+    the concatenated batch; a preference objective's by their pairs, exact for DPO and IPO (means
+    over pairs), while ORPO's NLL term is each micro-batch's own token mean. A non-finite loss or
     gradient raises before any update.
     """
-    sizes = [b.inputs.shape[0] // 2 if b.pairs else b.ntoks for b in batches]
+    sizes = [b.units for b in batches]
     total = sum(sizes)
     loss_sum, acc, metrics = mx.array(0.0), None, None
     for b, size in zip(batches, sizes, strict=True):
@@ -149,7 +152,7 @@ def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce) 
     total, weighted = 0, 0.0
     for b in sampler.one_pass(limit):
         loss = loss_fn(model, *b.arrays())[0]
-        size = b.inputs.shape[0] // 2 if b.pairs else b.ntoks
+        size = b.units
         weighted += loss.item() * size
         total += size
     model.train()
@@ -265,13 +268,20 @@ class RunLog:
             self._wandb.finish()
 
 
+PAIR_METRICS = {k for keys in METRICS.values() for k in keys}  # printed with 4 digits
+
+
 def _fmt(key: str, value) -> str:
     if isinstance(value, float):
         if key == "lr":
             return f"lr {value:.2e}"
         if key == "mfu":  # model FLOPs / the measured matmul rate (train/flops.py)
             return f"mfu {value:.1%}"
-        return f"{key} {value:.4f}" if "loss" in key else f"{key} {value:.1f}"
+        if "loss" in key:
+            return f"{key} {value:.4f}"
+        if key in PAIR_METRICS:
+            return f"{key} {value:.4g}"
+        return f"{key} {value:.1f}"
     return f"{key} {value}"
 
 
