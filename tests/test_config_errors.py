@@ -43,6 +43,8 @@ ENUMS = {
         "optim.schedule": ("cosine", "constant"),
         "backward.mode": ("full", "checkpoint", "segmented"),
         "backward.plan": ("size", "auto"),
+        "objective": ("sft", "dpo", "orpo"),
+        "dpo.loss": ("sigmoid", "ipo"),
     },
     "diag": {
         "action": ("parity", "leak", "memory", "decode", "profile"),
@@ -50,6 +52,8 @@ ENUMS = {
         "decode_head": ("auto", "exact", "bfloat16"),
         "mode": ("full", "checkpoint", "segmented"),
         "modes": ("full", "checkpoint", "seg1", "seg12", "auto", "mlx_lm", "mlx_lm_gc"),
+        "objective": ("sft", "dpo", "orpo"),
+        "dpo.loss": ("sigmoid", "ipo"),
     },
     "data": {"task": ("chunk",)},
     "eval": {"task": ("chunk",), "split": ("train", "valid", "test"), "dtype": DTYPES},

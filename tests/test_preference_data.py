@@ -89,7 +89,8 @@ def test_long_pairs_are_cut_or_refused(tiny_dir, tmp_path):
         + json.dumps({"prompt": "word " * 400, "chosen": "7", "rejected": "8"}) + "\n"
     )  # fmt: skip
     cut = preference.load_pair_split(path, tokenizer, DataConfig(max_seq_length=64))
-    assert cut.num_truncated == 1 and len(cut.examples) == 2  # the second pair keeps no response
+    # both pairs are cut; the second keeps no response token and is skipped
+    assert cut.num_truncated == 2 and len(cut.examples) == 2
     assert all(len(e.ids) <= 64 for e in cut.examples)
     with pytest.raises(UserError, match="exceed max_seq_length=64"):
         preference.load_pair_split(

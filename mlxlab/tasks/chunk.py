@@ -196,7 +196,7 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
                 cases, lambda c: len(tokenizer.encode(data.prompt(c))), "tokens"
             )
     lengths = [
-        len(tokenizer.apply_chat_template(r["messages"]))
+        len(tokenizer.apply_chat_template(r["messages"], return_dict=False))
         for r in read_records(data_dir / "train.jsonl")
     ]
     over = sum(n > max_seq_length for n in lengths)
