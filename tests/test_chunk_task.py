@@ -348,8 +348,10 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)
     assert task_run(run / "adapter") is None  # no config.yaml: not a task run
-    (run / "config.yaml").write_text("task:\n  eval:\n    max_prompt_tokens: 1800\n")
+    (run / "config.yaml").write_text("task:\n  name: chunk\n  eval:\n    max_prompt_tokens: 1800\n")
     assert task_run(run / "adapter") == run and trained_window(run, tokenizer) == 1800
+    (run / "checkpoints" / "step_0000002").mkdir(parents=True)
+    assert task_run(run / "checkpoints" / "step_0000002") == run  # a checkpoint's run too
     # unset: the longest training prompt of the run's own dataset
     data.write_dataset(run / "data", ChunkDataConfig(train=4, valid=1, test=1))
     (run / "config.yaml").write_text("task:\n  name: chunk\n")
@@ -362,6 +364,11 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
         for x in (run / "data" / "train.jsonl").read_text().splitlines()
     )
     assert trained_window(run, tokenizer) == longest == ev.training_window(run / "data", tokenizer)
+    elsewhere = data.write_dataset(tmp_path / "mine", ChunkDataConfig(train=3, valid=1, test=1))
+    (run / "config.yaml").write_text(f"task:\n  name: chunk\ndata:\n  train: {elsewhere}\n")
+    from mlxlab.eval.cli import run_data
+
+    assert run_data(run) == elsewhere  # the run's own data.train wins over <run>/data
     (run / "config.yaml").write_text("model: x\n")  # a plain training run
     assert task_run(run / "adapter") is None
 

@@ -240,6 +240,24 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path)
     ).read_bytes()
 
 
+def test_resume_before_the_first_checkpoint_starts_over(tiny_dir, tmp_path):
+    """A run killed before its first checkpoint (config.yaml written, no checkpoint): resume=true
+    trains it from step 0, to the same losses."""
+    import shutil
+
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    first = run(_cfg(tmp_path, iters=3, save_every=0))
+    run_dir = Path(first["adapter"]).parent
+    want = _losses(run_dir)
+    shutil.rmtree(run_dir / "adapter")
+    again = run(_cfg(tmp_path, iters=3, save_every=0, resume=True))
+    assert _losses(Path(again["adapter"]).parent) == want
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # the first attempt's records were dropped, not doubled
+
+
 def test_resume_refuses_a_different_run(tiny_dir, session_home, tmp_path):
     from mlxlab.train.cli import run
 

@@ -141,7 +141,7 @@ def load_pair_split(path, tokenizer, cfg):
 
     log = logging.getLogger(__name__)
     examples, truncated, dropped, too_long = [], 0, 0, []
-    for i, (lineno, prompt, chosen, rejected) in enumerate(read_pairs(path)):
+    for lineno, prompt, chosen, rejected in read_pairs(path):
         try:
             pair = tokenize_pair(prompt, chosen, rejected, tokenizer)
         except UserError:
@@ -152,7 +152,7 @@ def load_pair_split(path, tokenizer, cfg):
         if any(len(s.ids) > cfg.max_seq_length for s in sides):
             if cfg.on_too_long == "error":
                 too_long.append(
-                    f"pair {i + 1} has {max(len(s.ids) for s in sides)} tokens on a side"
+                    f"{path}:{lineno} has {max(len(s.ids) for s in sides)} tokens on a side"
                 )
                 continue
             for s in sides:

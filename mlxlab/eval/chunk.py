@@ -521,11 +521,16 @@ def training_window(data, tokenizer) -> int:
         return 0
     longest = 0
     for line in path.read_text().splitlines():
-        if line.strip():
-            user = json.loads(line)["messages"][:-1]
-            longest = max(
-                longest, len(tokenizer.apply_chat_template(user, add_generation_prompt=True))
-            )
+        try:
+            messages = json.loads(line)["messages"] if line.strip() else None
+        except (ValueError, KeyError, TypeError):
+            messages = None
+        if not isinstance(messages, list) or len(messages) < 2:
+            continue  # not a chat-format training example (prompt + answer)
+        ids = tokenizer.apply_chat_template(
+            messages[:-1], add_generation_prompt=True, return_dict=False
+        )
+        longest = max(longest, len(ids))
     return longest
 
 
@@ -671,7 +676,7 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
 
     def encode(text: str) -> list[int]:
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
         )
 
     out = []

@@ -12,8 +12,9 @@ uuid?, messages: [{uuid, sender, text}], chunks?}]`: without gold `chunks` only 
 of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; per-case results (output, scores, repairs) go to `out` as JSONL and the
 summary table to stdout (with `constrained=true` a second row, "<model>, constrained", from a
 second decode of the split under the answer's JSON schema; its cases go next to `out`, named
-`<stem>.constrained.jsonl`). Without `data=`, the chunk dataset is built with its defaults (the same
-one `train +exp=chunk_seg4` trains and tests on).
+`<stem>.constrained.jsonl`). Without `data=`: with an adapter from a chunk-task run, the dataset that run
+trained on (and, unless max_prompt_tokens is set, windows as long as its training prompts); else
+the chunk dataset built with its defaults (what `train +exp=chunk_seg4` builds).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def run(cfg: EvalConfig) -> dict:
 
     run_dir = task_run(lora_io.resolve_dir(cfg.adapter)) if cfg.adapter else None
     data = Path(cfg.data).expanduser() if cfg.data else None
-    if data is None and run_dir is not None and (run_dir / "data" / "train.jsonl").is_file():
-        data = run_dir / "data"  # the adapter's own dataset: its test topics are unseen
-        log.info(f"data={data}: the adapter's task run's dataset")
+    if data is None and run_dir is not None:
+        data = run_data(run_dir)  # the adapter's own dataset: its test topics are unseen
+        if data is not None:
+            log.info(f"data={data}: the adapter's task run's dataset")
     if data is None:
         data = chunk.write_dataset(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
     records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
@@ -65,17 +67,36 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def task_run(adapter_dir: Path) -> Path | None:
-    """The chunk-task run directory an adapter came from (its config.yaml names a task), or
-    None."""
+    """The chunk-task run directory an adapter came from (its final adapter or one of its
+    checkpoints; the run's config.yaml names a task), or None."""
     import yaml
 
-    for path in (adapter_dir / "config.yaml", adapter_dir.parent / "config.yaml"):
+    for run in (adapter_dir, adapter_dir.parent, adapter_dir.parent.parent):
+        path = run / "config.yaml"
         if path.is_file():
             try:
                 saved = yaml.safe_load(path.read_text()) or {}
             except yaml.YAMLError:
                 return None
-            return path.parent if isinstance(saved, dict) and saved.get("task") else None
+            task = saved.get("task") if isinstance(saved, dict) else None
+            return run if isinstance(task, dict) and task.get("name") else None
+    return None
+
+
+def run_data(run_dir: Path) -> Path | None:
+    """The dataset directory a task run trained on: its data.train (a directory, or a file's
+    directory), else `<run>/data`; None when neither holds a train.jsonl."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        train = ((saved.get("data") or {}).get("train")) if isinstance(saved, dict) else None
+    except (OSError, yaml.YAMLError, AttributeError):
+        train = None
+    for cand in ([Path(train).expanduser()] if train else []) + [run_dir / "data"]:
+        cand = cand if cand.is_dir() else cand.parent
+        if (cand / "train.jsonl").is_file():
+            return cand
     return None
 
 
@@ -92,7 +113,8 @@ def trained_window(run_dir: Path, tokenizer) -> int:
         set_to = int(((task.get("eval") or {}).get("max_prompt_tokens")) or 0)
     except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
         set_to = 0
-    return set_to or training_window(run_dir / "data", tokenizer)
+    data = run_data(run_dir)
+    return set_to or (training_window(data, tokenizer) if data is not None else 0)
 
 
 def main(argv: list[str]) -> None:

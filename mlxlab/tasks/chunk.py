@@ -130,11 +130,12 @@ class ChunkTask(Hooks):
             return json.loads(cached.read_text())
         import mlx.core as mx
 
-        train = Path(run.data.train)
-        data_dir = train if train.is_dir() else train.parent
         from mlxlab.eval.chunk import training_window
 
+        train = Path(run.data.train)
+        data_dir = train if train.is_dir() else train.parent
         settings = self.cfg.eval
+        records = read_split(data_dir, settings)  # a missing or bad split fails here, clearly
         if which == "base" and not self.cfg.eval_base_constrained:
             settings = dataclasses.replace(settings, constrained=False)
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
@@ -144,12 +145,13 @@ class ChunkTask(Hooks):
         summary = evaluate_model(
             run.model,
             run.tokenizer,
-            read_split(data_dir, settings),
+            records,
             settings,
             run.run_dir / f"eval_{which}.jsonl",
             which,
             training_labels(data_dir),
         )
+        summary["max_prompt_tokens"] = settings.max_prompt_tokens
         summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
         atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
         return summary
@@ -157,6 +159,12 @@ class ChunkTask(Hooks):
 
 def _fmt_minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
+
+
+def budget_used(task: ChunkTaskConfig, evals: dict[str, dict]):
+    """The window budget the evaluations used (recorded in their summaries), else the setting."""
+    used = {e.get("max_prompt_tokens") for e in evals.values()} - {None, 0}
+    return used.pop() if len(used) == 1 else (task.eval.max_prompt_tokens or "auto")
 
 
 def failure_modes(rows: list[dict], scorer: str = "strict") -> list[tuple[str, int]]:
@@ -306,7 +314,7 @@ def report(
         "label of the predicted chunk that overlaps it most; memorized labels = share of "
         "predicted labels that are verbatim training-set labels (the test topics are unseen, so "
         "these are wrong). A conversation longer than the window budget "
-        f"({task.eval.max_prompt_tokens or 'auto'} prompt tokens) is read in overlapping windows "
+        f"({budget_used(task, evals)} prompt tokens) is read in overlapping windows "
         "and scored on the merged answer (mlxlab/eval/chunk.py).",
         "",
     ]

@@ -131,7 +131,7 @@ def row_logps(model, h: mx.array, positions, labels, weights, chunk: int = 0):
     b, t = h.shape[0], h.shape[1]
     flat = h.reshape(-1, h.shape[-1])[positions]
     n = flat.shape[0]
-    if 0 < chunk < n and _head_is_trainable(model):
+    if chunk > 0 and _head_is_trainable(model):
         from mlxlab.errors import UserError
 
         raise UserError("backward.head_chunk needs a frozen LM head (it would get no gradient)")

@@ -316,11 +316,13 @@ def train(
     start = 0
     if cfg.resume:
         found = checkpoints(run_dir)
-        if not found:
-            raise UserError(f"resume=true but {run_dir} has no checkpoints")
-        start = restore_checkpoint(found[-1], model, optimizer, train_sampler)
-        _truncate_metrics(run_dir / "metrics.jsonl", start)
-        log.info(f"resumed from {found[-1]} (step {start})")
+        if found:
+            start = restore_checkpoint(found[-1], model, optimizer, train_sampler)
+            _truncate_metrics(run_dir / "metrics.jsonl", start)
+            log.info(f"resumed from {found[-1]} (step {start})")
+        else:  # killed before its first checkpoint: the same run from its start
+            _truncate_metrics(run_dir / "metrics.jsonl", -1)
+            log.info(f"resume=true: {run_dir} has no checkpoint yet; training from step 0")
     run_log = run_log or RunLog(run_dir, cfg.iters)
     shapes, rate = _flop_counting(model)
     model.train()
