@@ -301,6 +301,10 @@ class ChunkDataConfig:
     """Test conversations (topics disjoint from train and valid)."""
     topic_weights: list[float] = field(default_factory=lambda: [0.55, 0.25, 0.1, 0.06, 0.04])
     """Relative odds of 1, 2, 3, ... topics in a conversation (the skew toward one or two)."""
+    train_topic_weights: list[float] | None = None
+    """The training split's own odds (None: topic_weights). Valid and test keep topic_weights, the
+    realistic skew; training can see more topic shifts, the one thing a one-topic example does not
+    teach."""
     median_pairs: float = 7.0
     """Median user/assistant pairs per conversation (log-normal spread)."""
     max_messages: int = 75
@@ -317,9 +321,10 @@ class ChunkDataConfig:
     """A training example's messages take at most this many characters; a longer conversation
     becomes overlapping windows (mlxlab/data/chunk.py `windows`). Evaluation reads a long
     conversation in windows too, in tokens (EvalSettings.max_prompt_tokens: by default the
-    longest training prompt). 4000 for seed 0: the longest training example with its answer is
-    2,042 Gemma 3 tokens, within data.max_seq_length=2048 (chunk_seg4 sets on_too_long=error,
-    so another setting that overflows stops at load time instead of cutting an answer)."""
+    longest training prompt). Characters per token vary with the text (code and uuids take more
+    tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
+    2,000 Gemma 3 tokens with the answer, and it sets on_too_long=error, so a setting that
+    overflows stops at load time instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
 
@@ -327,11 +332,13 @@ class ChunkDataConfig:
         for key in ("train", "valid", "test"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
-        weights = list(self.topic_weights)
-        if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise UserError(
-                f"topic_weights must be non-negative with a positive sum, got {weights}"
-            )
+        for key in ("topic_weights", "train_topic_weights"):
+            weights = getattr(self, key)
+            if key == "train_topic_weights" and weights is None:
+                continue
+            weights = list(weights)
+            if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+                raise UserError(f"{key} must be non-negative with a positive sum, got {weights}")
         if not 4 <= self.max_messages <= 1000 or self.median_pairs < 1:
             raise UserError("need 4 <= max_messages <= 1000 and median_pairs >= 1")
         for key in ("return_rate", "subtle_rate", "thanks_rate"):

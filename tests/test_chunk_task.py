@@ -10,6 +10,7 @@ import pytest
 
 from mlxlab.config import ChunkDataConfig
 from mlxlab.data import chunk as data
+from mlxlab.errors import UserError
 from mlxlab.eval import chunk as ev
 
 U = [
@@ -51,10 +52,34 @@ def test_builder_is_deterministic_and_keeps_topics_apart():
         ]
         assert spans[0][0] == 0 and spans[-1][1] == len(uuids) - 1  # gold covers it in order
         assert all(s1 == e0 + 1 for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False))
-        assert all(2 <= len(c["label"].split()) <= 12 for c in case["chunks"])
+        assert all(2 <= len(c["label"].split()) <= data.LABEL_WORDS for c in case["chunks"])
     # the skew: most conversations are on one or two topics, some on more
     n_chunks = [len(c["chunks"]) for c in a["train"]]
     assert sum(n <= 2 for n in n_chunks) > len(n_chunks) / 2 and max(n_chunks) >= 3
+
+
+def test_train_topic_weights_skew_the_training_split_only():
+    base = ChunkDataConfig(seed=1, train=60, valid=5, test=30)
+    multi = ChunkDataConfig(seed=1, train=60, valid=5, test=30, train_topic_weights=[0, 1])
+    a, b = data.build(base), data.build(multi)
+    assert a["test"] == b["test"] and a["valid"] == b["valid"]  # evaluation keeps the real skew
+    assert all(len(c["chunks"]) >= 2 for c in b["train"])  # two topics (a return makes three)
+    assert sum(len(c["chunks"]) == 1 for c in a["train"]) > 10
+    with pytest.raises(UserError, match="train_topic_weights"):
+        ChunkDataConfig(train_topic_weights=[-1, 2])
+
+
+def test_gold_labels_are_short_phrases_from_the_topic():
+    from mlxlab.data.chunk_topics import load_topics
+
+    labels = [data.label(t) for t in load_topics()]
+    assert len(set(labels)) == len(labels)  # one topic per name: labels tell topics apart
+    for text in labels:
+        words = text.split()
+        assert 2 <= len(words) <= data.LABEL_WORDS <= 9, text
+        assert words[-1].lower() not in data.TRAILING, text  # no phrase cut after "of", "the"
+        assert text.count("(") == text.count(")"), text
+        assert not text.lower().split(":")[-1].strip().startswith("this module"), text
 
 
 def test_prompt_format_is_the_predecessors():
@@ -534,7 +559,7 @@ def test_constrained_eval_parses_and_uses_only_the_conversations_uuids(
         assert row["extraction"] == "raw" and list(answer) == ["chunks"] and row["schema"] == 1.0
         assert 1 <= len(answer["chunks"]) <= len(uuids)
         for chunk in answer["chunks"]:
-            assert list(chunk) == ["start_message_uuid", "end_message_uuid", "label"]
+            assert tuple(chunk) == data.KEYS  # the label first, as the instructions show
             assert chunk["start_message_uuid"] in uuids and chunk["end_message_uuid"] in uuids
             assert isinstance(chunk["label"], str) and 1 <= len(chunk["label"]) <= ev.LABEL_CHARS
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -34,10 +35,14 @@ from mlxlab.errors import UserError
 
 INSTRUCTIONS = (
     "Split the conversation below into contiguous chunks, one per topic, covering every message "
-    "in order. Give each chunk a short, specific label (2-12 words) that says what it is about. "
-    'Answer with JSON only: {"chunks":[{"start_message_uuid":"...","end_message_uuid":"...",'
-    '"label":"..."}]}'
+    "in order. For each chunk give a short, specific label (2-12 words) that says what it is "
+    "about, then the uuids of its first and last message. "
+    'Answer with JSON only: {"chunks":[{"label":"...","start_message_uuid":"...",'
+    '"end_message_uuid":"..."}]}'
 )
+# The answer's keys in the order the model writes them: the label first, so the topic is named
+# before the model picks the message where it ends (JSON readers, and both scorers, ignore order).
+KEYS = ("label", "start_message_uuid", "end_message_uuid")
 TRUNCATED = "\n[...]"
 
 # --- the prompt -------------------------------------------------------------------------------
@@ -205,16 +210,83 @@ THANKS = [
 ]
 
 
+LABEL_WORDS = 9  # a gold label's most words: under the metric's 12 with room for a longer copy
+TRAILING = {
+    "a",
+    "an",
+    "and",
+    "as",
+    "at",
+    "by",
+    "for",
+    "from",
+    "in",
+    "into",
+    "of",
+    "on",
+    "or",
+    "the",
+    "to",
+    "with",
+    "over",
+    "along",
+    "its",
+    "their",
+    "is",
+    "are",
+    "that",
+    "which",
+    "than",
+    "some",
+    "more",
+    "most",
+    "all",
+    "this",
+    "these",
+    "not",
+    "be",
+    "can",
+    "given",
+    "specified",
+    "using",
+    "two",
+    "whose",
+    "where",
+    "when",
+    "like",
+    "efficiently",
+}
+
+
+# a module summary's opening that says nothing about the module ("This module provides access to")
+BOILERPLATE = re.compile(
+    r"^(?:(?:this|the functions in this|importing this) module\s+"
+    r"(?:provides|contains|implements|defines|performs|supports|tries to|allows?|enables)\s+"
+    r"(?:(?:access|an interface) to\s+)?(?:(?:some|various)\s+)?(?:more\s+)?)",
+    re.IGNORECASE,
+)
+
+
 def label(topic: Topic) -> str:
-    """The gold label, at most 12 words: a module's or NumPy function's name and its own one-line
-    summary; a reference topic's title ("The assert statement in Python")."""
+    """The gold label, 2 to `LABEL_WORDS` words: a module's or NumPy function's name and its own
+    one-line summary (a module's without "This module provides ..."), cut at a word that can end
+    a phrase (not "of", "the", ...) and before a parenthesis it cannot close; a reference topic's
+    title ("The assert statement in Python")."""
     if topic.kind == "ref":
-        text = f"{topic.name[0].upper()}{topic.name[1:]} in Python"
-    elif topic.kind == "numpy":
-        text = f"NumPy {topic.name.split('.', 1)[1]}: {topic.summary}"
+        return f"{topic.name[0].upper()}{topic.name[1:]} in Python"
+    if topic.kind == "numpy":
+        head, summary = f"NumPy {topic.name.split('.', 1)[1]}:", topic.summary
     else:
-        text = f"Python {topic.name} module: {topic.summary}"
-    return " ".join(text.split()[:12])
+        head, summary = f"Python {topic.name} module:", BOILERPLATE.sub("", topic.summary)
+        summary = summary[:1].upper() + summary[1:]
+    text = " ".join((head + " " + summary).split()[:LABEL_WORDS])
+    if text.count("(") > text.count(")"):  # cut before the parenthesis left open
+        text = text[: text.rindex("(")]
+    words = text.split()
+    while len(words) > 2 and words[-1].lower().strip(",;:-") in TRAILING:
+        words.pop()
+    words[-1] = words[-1].rstrip(",;:-")
+    return " ".join(words)
 
 
 def title(topic: Topic, rng: random.Random) -> str:
@@ -272,10 +344,12 @@ def _mid(rng: random.Random) -> str:
 
 
 def make_conversation(
-    topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig, cid: str
+    topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig, cid: str, weights=None
 ) -> dict:
-    """One case: {id, name, uuid, messages: [{uuid, sender, text}], chunks (gold), topics}."""
-    k = rng.choices(range(1, len(cfg.topic_weights) + 1), weights=cfg.topic_weights)[0]
+    """One case: {id, name, uuid, messages: [{uuid, sender, text}], chunks (gold), topics};
+    `weights`: the odds of 1, 2, ... topics (default `cfg.topic_weights`)."""
+    weights = weights or cfg.topic_weights
+    k = rng.choices(range(1, len(weights) + 1), weights=weights)[0]
     k = min(k, cfg.max_messages // 2)  # a topic takes at least one user/assistant pair
     kinds = sorted({t.kind for t in topics})
     chosen = []
@@ -364,8 +438,9 @@ def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
     out = {}
     for split in ("train", "valid", "test"):
         rng = random.Random(f"{cfg.seed}-{split}")
+        weights = cfg.train_topic_weights if split == "train" else None
         out[split] = [
-            make_conversation(parts[split], rng, cfg, f"{split}-{i:04d}")
+            make_conversation(parts[split], rng, cfg, f"{split}-{i:04d}", weights)
             for i in range(getattr(cfg, split))
         ]
     return out
@@ -374,10 +449,11 @@ def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
 def chat(case: dict, messages: list[dict] | None = None, chunks: list[dict] | None = None):
     """A chat-format training example: the prompt (for a window: its messages) and the gold."""
     gold = case["chunks"] if chunks is None else chunks
+    answer = {"chunks": [{k: c[k] for k in KEYS} for c in gold]}
     return {
         "messages": [
             {"role": "user", "content": prompt(case, messages)},
-            {"role": "assistant", "content": json.dumps({"chunks": gold})},
+            {"role": "assistant", "content": json.dumps(answer)},
         ]
     }
 

@@ -78,7 +78,8 @@ def _words(text: str, n: int) -> str:
 
 def _summary(doc: str) -> str:
     first = doc.strip().split("\n\n")[0]
-    first = " ".join(first.split())
+    # reST heading underlines ("=====") are not words
+    first = " ".join(w for w in first.split() if not re.fullmatch(r"[=~^*#-]{3,}", w))
     first = re.split(r"(?<=[a-z0-9)])\. ", first)[0]
     return first.rstrip(".:")
 
@@ -229,8 +230,8 @@ def numpy_topics() -> list[Topic]:
         if not parts or parts[0][0]:
             continue
         lead = parts[0][1].split("\n\n")
-        if lead and re.match(r"^\w[\w.]*\(.*\)$", lead[0].strip()):
-            lead = lead[1:]  # a C function's signature line
+        while lead and re.match(r"^\w[\w.]*\(.*\)(\s*--)?$", lead[0].strip(), re.S):
+            lead = lead[1:]  # a C function's signature (over one line or several)
         if not lead:
             continue
         summary = _summary(lead[0])
@@ -284,7 +285,8 @@ def load_topics() -> tuple[Topic, ...]:
         topics = reference_topics() + module_topics() + numpy_topics()
     seen, out = set(), []
     for t in sorted(topics, key=lambda t: t.key):
-        if t.key not in seen:
-            seen.add(t.key)
+        # one topic per key and per name (pydoc's "else" and "if" are the same section)
+        if t.key not in seen and ("name", t.name) not in seen:
+            seen.update((t.key, ("name", t.name)))
             out.append(t)
     return tuple(out)

@@ -542,19 +542,18 @@ LABEL_CHARS = 80  # a label's most characters under the schema (gold titles are 
 
 
 def answer_schema(uuids: list[str]) -> dict:
-    """The answer's JSON schema for one conversation: {"chunks": [{start_message_uuid,
-    end_message_uuid, label}, ...]}, 1 to len(uuids) chunks, each uuid one of `uuids`, keys in
-    the order the system prompt shows, nothing else. Contiguity and coverage are not in it (the
-    scorer still judges those)."""
+    """The answer's JSON schema for one conversation: {"chunks": [{label, start_message_uuid,
+    end_message_uuid}, ...]}, 1 to len(uuids) chunks, each uuid one of `uuids`, keys in the
+    order the instructions show (mlxlab/data/chunk.py `KEYS`), nothing else. Contiguity and
+    coverage are not in it (the scorer still judges those)."""
+    from mlxlab.data.chunk import KEYS
+
     anchor = {"type": "string", "enum": list(dict.fromkeys(uuids))}
+    label = {"type": "string", "minLength": 1, "maxLength": LABEL_CHARS}
     chunk = {
         "type": "object",
-        "properties": {
-            "start_message_uuid": anchor,
-            "end_message_uuid": anchor,
-            "label": {"type": "string", "minLength": 1, "maxLength": LABEL_CHARS},
-        },
-        "required": ["start_message_uuid", "end_message_uuid", "label"],
+        "properties": {k: label if k == "label" else anchor for k in KEYS},
+        "required": list(KEYS),
         "additionalProperties": False,
     }
     return {
@@ -809,9 +808,9 @@ def evaluate(
                 {
                     "chunks": [
                         {
+                            "label": labels[s],
                             "start_message_uuid": uuids[s],
                             "end_message_uuid": uuids[e - 1],
-                            "label": labels[s],
                         }
                         for s, e in zip(points, ends, strict=True)
                     ]
