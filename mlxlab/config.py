@@ -190,6 +190,11 @@ class LoraConfig:
     """Multiplier of the low-rank update (mlx-lm's `scale`, not alpha)."""
     dropout: float = 0.0
     """Dropout on the LoRA input."""
+    init: str | None = None
+    """Start from this adapter's weights (an adapter directory, or a training run's final
+    adapter) instead of a fresh init: e.g. preference training on top of an SFT adapter. Its
+    rank, scale, targets and layers must be this config's. With objective=dpo it is also the
+    reference policy (the model the run starts from)."""
 
     def __post_init__(self):
         if self.rank < 1:

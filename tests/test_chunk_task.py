@@ -575,7 +575,7 @@ def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tm
         tmp_path / "res.jsonl"
     )
     assert len(held.read_text().splitlines()) == 2 and summary["constrained"]["cases"] == 2
-    head = '{"chunks": [{"start_message_uuid": "'
+    head = '{"chunks": [{"label": "'
     for line in held.read_text().splitlines():  # 8 tokens: the schema's opening, or part of it
         output = json.loads(line)["output"]
         assert output and (head.startswith(output) or output.startswith(head)), output

@@ -362,3 +362,36 @@ def test_dpo_accumulation_equals_one_batch_of_all_pairs(tiny_dir, tmp_path):
     num = sum(float(((g[k] - acc[k]) ** 2).sum()) for k in g) ** 0.5
     den = sum(float((acc[k] ** 2).sum()) for k in g) ** 0.5
     assert den > 0 and num / den < 1e-5  # the same step to float rounding (other paddings)
+
+
+def test_lora_init_starts_from_an_adapter_and_is_dpos_reference(tiny_dir, tmp_path):
+    """A DPO run on top of an adapter (lora.init): its first step sees the policy equal to the
+    reference, so the margin is 0 and the loss log 2. Neither a policy left at a fresh init nor
+    the base as reference would give that: against the base, the starting adapter has a margin
+    (checked below, so the test can fail)."""
+    from pathlib import Path
+
+    from mlxlab.config import LoraConfig, UserError
+    from mlxlab.data.batches import BatchSampler
+    from mlxlab.data.datasets import resolve_paths
+    from mlxlab.data.preference import load_pair_split
+    from mlxlab.lora import io as lora_io
+    from mlxlab.models.zoo import load
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    first = run(_pair_cfg(tmp_path / "first", "orpo", iters=3, val_every=0))
+    lora_cfg = LoraConfig(targets=["q", "v", "down"], rank=4, init=str(Path(first["adapter"])))
+    on_top = run(_pair_cfg(tmp_path / "top", "dpo", lora=lora_cfg, iters=2, val_every=0))
+    steps = [r for r in _records(Path(on_top["adapter"]).parent) if "loss" in r]
+    assert steps[0]["reward_margin"] == 0.0 and steps[0]["loss"] == pytest.approx(0.693147)
+
+    model, tokenizer = load("tiny-llama", "float32")
+    lora_io.load(model, first["adapter"])
+    cfg = _pair_cfg(tmp_path / "probe", "dpo")
+    examples = load_pair_split(resolve_paths(cfg.data)[0], tokenizer, cfg.data).examples
+    batch = next(BatchSampler(examples, 2, cfg.seed, pairs=True).one_pass())
+    policy = obj.reference_logps(model, batch, lora.adapter_parameters(model))
+    assert not np.array_equal(np.array(policy), np.array(obj.reference_logps(model, batch)))
+    with pytest.raises(UserError, match=r"does not match lora\.\*.*rank 4 here 8"):
+        run(_pair_cfg(tmp_path / "bad", "orpo", lora=dataclasses.replace(lora_cfg, rank=8)))

@@ -449,11 +449,10 @@ def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
 def chat(case: dict, messages: list[dict] | None = None, chunks: list[dict] | None = None):
     """A chat-format training example: the prompt (for a window: its messages) and the gold."""
     gold = case["chunks"] if chunks is None else chunks
-    answer = {"chunks": [{k: c[k] for k in KEYS} for c in gold]}
     return {
         "messages": [
             {"role": "user", "content": prompt(case, messages)},
-            {"role": "assistant", "content": json.dumps(answer)},
+            {"role": "assistant", "content": answer(gold)},
         ]
     }
 
@@ -462,14 +461,46 @@ def char_cost(m: dict) -> int:
     return len(message_block(m)) + 5
 
 
-def training_examples(case: dict, cfg: ChunkDataConfig) -> list[dict]:
-    """The chat examples of one case: the whole conversation when it fits `window_chars`, else
-    one example per window (gold clipped to it), the windows evaluation reads it in."""
+def training_windows(case: dict, cfg: ChunkDataConfig) -> list[tuple[list[dict], list[dict]]]:
+    """[(messages, gold)] of one case: the whole conversation when it fits `window_chars`, else
+    each window of its shown messages with the gold clipped to it."""
     uuids = [m["uuid"] for m in shown(case["messages"])]
     return [
-        chat(case, msgs, clip(case["chunks"], uuids, a, b))
+        (msgs, clip(case["chunks"], uuids, a, b))
         for a, b, msgs in window_cases(case, char_cost, cfg.window_chars, cfg.window_overlap)
     ]
+
+
+def training_examples(case: dict, cfg: ChunkDataConfig) -> list[dict]:
+    """The chat examples of one case (`training_windows`), the windows evaluation reads it in."""
+    return [chat(case, msgs, gold) for msgs, gold in training_windows(case, cfg)]
+
+
+def moved_boundary(gold: list[dict], uuids: list[str], rng: random.Random) -> list[dict] | None:
+    """`gold` (chunks over `uuids`, in order) with one boundary between two chunks moved by one
+    message, earlier or later, keeping every chunk non-empty; None for a one-chunk gold."""
+    index = {u: i for i, u in enumerate(uuids)}
+    spans = [[index[c["start_message_uuid"]], index[c["end_message_uuid"]]] for c in gold]
+    options = []
+    for k in range(1, len(spans)):
+        if spans[k - 1][1] > spans[k - 1][0]:  # the earlier chunk can give its last message
+            options.append((k, -1))
+        if spans[k][1] > spans[k][0]:  # the later chunk can give its first message
+            options.append((k, +1))
+    if not options:
+        return None
+    k, step = rng.choice(options)
+    spans[k - 1][1] += step
+    spans[k][0] += step
+    return [
+        {**c, "start_message_uuid": uuids[s], "end_message_uuid": uuids[e]}
+        for c, (s, e) in zip(gold, spans, strict=True)
+    ]
+
+
+def answer(chunks: list[dict]) -> str:
+    """The answer's JSON text, keys in `KEYS` order (what training teaches the model to write)."""
+    return json.dumps({"chunks": [{k: c[k] for k in KEYS} for c in chunks]})
 
 
 BINS = {

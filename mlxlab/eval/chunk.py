@@ -514,22 +514,24 @@ def training_labels(data) -> set[str] | None:
 
 def training_window(data, tokenizer) -> int:
     """The longest prompt (in tokens, with the template's generation prompt) among a dataset
-    directory's training examples: the window budget that reads a long conversation as the
-    adapter trained on it; 0 when `data` has no train.jsonl."""
+    directory's training examples (chat examples, or preference pairs with a `messages`
+    prompt): the window budget that reads a long conversation as the adapter trained on it; 0
+    when `data` has no train.jsonl."""
     path = Path(data) / "train.jsonl"
     if not path.is_file():
         return 0
     longest = 0
     for line in path.read_text().splitlines():
         try:
-            messages = json.loads(line)["messages"] if line.strip() else None
+            record = json.loads(line) if line.strip() else {}
+            messages = record["messages"]
+            if "chosen" not in record:  # a chat example: the prompt is all but the answer
+                messages = messages[:-1]
         except (ValueError, KeyError, TypeError):
             messages = None
-        if not isinstance(messages, list) or len(messages) < 2:
-            continue  # not a chat-format training example (prompt + answer)
-        ids = tokenizer.apply_chat_template(
-            messages[:-1], add_generation_prompt=True, return_dict=False
-        )
+        if not isinstance(messages, list) or not messages:
+            continue  # neither a chat example nor a pair with a chat prompt
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         longest = max(longest, len(ids))
     return longest
 
@@ -577,13 +579,18 @@ def n_vocab(model, tokenizer) -> int:
 
 
 def _batch_decode(
-    model, tokenizer, prompts: list[list[int]], max_tokens: int, processors: list[list]
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_tokens: int,
+    processors: list[list],
+    sampler=None,
 ) -> list[str]:
     """`batch_generate`'s loop with one list of logits processors per row (its own keyword gives
     every row the same processors, and a grammar constraint holds one sequence's state)."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], sampler=sampler)
     try:
         uids = gen.insert(prompts, [max_tokens] * len(prompts), logits_processors=processors)
         tokens: dict[int, list[int]] = {uid: [] for uid in uids}
@@ -604,8 +611,10 @@ def generate_all(
     batch_size: int,
     progress=None,
     processors=None,
+    sampler=None,
 ) -> list[str]:
-    """Greedy completions of token-id prompts, in order.
+    """Completions of token-id prompts, in order: greedy, or drawn by `sampler` (mlx-lm's
+    `make_sampler`; seed MLX's generator first for a repeatable draw).
 
     batch_size > 1 decodes groups of similar length together with mlx-lm's `batch_generate`
     (left-padded, so a case's text can differ from its unbatched decode in rare near-ties);
@@ -630,13 +639,20 @@ def generate_all(
                     prompts[group[0]],
                     max_tokens=max_tokens,
                     logits_processors=rows[0] if rows else None,
+                    sampler=sampler,
                 )
             ]
         elif rows:
-            outs = _batch_decode(model, tokenizer, [prompts[i] for i in group], max_tokens, rows)
+            outs = _batch_decode(
+                model, tokenizer, [prompts[i] for i in group], max_tokens, rows, sampler
+            )
         else:
             outs = batch_generate(
-                model, tokenizer, [prompts[i] for i in group], max_tokens=max_tokens
+                model,
+                tokenizer,
+                [prompts[i] for i in group],
+                max_tokens=max_tokens,
+                sampler=sampler,
             ).texts
         for i, text in zip(group, outs, strict=True):
             texts[i] = text

@@ -203,6 +203,27 @@ def _expected_shapes(model, plan: lora_apply.LoraPlan, problems: list[str]) -> d
     return shapes
 
 
+def read_init(path: str | Path, model, plan: lora_apply.LoraPlan) -> dict[str, mx.array]:
+    """The weights of the adapter at `path` to start training from: checked against `model` as
+    `read_plan` does, and its layers, projections, rank and scale must be `plan`'s (every
+    difference named)."""
+    saved, weights = read_plan(path, model)
+    differ = [
+        f"{key} {getattr(saved, key)!r} here {getattr(plan, key)!r}"
+        for key in ("layers", "keys", "rank", "scale")
+        if getattr(saved, key) != getattr(plan, key)
+    ]
+    if differ:
+        raise UserError(
+            f"lora.init={path}: the adapter does not match lora.* ({'; '.join(differ)}); "
+            "set lora.rank / scale / targets / layers as it was trained"
+        )
+    missing = sorted(set(lora_apply.adapter_parameters(model)) - set(weights))
+    if missing:
+        raise UserError(f"lora.init={path}: the adapter lacks {', '.join(missing[:4])} ...")
+    return weights
+
+
 def load(model, path: str | Path) -> lora_apply.LoraPlan:
     """Check, then attach the adapter at `path` to `model` (mlxlab's or mlx-lm's)."""
     plan, weights = read_plan(path, model)

@@ -13,7 +13,7 @@ from types import ModuleType
 
 from mlxlab.config import check_choice, from_dict
 
-TASKS = {"chunk": "mlxlab.tasks.chunk"}
+TASKS = {"chunk": "mlxlab.tasks.chunk", "chunk_pref": "mlxlab.tasks.chunk_pref"}
 """Task name -> its module."""
 
 

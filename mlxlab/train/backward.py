@@ -133,7 +133,7 @@ def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True,
     """(GradFn, description) for BackwardConfig `cfg`. `objective` (train/objectives.py
     PairObjective; None: SFT) makes every mode differentiate that pair loss instead, its GradFn
     returning the objective's metrics as a fourth value; a DPO batch without reference
-    log-probs gets them computed first (adapters off)."""
+    log-probs gets them computed first (adapters off, or the objective's starting adapter)."""
     import functools
 
     from mlxlab.train.losses import response_ce
@@ -158,18 +158,19 @@ def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True,
         how = "segmented backward: " + plan.describe(runner_for(model)) + head
     if objective is None or not objective.needs_reference:
         return grad_fn, how
-    return with_reference(grad_fn), how
+    return with_reference(grad_fn, objective.start), how
 
 
-def with_reference(grad_fn):
-    """A GradFn that first fills a batch's missing reference log-probs (objectives.py)."""
+def with_reference(grad_fn, start=None):
+    """A GradFn that first fills a batch's missing reference log-probs (objectives.py; `start`:
+    the adapter the run started from, else the base model)."""
     import dataclasses
 
     from mlxlab.train.objectives import reference_logps
 
     def wrapped(model, batch):
         if batch.ref is None:
-            batch = dataclasses.replace(batch, ref=reference_logps(model, batch))
+            batch = dataclasses.replace(batch, ref=reference_logps(model, batch, start))
         return grad_fn(model, batch)
 
     return wrapped

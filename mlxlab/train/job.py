@@ -7,6 +7,7 @@ its dataset, evaluate the base and the tuned model, write a report: mlxlab/tasks
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -36,6 +37,11 @@ class Hooks:
     def config(self) -> dict | None:
         """Saved as `task` in the run's config.yaml (and checked on resume)."""
         return None
+
+    def train_config(self, cfg: TrainConfig) -> TrainConfig:
+        """The config to train with: a task may fill settings it owns (the adapter to start
+        from, lora.init, when it trains on top of another run)."""
+        return cfg
 
     def prepare_data(self, data: DataConfig, run_dir: Path) -> DataConfig:
         """The data config to train on (a task builds its dataset into the run directory)."""
@@ -105,8 +111,10 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     from mlxlab.models.zoo import load
     from mlxlab.train import trainer
     from mlxlab.train.backward import make_grad_fn
+    from mlxlab.train.objectives import PairObjective
 
     hooks = hooks or Hooks()
+    cfg = hooks.train_config(cfg)
     run_dir = run_dir_for(cfg)
     config_dict = to_dict(cfg)
     task_config = hooks.config()
@@ -145,6 +153,17 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             ) from None
     plan = lora_apply.plan(model, cfg.lora)
     lora_apply.apply(model, plan, seed=cfg.seed)
+    start = None  # the adapter the run starts from (lora.init): DPO's reference too
+    if cfg.lora.init:
+        import mlx.core as mx
+
+        start = lora_io.read_init(cfg.lora.init, model, plan)
+        model.load_weights(list(start.items()), strict=False)
+        mx.eval(model.parameters())
+        log.info(f"LoRA starts from {lora_io.resolve_dir(cfg.lora.init)}")
+    objective = PairObjective.from_config(cfg)
+    if objective is not None and start is not None:
+        objective = dataclasses.replace(objective, start=start)
     train_sampler = BatchSampler(
         train_set.examples,
         cfg.batch_size,
@@ -168,10 +187,13 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     if cfg.objective == "dpo":  # after config.yaml: a run killed here can resume
         from mlxlab.train.objectives import precompute_reference
 
-        if valid_sampler is not None and cfg.val_every:  # validation: fixed reference log-probs
-            precompute_reference(model, valid_sampler, run_dir / "reference_valid.json", cfg.model)
-        if cfg.dpo.precompute_ref:
-            precompute_reference(model, train_sampler, run_dir / "reference_train.json", cfg.model)
+        for sampler, name, needed in (
+            (valid_sampler, "valid", valid_sampler is not None and cfg.val_every),
+            (train_sampler, "train", cfg.dpo.precompute_ref),
+        ):  # validation always gets fixed reference log-probs
+            if needed:
+                path = run_dir / f"reference_{name}.json"
+                precompute_reference(model, sampler, path, cfg.model, start)
     n_params = sum(v.size for v in lora_apply.adapter_parameters(model).values())
     log.info(
         f"run dir: {run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
@@ -194,14 +216,12 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             else f" ({len(train_sampler)} batches of {cfg.batch_size})"
         )
     )
-    from mlxlab.train.objectives import PairObjective
-
     grad_fn, how = make_grad_fn(
         model,
         cfg.backward,
         (cfg.batch_size * per_unit, cfg.data.max_seq_length),
         compile=cfg.compile,
-        objective=PairObjective.from_config(cfg),
+        objective=objective,
     )
     log.info(f"gradients: {how}")
     meta = {"base_model": cfg.model, "run_dir": str(run_dir)}

@@ -24,7 +24,7 @@ reward (DPO) or log odds (ORPO) is the larger.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -158,6 +158,9 @@ class PairObjective:
     dpo_loss: str = "sigmoid"
     label_smoothing: float = 0.0
     lam: float = 0.1
+    # DPO's reference: None = the base model (adapters off); else the LoRA arrays the run
+    # started from (lora.init), swapped in for the reference pass
+    start: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg) -> PairObjective | None:
@@ -228,15 +231,30 @@ def adapters_off(model):
             m.scale = s
 
 
-def reference_logps(model, batch) -> mx.array:
-    """The reference model's (adapters off, eval mode) summed response log-prob of each row of a
-    batch of pairs, [B] float32, evaluated and without a graph."""
+@contextmanager
+def adapter_swapped(model, weights: dict):
+    """The model with these LoRA arrays (by full parameter name) in place of its own, which are
+    put back on exit (the same array objects: nothing is copied)."""
+    from mlxlab.lora.apply import adapter_parameters
+
+    own = adapter_parameters(model)
+    try:
+        model.load_weights(list(weights.items()), strict=False)
+        yield model
+    finally:
+        model.load_weights(list(own.items()), strict=False)
+
+
+def reference_logps(model, batch, start: dict | None = None) -> mx.array:
+    """The reference model's summed response log-prob of each row of a batch of pairs, [B]
+    float32, evaluated and without a graph, in eval mode: the base model (adapters off), or with
+    `start` the adapter the run started from."""
     from mlxlab.train.losses import hidden_states
 
     was_training = model.training
     model.eval()
     try:
-        with adapters_off(model):
+        with adapters_off(model) if start is None else adapter_swapped(model, start):
             h = hidden_states(model, batch.inputs)
             sums, _ = row_logps(model, h, batch.positions, batch.labels, batch.weights)
             sums = mx.stop_gradient(sums)
@@ -246,17 +264,24 @@ def reference_logps(model, batch) -> mx.array:
     return sums
 
 
-def _fingerprint(model_name: str, sampler) -> str:
-    """What the reference log-probs depend on: the model and every example's tokens and offset."""
+def _fingerprint(model_name: str, sampler, start: dict | None = None) -> str:
+    """What the reference log-probs depend on: the model (and the adapter it starts from) and
+    every example's tokens and offset."""
     import hashlib
 
+    import numpy as np
+
     h = hashlib.sha256(model_name.encode())
+    for name in sorted(start or {}):
+        h.update(name.encode() + np.asarray(start[name].astype(mx.float32)).tobytes())
     for e in sampler.examples:
         h.update(f"{e.offset}:{','.join(map(str, e.ids))};".encode())
     return h.hexdigest()
 
 
-def precompute_reference(model, sampler, path, model_name: str = "") -> None:
+def precompute_reference(
+    model, sampler, path, model_name: str = "", start: dict | None = None
+) -> None:
     """Give `sampler` (of pairs) the reference log-prob of every example it batches, computed
     once over its batches (the shapes training sees, so the values equal a per-batch
     computation) and written to `path` (JSON, with a fingerprint of the model name and the
@@ -270,7 +295,7 @@ def precompute_reference(model, sampler, path, model_name: str = "") -> None:
 
     path = Path(path)
     n = len(sampler.examples)
-    fingerprint = _fingerprint(model_name, sampler)
+    fingerprint = _fingerprint(model_name, sampler, start)
     if path.is_file():
         try:
             saved = json.loads(path.read_text())
@@ -285,13 +310,14 @@ def precompute_reference(model, sampler, path, model_name: str = "") -> None:
         sampler.set_reference([float("nan") if v is None else v for v in ref])
         return
     logging.getLogger(__name__).info(
-        f"reference log-probs (adapter off) for {n // 2} pairs -> {path.name}"
+        f"reference log-probs ({'adapter off' if start is None else 'the starting adapter'}) "
+        f"for {n // 2} pairs -> {path.name}"
     )
     ref: list = [None] * n
     for group in sampler.groups:
         order = [i for unit in group for i in unit]
         batch = sampler._collate(group)
-        for i, v in zip(order, reference_logps(model, batch).tolist(), strict=True):
+        for i, v in zip(order, reference_logps(model, batch, start).tolist(), strict=True):
             ref[i] = v
     atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "ref": ref}) + "\n")
     sampler.set_reference([float("nan") if v is None else v for v in ref])

@@ -1,0 +1,143 @@
+"""The chunk preference task (mlxlab/tasks/chunk_pref.py): pairs from an SFT run's training
+windows, DPO/ORPO on top of its adapter, SFT alone against SFT + preference."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from mlxlab.config import UserError
+from mlxlab.data import chunk as data
+from mlxlab.tasks import chunk_pref as cp
+
+U = [f"00000000-0000-4000-8000-00000000000{i}" for i in range(6)]
+
+
+def _gold(*spans):
+    return [
+        {"start_message_uuid": U[s], "end_message_uuid": U[e], "label": f"Topic number {k}"}
+        for k, (s, e) in enumerate(spans)
+    ]
+
+
+def test_moved_boundary_moves_one_boundary_by_one_message():
+    gold = _gold((0, 2), (3, 5))
+    seen = set()
+    for seed in range(20):
+        moved = data.moved_boundary(gold, U, random.Random(seed))
+        ends = [(U.index(c["start_message_uuid"]), U.index(c["end_message_uuid"])) for c in moved]
+        assert ends in ([(0, 1), (2, 5)], [(0, 3), (4, 5)])
+        assert [c["label"] for c in moved] == [c["label"] for c in gold]
+        seen.add(tuple(ends))
+    assert len(seen) == 2  # both directions happen
+    assert data.moved_boundary(_gold((0, 5)), U, random.Random(0)) is None  # one chunk
+    # one-message chunks only give a message where they keep one
+    moved = data.moved_boundary(_gold((0, 0), (1, 5)), U, random.Random(0))
+    assert [U.index(c["end_message_uuid"]) for c in moved] == [1, 5]
+
+
+def test_pick_takes_the_multi_chunk_share_first():
+    windows = [("c", [], _gold((0, 5)))] * 10 + [("c", [], _gold((0, 2), (3, 5)))] * 4
+    picked = cp.pick(windows, 8, 0.75, random.Random(0))
+    assert len(picked) == 8 and sum(len(w[2]) >= 2 for w in picked) == 4  # all there are
+    assert sum(len(w[2]) >= 2 for w in cp.pick(windows, 4, 0.5, random.Random(0))) == 2
+
+
+def test_a_right_answer_is_the_gold_with_full_marks():
+    gold = _gold((0, 2), (3, 5))
+    assert cp.is_right(data.answer(gold), U, gold, None)
+    assert not cp.is_right(data.answer(_gold((0, 5))), U, gold, None)  # one chunk
+    assert not cp.is_right(
+        data.answer(data.moved_boundary(gold, U, random.Random(1))), U, gold, None
+    )
+    generic = [{**c, "label": "discussion"} for c in gold]
+    assert not cp.is_right(data.answer(generic), U, gold, None)  # ref takes label points
+    assert not cp.is_right("no json", U, gold, None)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(UserError, match="no finished chunk SFT run"):
+        cp.find_sft_run(tmp_path)
+    with pytest.raises(UserError, match="not a finished chunk-task run"):
+        cp.sft_dir(cp.ChunkPrefConfig(sft=str(tmp_path)))
+    with pytest.raises(UserError, match="multi_share"):
+        cp.ChunkPrefConfig(multi_share=2)
+    from mlxlab.config import TrainConfig
+
+    with pytest.raises(UserError, match="objective=dpo or objective=orpo"):
+        cp.hooks(cp.ChunkPrefConfig()).train_config(TrainConfig())
+
+
+@pytest.mark.slow  # end to end: an SFT task run, then DPO on top of it (pairs, training, eval)
+def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
+    from pathlib import Path
+
+    from mlxlab.cli import compose
+    from mlxlab.train import cli
+
+    tiny_dir("gemma3")
+    common = [
+        "model=tiny-gemma3",
+        "task.eval.max_tokens=6",
+        "task.eval.max_prompt_tokens=8192",
+        "data.max_seq_length=8192",  # the tiny tokenizer takes ~1.4 characters a token
+        "lora.rank=4",
+        "iters=2",
+        "val_every=0",
+        "wandb=disabled",
+    ]
+    sft = tmp_path / "sft"
+    cli.run(
+        compose(
+            "train",
+            [
+                *common,
+                "task.name=chunk",
+                "task.eval_base=false",
+                "task.data.train=8",
+                "task.data.valid=1",
+                "task.data.test=3",
+                "task.data.train_topic_weights=[0,1]",
+                "batch_size=2",
+                f"out_dir={sft}",
+            ],
+        )
+    )
+    report = tmp_path / "exp" / "README.md"
+    summary = cli.run(
+        compose(
+            "train",
+            [
+                *common,
+                "task.name=chunk_pref",
+                f"task.sft={sft}",
+                "task.examples=4",
+                "objective=dpo",
+                "batch_size=1",
+                f"out_dir={tmp_path / 'dpo'}",
+                f"task.report={report}",
+            ],
+        )
+    )
+    run = tmp_path / "dpo"
+    pairs = json.loads((run / "data" / "pairs.json").read_text())
+    assert pairs["examples"] == 4 and pairs["multi_chunk_examples"] == 3
+    assert pairs["pairs_moved"] == 3 and pairs["pairs"] == pairs["pairs_sampled"] + 3
+    lines = (run / "data" / "train.jsonl").read_text().splitlines()
+    assert len(lines) == pairs["pairs"]
+    for line in lines:
+        p = json.loads(line)
+        gold = json.loads(p["chosen"])["chunks"]
+        assert list(gold[0]) == list(data.KEYS) and p["rejected"] != p["chosen"]
+        assert p["messages"][0]["content"].startswith(data.INSTRUCTIONS)
+    # SFT alone is the SFT run's own evaluation (same data, same settings), not a new one
+    assert (run / "eval_sft.jsonl").read_bytes() == (sft / "eval_tuned.jsonl").read_bytes()
+    assert set(summary["eval"]) == {"sft", "sft + dpo"}
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in steps if "loss" in r)
+    assert first["reward_margin"] == 0.0  # DPO's reference is the SFT adapter it starts from
+    text = report.read_text()
+    assert "| sft | 3 |" in text and "| sft + dpo | 3 |" in text and str(sft) in text
+    assert Path(summary["adapter"]).is_dir()
