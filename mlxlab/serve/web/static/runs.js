@@ -211,15 +211,15 @@ function renderTable() {
     const on = selected.includes(run.id);
     tr.classList.toggle("selected", on);
     cells[0].firstChild.checked = on;
-    const name = cells[1].firstChild;
-    name.title = run.id;
+    const name = cells[1].querySelector("button.run-name");
     const what = [run.model, run.objective !== "sft" ? run.objective : null].filter(Boolean).join(" · ");
-    cells[1].replaceChildren(name, el("div", { class: "muted small" }, what));
+    const title = el("div", { class: "run-title" }, name);
     if (on) {
       const swatch = el("span", { class: "swatch", "aria-hidden": "true" });
       swatch.style.background = colorOf(run.id); // CSSOM: allowed by the page's CSP
-      cells[1].prepend(swatch);
+      title.prepend(swatch);
     }
+    cells[1].replaceChildren(title, el("div", { class: "muted small" }, what));
     cells[2].textContent = `${run.step ?? 0}${run.iters ? " / " + run.iters : ""}`;
     cells[3].textContent = run.status;
     cells[3].className = "status-" + run.status;
@@ -278,7 +278,7 @@ function chartsToDraw() {
 }
 
 function drawChart(chart) {
-  const W = 360, H = 200, L = 50, R = 10, T = 8, B = 30;
+  const W = 360, H = 200, L = 58, R = 10, T = 8, B = 30;
   const alpha = Number($("smoothing").value);
   const logy = chart.log && $("logy").checked;
   const lines = [];
@@ -383,9 +383,18 @@ function hover(fig, root, lines, sx, x0, x1, box) {
     cursor.setAttribute("x1", sx(at));
     cursor.setAttribute("x2", sx(at));
     cursor.setAttribute("visibility", "visible");
-    tip.replaceChildren(el("div", {}, `step ${at}`), ...rows.map(([l, p]) => el("div", {}, `${l.metric} ${selected.length > 1 ? "(" + l.id + ") " : ""}${fmt(p[1])}`)));
+    tip.replaceChildren(
+      el("div", {}, `step ${at}`),
+      ...rows.map(([l, p]) => {
+        const who = selected.length > 1 ? ` (${l.id})` : "";
+        const where = p[0] !== at ? ` at step ${p[0]}` : "";
+        return el("div", {}, `${l.metric}${who} ${fmt(p[1])}${where}`);
+      }),
+    );
     tip.hidden = false;
-    tip.style.left = `${Math.min(e.clientX - fig.getBoundingClientRect().left + 12, fig.clientWidth - 160)}px`;
+    const x = e.clientX - fig.getBoundingClientRect().left;
+    const left = x + 12 + tip.offsetWidth > fig.clientWidth ? x - 12 - tip.offsetWidth : x + 12;
+    tip.style.left = `${Math.max(0, left)}px`;
     tip.style.top = "28px";
   });
   root.addEventListener("mouseleave", () => {
