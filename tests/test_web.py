@@ -84,6 +84,8 @@ def test_find_lists_run_directories_only(root):
         ("quickstart", 404, "run_not_found"),
         ("a\\..\\b", 404, "run_not_found"),
         ("a\x00b", 404, "run_not_found"),
+        ("a" * 300, 404, "run_not_found"),  # longer than a file name may be
+        ("x/\udcff", 404, "run_not_found"),
         ("", 404, "run_not_found"),
     ],
 )
@@ -221,9 +223,16 @@ def test_the_runs_api_lists_plots_and_refuses_what_is_outside(root):
 def test_a_run_without_metrics_yet_answers_an_empty_read(root):
     run = root / "starting"
     run.mkdir()
-    (run / "config.yaml").write_text("model: tiny-gemma3\n")
-    m = runs_client(root).get("/v1/runs/metrics", params={"run": "starting"}).json()
+    (run / "config.yaml").write_text("model: tiny-gemma3\nwhen: 2026-12-01\n1: [.nan, .inf]\n")
+    c = runs_client(root)
+    m = c.get("/v1/runs/metrics", params={"run": "starting"}).json()
     assert m["records"] == [] and m["offset"] == 0 and m["file"] is None
+    info = c.get("/v1/runs/info", params={"run": "starting"}).json()
+    assert info["config"] == {"model": "tiny-gemma3", "when": "2026-12-01", "1": [None, None]}
+    assert info["summary"] is None
+    (run / "config.yaml").write_text("model: [unclosed\n")  # not YAML: no config, no error
+    assert c.get("/v1/runs/info", params={"run": "starting"}).json()["config"] is None
+    assert any(r["id"] == "starting" for r in c.get("/v1/runs").json()["data"])
 
 
 def test_pages_load_without_the_key_and_every_call_needs_it(root):

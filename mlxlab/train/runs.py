@@ -68,8 +68,12 @@ def run_dir(root: Path, run_id: str) -> Path:
         raise RunError(
             403, f"run {run_id!r} is not a path inside the runs directory", "outside_runs_dir"
         )
-    path = confined(root, root / run_id)
-    if not path.is_dir() or not is_run(path):
+    try:
+        path = confined(root, root / run_id)
+        found = path.is_dir() and is_run(path)
+    except OSError:  # a name too long for the file system, say
+        found = False
+    if not found:
         raise RunError(404, f"no run {run_id!r} under {root}", "run_not_found")
     return path
 
@@ -102,20 +106,34 @@ def find(root: Path, max_depth: int = 4) -> list[Path]:
     return sorted(runs, key=lambda p: (-mtime(p), str(p)))
 
 
+def cards(root: Path, now: float | None = None) -> list[dict]:
+    """`describe` of every run `find` finds (a run removed meanwhile is left out)."""
+    out = []
+    for run in find(root) if root.is_dir() else []:
+        try:
+            out.append(describe(root, run, now))
+        except OSError:
+            continue
+    return out
+
+
 def mtime(run: Path) -> float:
     times = [(run / n).stat().st_mtime for n in (METRICS, SUMMARY, CONFIG) if (run / n).is_file()]
     return max(times, default=0.0)
 
 
 def finite(value):
-    """JSON-safe: non-finite floats (NaN, inf) become None, recursively."""
+    """JSON-safe, recursively: non-finite floats (NaN, inf) become None, keys strings, anything
+    else JSON has no type for (a YAML date) its text."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if value is None or isinstance(value, (str, int, float)):
+        return value
     if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
         return [finite(v) for v in value]
-    return value
+    return str(value)
 
 
 def file_id(st: os.stat_result) -> str:

@@ -136,10 +136,7 @@ async def list_runs(request: Request):
     reg = adapters_of(request)
     now = time.time()
 
-    def scan():
-        return [runs.describe(root, r, now) for r in runs.find(root)] if root.is_dir() else []
-
-    cards = await run_in_threadpool(scan)
+    cards = await run_in_threadpool(runs.cards, root, now)
     for card in cards:
         card.update(mount_fields(card, reg))
     cfg = request.app.state.cfg
@@ -165,11 +162,15 @@ async def run_metrics(
     root = runs_root(request)
     path = checked(root, run)
     metrics = runs.run_file(root, path, runs.METRICS)
-    if metrics is None:  # config.yaml is written first: no step yet
+    got = None
+    if metrics is not None:
+        try:
+            got = await run_in_threadpool(runs.read_metrics, metrics, offset, file)
+        except OSError:  # removed since: as if not written yet
+            got = None
+    if got is None:  # config.yaml is written first: no step yet
         got = {"records": [], "offset": 0, "file": None, "reset": offset > 0, "more": False}
         got["bad_lines"] = 0
-    else:
-        got = await run_in_threadpool(runs.read_metrics, metrics, offset, file)
     return {"run": run, **got}
 
 
