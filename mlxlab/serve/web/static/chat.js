@@ -129,7 +129,12 @@ function save() {
       ? { ...t, sides: Object.fromEntries(Object.entries(t.sides).map(([k, a]) => [k, { ...a, streaming: false }])) }
       : t,
   );
-  sessionStorage.setItem(STORE, JSON.stringify(plain));
+  try {
+    sessionStorage.setItem(STORE, JSON.stringify(plain));
+  } catch (_) {
+    // over the tab's storage quota: the conversation stays on screen, a reload loses it
+    $("notice").textContent = "This conversation is too long to keep across reloads (Download saves it).";
+  }
 }
 
 function load() {
@@ -508,11 +513,12 @@ function turnNode(index) {
   return box;
 }
 
+// The log, rebuilt only where a turn changed (what it shows, whether it is the last answer), so
+// the nodes of earlier turns stay put: focus, selection and what a screen reader has read.
 function render() {
   const log = $("log");
-  log.replaceChildren();
   if (!turns.length) {
-    log.append(
+    log.replaceChildren(
       el(
         "p",
         { class: "empty" },
@@ -521,8 +527,21 @@ function render() {
           "this browser tab.",
       ),
     );
+    return;
   }
-  turns.forEach((_, i) => log.append(turnNode(i)));
+  const old = [...log.children].filter((n) => n.dataset.sig !== undefined);
+  if (old.length !== log.children.length) log.replaceChildren(...old);
+  const last = lastAssistant();
+  turns.forEach((t, i) => {
+    const sig = JSON.stringify([t, i === last]);
+    if (old[i] && old[i].dataset.sig === sig) return;
+    const node = turnNode(i);
+    node.dataset.sig = sig;
+    if (old[i]) old[i].replaceWith(node);
+    else log.append(node);
+  });
+  for (const extra of old.slice(turns.length)) extra.remove();
+  updateBusy();
   log.scrollTop = log.scrollHeight;
 }
 

@@ -190,42 +190,61 @@ function adapterCell(run) {
   return b;
 }
 
+// Rows are made once per run and updated in place (a refresh every few seconds must not take the
+// focus away from a checkbox or a button).
+function newRow(run) {
+  const box = el("input", { type: "checkbox", "aria-label": `Plot ${run.id}` });
+  box.addEventListener("change", () => {
+    if (box.checked) select(run.id);
+    else unselect(run.id);
+    renderTable();
+  });
+  const name = el("button", { type: "button", class: "run-name", title: "Plot this run alone" }, run.id);
+  name.addEventListener("click", () => {
+    for (const id of [...selected]) if (id !== run.id) unselect(id);
+    select(run.id);
+    renderTable();
+  });
+  const swatch = el("span", { class: "swatch", "aria-hidden": "true", hidden: true });
+  return el(
+    "tr",
+    { "data-run": run.id },
+    el("td", {}, box),
+    el("td", {}, el("div", { class: "run-title" }, swatch, name), el("div", { class: "muted small" })),
+    el("td", { class: "num" }),
+    el("td"),
+    el("td", { class: "num" }),
+    el("td", { class: "num" }),
+    el("td"),
+  );
+}
+
 function renderTable() {
   const body = $("runs-body");
   $("runs-empty").hidden = runs.length > 0;
   const rows = new Map([...body.children].map((tr) => [tr.dataset.run, tr]));
   runs.forEach((run, i) => {
-    let tr = rows.get(run.id);
-    if (!tr) {
-      const box = el("input", { type: "checkbox", "aria-label": `Plot ${run.id}` });
-      box.addEventListener("change", () => (box.checked ? select(run.id) : unselect(run.id), renderTable()));
-      const name = el("button", { type: "button", class: "run-name", title: "Plot this run alone" }, run.id);
-      name.addEventListener("click", () => {
-        for (const id of [...selected]) if (id !== run.id) unselect(id);
-        select(run.id);
-        renderTable();
-      });
-      tr = el("tr", { "data-run": run.id }, el("td", {}, box), el("td", {}, name), el("td", { class: "num" }), el("td"), el("td", { class: "num" }), el("td", { class: "num" }), el("td"));
-    }
+    const tr = rows.get(run.id) || newRow(run);
     const cells = tr.children;
     const on = selected.includes(run.id);
     tr.classList.toggle("selected", on);
     cells[0].firstChild.checked = on;
-    const name = cells[1].querySelector("button.run-name");
-    const what = [run.model, run.objective !== "sft" ? run.objective : null].filter(Boolean).join(" · ");
-    const title = el("div", { class: "run-title" }, name);
-    if (on) {
-      const swatch = el("span", { class: "swatch", "aria-hidden": "true" });
-      swatch.style.background = colorOf(run.id); // CSSOM: allowed by the page's CSP
-      title.prepend(swatch);
-    }
-    cells[1].replaceChildren(title, el("div", { class: "muted small" }, what));
+    const swatch = cells[1].querySelector(".swatch");
+    swatch.hidden = !on;
+    if (on) swatch.style.background = colorOf(run.id); // CSSOM: allowed by the page's CSP
+    cells[1].lastChild.textContent = [run.model, run.objective !== "sft" ? run.objective : null]
+      .filter(Boolean)
+      .join(" · ");
     cells[2].textContent = `${run.step ?? 0}${run.iters ? " / " + run.iters : ""}`;
     cells[3].textContent = run.status;
     cells[3].className = "status-" + run.status;
     cells[4].textContent = fmt(run.loss);
     cells[5].textContent = fmt(run.val_loss);
-    cells[6].replaceChildren(adapterCell(run));
+    const state = JSON.stringify([run.adapter, run.mount_path, run.mounted_as, run.status, canMount]);
+    if (cells[6].dataset.state !== state) {
+      cells[6].dataset.state = state;
+      cells[6].replaceChildren(adapterCell(run));
+    }
     if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null);
     rows.delete(run.id);
   });
