@@ -792,8 +792,22 @@ class RunsConfig:
     def __post_init__(self):
         if not isinstance(self.dir, str) or not self.dir.strip():
             raise UserError("runs.dir is empty: give the directory holding the training runs")
-        if not 0 < self.port < 65536:
-            raise UserError(f"port must be in 1..65535, got {self.port}")
+        self.http()  # host, port, keys, hosts and origins checked as serve's are
+
+    def http(self) -> ServeConfig:
+        """The HTTP side's settings as `serve` holds them (for its guard and uvicorn settings),
+        checked as `serve` checks them (its errors then name runs.<field>)."""
+        try:
+            return ServeConfig(
+                host=self.host,
+                port=self.port,
+                api_key=self.api_key,
+                api_key_file=self.api_key_file,
+                allowed_hosts=list(self.allowed_hosts),
+                cors_origins=list(self.cors_origins),
+            )
+        except UserError as e:
+            raise UserError(str(e).replace("serve.", "runs.")) from None
 
 
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", re.IGNORECASE)

@@ -280,6 +280,10 @@ def test_runs_config_errors_are_one_line():
         RunsConfig(dir=" ")
     with pytest.raises(UserError, match="port"):
         RunsConfig(port=0)
+    with pytest.raises(UserError, match="runs.allowed_hosts"):  # checked as serve checks them
+        RunsConfig(allowed_hosts=["a b"])
+    with pytest.raises(UserError, match="runs.api_key"):
+        RunsConfig(api_key="has space")
 
 
 # --- on `serve` (tiny-gemma3) ---------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from mlxlab.cli import run_hydra
-from mlxlab.config import RunsConfig, ServeConfig
+from mlxlab.config import RunsConfig
 from mlxlab.errors import UserError
 from mlxlab.serve.cli import check_port, uvicorn_config
 from mlxlab.serve.guard import is_loopback, load_keys
@@ -27,20 +27,8 @@ from mlxlab.train import runs
 log = logging.getLogger(__name__)
 
 
-def http_config(cfg: RunsConfig) -> ServeConfig:
-    """The HTTP settings as `serve` has them (its checks of keys, hosts and origins included)."""
-    return ServeConfig(
-        host=cfg.host,
-        port=cfg.port,
-        api_key=cfg.api_key,
-        api_key_file=cfg.api_key_file,
-        allowed_hosts=list(cfg.allowed_hosts),
-        cors_origins=list(cfg.cors_origins),
-    )
-
-
 def run(cfg: RunsConfig) -> None:
-    http = http_config(cfg)
+    http = cfg.http()
     root = Path(cfg.dir).expanduser().resolve()
     if not root.is_dir():
         raise UserError(
