@@ -699,6 +699,9 @@ class ServeConfig:
     under the working directory if it exists, else MLXLAB_HOME/adapters (created)."""
     allow_adapter_mount: bool = True
     """Allow POST/DELETE /v1/adapters."""
+    runs_dir: str | None = None
+    """Directory whose training runs the runs page (GET /runs, GET /v1/runs) lists and plots.
+    Default: the adapter root, so a run's adapter can be mounted from the page."""
     drain_timeout_s: float = 30.0
     """On Ctrl-C/SIGTERM: how long in-flight requests may finish before the server exits."""
     log_requests: bool = False
@@ -777,6 +780,48 @@ class ServeConfig:
                 )
 
 
+@dataclass
+class RunsConfig:
+    """`python -m mlxlab runs`: the runs page on its own, without a model: the training runs under
+    a directory, their metrics plotted as they train (`serve` has the same page at /runs)."""
+
+    dir: str = "outputs"
+    """Directory searched for training runs (run directories up to 4 levels down); the page
+    reads nothing outside it."""
+    host: str = "127.0.0.1"
+    """Interface to bind (loopback by default)."""
+    port: int = 8091
+    """TCP port (one above serve's default, so both can run)."""
+    api_key: str | None = field(default=None, repr=False)
+    """Key the page's API calls must send, as on `serve` (default: MLXLAB_API_KEY, else none)."""
+    api_key_file: str | None = None
+    """File of further keys, one a line, as on `serve`."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host header names accepted besides loopback ones, as on `serve`."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Other browser origins that may call the API, as on `serve`."""
+
+    def __post_init__(self):
+        if not isinstance(self.dir, str) or not self.dir.strip():
+            raise UserError("runs.dir is empty: give the directory holding the training runs")
+        self.http()  # host, port, keys, hosts and origins checked as serve's are
+
+    def http(self) -> ServeConfig:
+        """The HTTP side's settings as `serve` holds them (for its guard and uvicorn settings),
+        checked as `serve` checks them (its errors then name runs.<field>)."""
+        try:
+            return ServeConfig(
+                host=self.host,
+                port=self.port,
+                api_key=self.api_key,
+                api_key_file=self.api_key_file,
+                allowed_hosts=list(self.allowed_hosts),
+                cors_origins=list(self.cors_origins),
+            )
+        except UserError as e:
+            raise UserError(str(e).replace("serve.", "runs.")) from None
+
+
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", re.IGNORECASE)
 """A browser origin as an `Origin` header carries it: scheme://host[:port], no path."""
 
@@ -799,6 +844,7 @@ SCHEMAS = {
     "data": DataBuildConfig,
     "eval": EvalConfig,
     "serve": ServeConfig,
+    "runs": RunsConfig,
 }
 
 

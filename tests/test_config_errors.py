@@ -62,6 +62,7 @@ ENUMS = {
         "decode_head": ("auto", "exact", "bfloat16"),
         "kv_quant": ("off", "4", "8", "config", "plan.json"),
     },
+    "runs": {},
 }
 # Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
 TASK_ENUMS = {"chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")}}
@@ -84,7 +85,9 @@ FREE = {
     "data": {"out"},
     "eval": {"model", "adapter", "data", "out"},
     "serve": {"model", "host", "adapter_root"}
-    | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"},  # format-checked
+    | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
+    | {"runs_dir"},
+    "runs": {"dir", "host", "api_key", "api_key_file", "allowed_hosts", "cors_origins"},
 }
 TASK_FREE = {"chunk": {"report"}}
 

@@ -67,3 +67,6 @@ def test_wheel_ships_configs_and_data(tmp_path):
     )
     assert {f"mlxlab/kernels/{name}" for name in kernel_sources} <= names
     assert {"mlxlab/data/quickstart/train.jsonl", "mlxlab/data/quickstart/valid.jsonl"} <= names
+    # the browser pages (GET /, /runs): every static file
+    for page in (REPO / "mlxlab" / "serve" / "web" / "static").iterdir():
+        assert f"mlxlab/serve/web/static/{page.name}" in names

@@ -380,6 +380,7 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
     from mlxlab.serve.app import create_app
     from mlxlab.serve.openai import router as openai
     from mlxlab.serve.responses import router as responses
+    from mlxlab.serve.web import router as web
 
     r = client.get("/openapi.json")
     assert r.status_code == 200 and "x-request-id" in r.headers
@@ -391,6 +392,8 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
         openai.router,
         anthropic.router,
         responses.router,
+        web.pages_router,
+        web.runs_router,
     )
     routes = {
         (m.lower(), route.path.replace(":path", ""))

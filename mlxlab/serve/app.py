@@ -4,6 +4,7 @@
     anthropic/  POST /v1/messages, /v1/messages/count_tokens
     responses/  POST /v1/responses, GET/DELETE /v1/responses/{id}
     admin/      GET /health, /v1/models[/{id}], /stats, /metrics, /openapi.json; the adapter API
+    web/        GET / (chat page), /runs (runs page), /static/*; GET /v1/runs[/metrics|/info]
 
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`, `metrics`). Every response carries `X-Request-ID` (the client's, or a new one); each router
@@ -15,6 +16,8 @@ answers: both before any router runs.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,6 +34,7 @@ from mlxlab.serve.openai import router as openai
 from mlxlab.serve.openai.protocol import error_shape
 from mlxlab.serve.responses import router as responses
 from mlxlab.serve.responses.store import ResponseStore
+from mlxlab.serve.web import router as web
 
 
 def shape_for(path: str) -> Shape:
@@ -49,6 +53,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> 
     app.state.response_store = ResponseStore()
     app.state.in_flight = InFlight()
     app.state.metrics = Metrics(gateway, app.state.response_store)
+    # The runs page's directory: serve.runs_dir, else (None) the loaded model's adapter root.
+    app.state.runs_dir = Path(cfg.runs_dir).expanduser().resolve() if cfg.runs_dir else None
     # The last added runs first: Exchanges (X-Request-ID, in-flight count), Requests (metrics:
     # every answer counted, refusals too), Guard (Host, Origin, keys: before any body is read),
     # BodyLimit (the body read within its cap and deadline), then the routers.
@@ -70,6 +76,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> 
         openai.router,
         anthropic.router,
         responses.router,
+        web.pages_router,
+        web.runs_router,
     ):
         app.include_router(router)
 

@@ -13,8 +13,9 @@ refusal reads no body and runs no route). Per request, in order:
    Allowed: an entry of `serve.cors_origins` (`*`: any), or the request's own scheme://Host (a
    page this server serves). SDKs send no Origin.
 4. API key (`serve.api_key` or MLXLAB_API_KEY, plus `serve.api_key_file`): every route but
-   GET/HEAD /health wants `Authorization: Bearer <key>` or `x-api-key: <key>`, else 401 with
-   `WWW-Authenticate: Bearer`. With `serve.admin_key` (or MLXLAB_ADMIN_KEY), the routes built with
+   GET/HEAD /health and the browser pages' static files (`PAGES`) wants
+   `Authorization: Bearer <key>` or `x-api-key: <key>`, else 401 with `WWW-Authenticate: Bearer`.
+   With `serve.admin_key` (or MLXLAB_ADMIN_KEY), the routes built with
    `protocol_route(..., admin=True)` open with that key only (an API key gets 403); the admin key
    opens every other route too.
 
@@ -49,6 +50,14 @@ CORS_HEADERS = ("authorization", "x-api-key", "content-type", "anthropic-version
 EXPOSED = "x-request-id, retry-after"
 """Response headers a cross-origin page may read."""
 HEADER_NAME = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
+PAGES = frozenset({"/", "/runs"})
+"""The browser pages (serve/web), open without a key like /health: their HTML, scripts and styles
+(`/static/<name>`) carry no data, and a page that could not load could not ask for the key. Every
+call the pages make needs it."""
+
+
+def is_page(path: str) -> bool:
+    return path in PAGES or (path.startswith("/static/") and "/" not in path[8:])
 
 
 def digest(key: str) -> bytes:
@@ -202,7 +211,7 @@ class Guard:
         changing = method in STATE_CHANGING or scope.get("type") == "websocket"
         if origin and changing and not cors:
             return origin_refused(origin), None
-        if path == "/health" and method in ("GET", "HEAD"):  # the one route open without a key
+        if method in ("GET", "HEAD") and (path == "/health" or is_page(path)):  # open without a key
             return None, None
         return self.credentials(headers)
 
