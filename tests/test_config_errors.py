@@ -84,7 +84,8 @@ FREE = {
     "data": {"out"},
     "eval": {"model", "adapter", "data", "out"},
     "serve": {"model", "host", "adapter_root"}
-    | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"},  # format-checked
+    | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
+    | {"image_url_hosts"},  # format-checked
 }
 TASK_FREE = {"chunk": {"report"}}
 

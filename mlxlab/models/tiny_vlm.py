@@ -210,6 +210,7 @@ def tiny_config(family: str, tok) -> dict:
         "video_token_id": ids(_QWEN_TOKENS["video_token"]),
         "vision_start_token_id": ids(_QWEN_TOKENS["vision_start_token"]),
         "vision_end_token_id": ids(_QWEN_TOKENS["vision_end_token"]),
+        "bos_token_id": None,  # Qwen has none (transformers' config class defaults to 151643)
         "eos_token_id": [ids("<|im_end|>"), 1],
         "pad_token_id": 0,
         "vision_config": vision,

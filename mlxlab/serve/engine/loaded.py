@@ -11,11 +11,12 @@ from pathlib import Path
 
 from mlxlab import grammar
 from mlxlab.config import ServeConfig
-from mlxlab.models.zoo import load, resolve
+from mlxlab.models.zoo import resolve
 from mlxlab.serve.engine import admission, kv_quant
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.engine.output import think_markers, tool_syntax
 from mlxlab.serve.engine.prompt_cache import PromptCache
+from mlxlab.vision.model import load as load_model
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ class Loaded:
         import mlx.core as mx
 
         self.model_dir = resolve(cfg.model)
-        self.model, self.tokenizer = load(
+        # `vision`: mlx-vlm's model beside mlx-lm's when the directory is a VLM, else None.
+        self.model, self.tokenizer, self.vision = load_model(
             str(self.model_dir), cfg.dtype, decode_head=cfg.decode_head
         )
         self.model_id = cfg.model
