@@ -15,6 +15,7 @@ whole fetch; proxies from the environment are not used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
 from urllib.parse import urljoin
@@ -51,8 +52,9 @@ async def resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
-async def checked_address(url, allowed_hosts: set[str]) -> str:
-    """The address to connect to for httpx.URL `url`, after the policy above."""
+async def checked_addresses(url, allowed_hosts: set[str]) -> list[str]:
+    """The addresses to connect to for httpx.URL `url` (in the resolver's order), after the
+    policy above."""
     if url.scheme not in ("http", "https"):
         raise FetchError(f"only http and https image URLs are fetched, not {url.scheme}:")
     host = url.host
@@ -69,7 +71,24 @@ async def checked_address(url, allowed_hosts: set[str]) -> str:
                     "serve.image_url_hosts lists hosts that may be private)",
                     code="image_url_refused",
                 )
-    return addresses[0]
+    return addresses
+
+
+@contextlib.asynccontextmanager
+async def _connect(client, target, addresses: list[str], headers: dict, extensions: dict):
+    """The response of the first checked address that takes the connection."""
+    import httpx
+
+    for i, ip in enumerate(addresses):
+        try:
+            async with client.stream(
+                "GET", target.copy_with(host=ip), headers=headers, extensions=extensions
+            ) as r:
+                yield r
+                return
+        except httpx.ConnectError:
+            if i == len(addresses) - 1:
+                raise
 
 
 async def _fetch(url: str, max_bytes: int, allowed_hosts: set[str]) -> tuple[bytes, str | None]:
@@ -81,14 +100,12 @@ async def _fetch(url: str, max_bytes: int, allowed_hosts: set[str]) -> tuple[byt
                 target = httpx.URL(url)
             except Exception as e:  # noqa: BLE001 - httpx's InvalidURL and friends
                 raise FetchError(f"not a valid URL: {url[:200]!r} ({e})") from None
-            ip = await checked_address(target, allowed_hosts)
+            addresses = await checked_addresses(target, allowed_hosts)
             extensions = {}
             if target.scheme == "https":
                 extensions["sni_hostname"] = target.host
             headers = {"Host": target.netloc.decode(), "Accept": "image/*"}
-            async with client.stream(
-                "GET", target.copy_with(host=ip), headers=headers, extensions=extensions
-            ) as r:
+            async with _connect(client, target, addresses, headers, extensions) as r:
                 if r.is_redirect and "location" in r.headers:
                     url = urljoin(str(target), r.headers["location"])
                     continue
