@@ -432,6 +432,13 @@ def test_responses_store_keeps_ids_not_bytes(vlm):
     assert second.status_code == 200, second.text
     text = second.json()["output"][0]["content"][0]["text"]
     assert prompt.table_rows(text) == [(2, images.digest_of(PNG1)[:8])]
+    # no new user message: the stored one's image is a hash now, so the model gets its label
+    third = client.post(
+        "/v1/responses",
+        json={"previous_response_id": second.json()["id"], "input": [], "max_output_tokens": 4},
+    )
+    assert third.status_code == 200, third.text
+    assert prompt.TABLE_MARK not in third.json()["output"][0]["content"][0]["text"]
 
 
 # --- the official SDKs --------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_tables_restore_ids_when_the_bytes_were_dropped():
         _user("c", "b"),
     ]
     assert prompt.assign_ids(convo) == {"aaaaaaaa": 1, "bbbbbbbb": 2, "cccccccc": 3}
-    seen = prompt.model_messages(convo, prompt.assign_ids(convo), pixels=True)
+    seen = prompt.model_messages(convo, prompt.assign_ids(convo), prompt.images_in(convo[4]))
     assert seen[1]["content"] == "A beach." and prompt.TABLE_MARK not in str(seen)
     assert seen[4]["content"] == [
         {"type": "text", "text": "look"},
@@ -110,11 +110,14 @@ def test_tables_restore_ids_when_the_bytes_were_dropped():
 def test_only_the_last_user_message_keeps_pixels():
     convo = [_user("a"), {"role": "assistant", "content": "ok"}, _user("b")]
     ids = prompt.assign_ids(convo)
-    seen = prompt.model_messages(convo, ids, pixels=True)
+    seen = prompt.model_messages(convo, ids, prompt.images_in(convo[2]))
     assert seen[0]["content"] == "look[Image 1]"
     assert {"type": "image"} in seen[2]["content"]
-    text_only = prompt.model_messages(convo, ids, pixels=False)
+    text_only = prompt.model_messages(convo, ids)
     assert text_only[2]["content"] == "look[Image 2]"
+    # parts that carry only their hash (a stored conversation's) are not images to show
+    assert not prompt.has_payload(convo[2]["content"][1])
+    assert prompt.has_payload(prompt.image_part("w", url="data:image/png;base64,AA=="))
 
 
 def test_table_without_exif_columns():

@@ -142,10 +142,13 @@ def for_store(messages: list[dict]) -> list[dict]:
 
 
 def _shown(messages: list[dict] | None) -> list[dict]:
+    """The image parts the model is given: the last user message's, those that carry their
+    image (a stored conversation's carry only their hash: they become labels)."""
     if not messages:
         return []
     last = vp.last_user(messages)
-    return vp.images_in(messages[last]) if last is not None else []
+    found = vp.images_in(messages[last]) if last is not None else []
+    return [p for p in found if vp.has_payload(p)]
 
 
 async def fetch_images(cfg: ServeConfig, loaded, ask) -> None:
@@ -296,7 +299,7 @@ def plan(cfg: ServeConfig, loaded, ask) -> Plan | None:
         resolve(p)
     _check_sizes(cfg, parts)
     ids = vp.assign_ids(messages)
-    model_messages = vp.model_messages(messages, ids, pixels=bool(shown))
+    model_messages = vp.model_messages(messages, ids, shown)
     if not shown:
         return Plan(model_messages)
     if ask.adapter:

@@ -30,6 +30,17 @@ _BARE = re.compile(re.escape(TABLE_MARK) + r"[ \t]*\n(?:[ \t]*\|[^\n]*(?:\n|$))*
 EMPTY = "-"
 
 
+def has_payload(part: dict) -> bool:
+    """Whether an image part carries its image (bytes, base64, a data: or http(s) URL), rather
+    than only its hash (as a stored conversation keeps it)."""
+    url = (part.get("url") or "").lower()
+    return (
+        part.get("bytes") is not None
+        or part.get("b64") is not None
+        or url.startswith(("data:", "http://", "https://"))
+    )
+
+
 def image_part(where: str, **fields) -> dict:
     """An image part in the chat-template form: `where` (the request field, for errors) and any
     of `url`, `bytes`, `mime` (the declared type), `name` (the original file name), `digest`."""
@@ -114,14 +125,14 @@ def label(n: int) -> str:
     return f"[Image {n}]"
 
 
-def model_messages(messages: list[dict], ids: dict[str, int], pixels: bool) -> list[dict]:
-    """The messages as the chat template should render them for the model: with `pixels`, the
-    last user message's images stay image parts (`{"type": "image"}`), each after its label;
-    every other image becomes its label; filename tables are taken out of assistant messages;
-    content that is all text is joined into a string."""
-    last = last_user(messages)
+def model_messages(messages: list[dict], ids: dict[str, int], shown=()) -> list[dict]:
+    """The messages as the chat template should render them for the model: the image parts in
+    `shown` (those of the last user message the model is given) stay image parts
+    (`{"type": "image"}`), each after its label; every other image becomes its label; filename
+    tables are taken out of assistant messages; content that is all text is joined."""
+    shown_ids = {id(p) for p in shown}
     out = []
-    for i, m in enumerate(messages):
+    for m in messages:
         m = dict(m)
         if m["role"] == "assistant" and m.get("content"):
             m["content"] = strip_tables(text_of(m))
@@ -132,7 +143,7 @@ def model_messages(messages: list[dict], ids: dict[str, int], pixels: bool) -> l
                     parts.append(p)
                     continue
                 parts.append({"type": "text", "text": label(image_id(ids, p))})
-                if pixels and i == last:
+                if id(p) in shown_ids:
                     parts.append({"type": "image"})
             if all(p.get("type") == "text" for p in parts):
                 m["content"] = "".join(p["text"] for p in parts)
