@@ -51,8 +51,8 @@ def stream(model, tokenizer, cfg: GenerateConfig) -> Iterator:
 
 
 def stream_images(cfg: GenerateConfig) -> Iterator:
-    """(text segment, stats or None) pairs for a prompt with `cfg.image` on a VLM; the last pair
-    carries the stats."""
+    """(text segment, stats or None) pairs for a prompt with `cfg.image` on a VLM (or without
+    images on a VLM only mlx-vlm runs); the last pair carries the stats."""
     import time
     from pathlib import Path
 
@@ -65,7 +65,7 @@ def stream_images(cfg: GenerateConfig) -> Iterator:
     if cfg.adapter:
         raise UserError("adapter= applies to text prompts; image= runs mlx-vlm's model without it")
     pictures = []
-    for f in cfg.image:
+    for f in cfg.image or []:
         try:
             data = Path(f).expanduser().read_bytes()
         except OSError as e:
@@ -124,8 +124,9 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
     import mlx.core as mx
 
     from mlxlab.models.zoo import load
+    from mlxlab.vision.model import needs_mlx_vlm
 
-    if cfg.image:
+    if cfg.image or needs_mlx_vlm(cfg.model):  # images, or a VLM only mlx-vlm can run
         stats = None
         for text, last in stream_images(cfg):
             out.write(text)

@@ -363,9 +363,16 @@ def test_admission_counts_the_vision_tower(vlm):
         vision.bytes_per_image = old
 
 
-def test_image_requests_take_the_serial_lane_beside_a_batch(tiny_dir):
-    tiny_dir("gemma3-vl")
-    client, gateway = make_client(model="tiny-gemma3-vl", batch=2)
+def test_adapters_and_the_batched_lane_beside_images(tiny_dir, tmp_path):
+    """Under batch=2: an image request runs on the serial lane beside a batched text one; an
+    adapter changes text answers on a VLM and is refused with images."""
+    adapter = make_adapter(tiny_dir("gemma3-vl"), tmp_path / "a", seed=3)
+    client, gateway = make_client(
+        model="tiny-gemma3-vl",
+        adapters={"style": str(adapter)},
+        adapter_root=str(tmp_path),
+        batch=2,
+    )
     try:
         results = {}
 
@@ -374,26 +381,15 @@ def test_image_requests_take_the_serial_lane_beside_a_batch(tiny_dir):
 
         threads = [
             threading.Thread(target=post, args=("image", chat(user(data_url(PNG0))))),
-            threading.Thread(target=post, args=("text", chat(user(), max_tokens=8))),
+            threading.Thread(target=post, args=("text", chat(user(), max_tokens=12))),
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-        assert all(r.status_code == 200 for r in results.values())
         assert prompt.TABLE_MARK in answer(results["image"])
+        base = answer(results["text"])
         assert client.get("/stats").json()["batch"]["served_serial"] >= 1
-    finally:
-        gateway.stop()
-
-
-def test_adapters_work_on_text_and_are_refused_with_images(tiny_dir, tmp_path):
-    adapter = make_adapter(tiny_dir("gemma3-vl"), tmp_path / "a", seed=3)
-    client, gateway = make_client(
-        model="tiny-gemma3-vl", adapters={"style": str(adapter)}, adapter_root=str(tmp_path)
-    )
-    try:
-        base = answer(client.post("/v1/chat/completions", json=chat(user(), max_tokens=12)))
         tuned = client.post(
             "/v1/chat/completions", json=chat(user(), max_tokens=12, adapter="style")
         )
@@ -604,3 +600,46 @@ def test_image_urls_through_the_server(vlm, image_server):
     plain, _ = make_client(gateway, allow_image_urls=True)  # localhost not allowed here
     r = plain.post("/v1/chat/completions", json=chat(user(f"http://localhost:{port}/img.png")))
     assert r.status_code == 400 and r.json()["error"]["code"] == "image_url_refused"
+
+
+# --- a family mlx-lm has no text class for: mlx-vlm alone --------------------------------------
+
+
+def test_a_vlm_mlx_lm_cannot_read_is_served_by_mlx_vlm_alone(tiny_dir, tmp_path):
+    """Tiny PaliGemma (no chat template: mlx-vlm's own prompt format): image and text requests
+    run through mlx-vlm, tokens equal its generate; no adapters; the vision tower is admitted."""
+    from mlx_vlm import generate
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model_dir = tiny_dir("paligemma")
+    client, gateway = make_client(model="tiny-paligemma", batch=2)
+    done = capture(gateway)
+    try:
+        vision = gateway.loaded.vision
+        assert vision.alone and client.get("/stats").json()["vision"]["alone"] is True
+        adm = gateway.loaded.admission
+        assert adm.weights_bytes >= vision.own_bytes  # the whole VLM, vision tower included
+        ref_model, processor = vlm_load(str(model_dir))
+        path = tmp_path / "p.png"
+        path.write_bytes(PNG2)
+        text = apply_chat_template(
+            processor,
+            ref_model.config,
+            [{"role": "user", "content": "caption en[Image 1]"}],
+            num_images=1,
+        )
+        ref = generate(ref_model, processor, text, image=[str(path)], max_tokens=8, temperature=0)
+        n = len(done)
+        r = client.post("/v1/chat/completions", json=chat(user(data_url(PNG2), text="caption en")))
+        assert prompt.table_rows(answer(r))
+        ours = done.after(n).tokens
+        assert ours[: len(ref.token_ids)] == ref.token_ids and ref.token_ids
+        # text: /v1/completions through mlx-vlm too (no chat template for /v1/chat/completions)
+        c = client.post("/v1/completions", json={"prompt": "caption en", "max_tokens": 4})
+        assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] >= 1, c.text
+        assert client.get("/stats").json()["batch"]["served_serial"] >= 2  # never batched
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "adapter": "a"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_not_supported"
+    finally:
+        gateway.stop()

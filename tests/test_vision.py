@@ -134,26 +134,34 @@ def test_table_without_exif_columns():
 
 # --- tiny VLMs through mlx-vlm ---------------------------------------------------------------
 
-FAMILIES = ["gemma3", "qwen2", "qwen2.5"]
+FAMILIES = {"gemma3": "gemma3-vl", "qwen2": "qwen2-vl", "qwen2.5": "qwen2.5-vl"}
+FAMILIES["paligemma"] = "paligemma"  # mlx-lm has no class for it: mlx-vlm alone
 
 
 @pytest.fixture(scope="module")
 def loaded_vlms(tiny_dir):
     from mlxlab.vision import model
 
-    return {fam: model.load(str(tiny_dir(f"{fam}-vl"))) for fam in FAMILIES}
+    return {fam: model.load(str(tiny_dir(name))) for fam, name in FAMILIES.items()}
 
 
 def test_each_tiny_vlm_shares_its_language_weights(loaded_vlms):
-    for _, tokenizer, vision in loaded_vlms.values():
-        assert vision is not None and vision.shared_bytes > vision.own_bytes > 0
-        assert tokenizer.chat_template  # the Qwen ones only from chat_template.json
+    from mlxlab.vision.model import TextView
+
+    for family, (text_model, tokenizer, vision) in loaded_vlms.items():
         assert vision.bytes_per_image > 0 and vision.reference_tokens > 0
+        if family == "paligemma":  # one model, mlx-vlm's, seen through a TextView
+            assert vision.alone and isinstance(text_model, TextView) and vision.shared_bytes == 0
+            assert text_model.language_model is vision.model.language_model
+            assert not tokenizer.chat_template
+            continue
+        assert not vision.alone and vision.shared_bytes > vision.own_bytes > 0
+        assert vision.extra_bytes == vision.own_bytes
+        assert tokenizer.chat_template  # the Qwen ones only from chat_template.json
 
 
-@pytest.mark.parametrize(
-    "family", ["qwen2.5"]
-)  # gemma3, qwen2: through the server, test_serve_vision
+# gemma3 and qwen2 are held to it through the server (test_serve_vision.py)
+@pytest.mark.parametrize("family", ["qwen2.5", "paligemma"])
 def test_vision_steps_equal_mlx_vlm_generate(family, loaded_vlms, tiny_dir, tmp_path):
     """Our wrapping of mlx-vlm (shared language weights, processor on PIL pictures, our sampler)
     gives mlx-vlm's own generate's greedy tokens on the same model, image file and prompt."""
@@ -162,8 +170,7 @@ def test_vision_steps_equal_mlx_vlm_generate(family, loaded_vlms, tiny_dir, tmp_
     from mlx_vlm import load as vlm_load
 
     text_model, tokenizer, vision = loaded_vlms[family]
-    assert vision is not None and vision.shared_bytes > vision.own_bytes > 0
-    ref_model, processor = vlm_load(str(tiny_dir(f"{family}-vl")))
+    ref_model, processor = vlm_load(str(tiny_dir(FAMILIES[family])))
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image"}]}
     ]

@@ -9,8 +9,9 @@ family keeps what the serving code must handle in the real ones:
 - `qwen2`: Qwen2-VL (dynamic resolution: the image's size sets its token count; 3-D mRoPE
   positions; the chat template only in the processor's chat_template.json, as mlx-community's
   conversions ship it); mlx-lm reads its language model too.
-- `qwen2_5`: Qwen2.5-VL (windowed vision attention), a family mlx-lm has no text class for, so
-  the server runs every request of it through mlx-vlm.
+- `qwen2_5`: Qwen2.5-VL (windowed vision attention; mlx-lm reads it as Qwen2-VL).
+- `paligemma`: PaliGemma (SigLIP + Gemma, no chat template: mlx-vlm's own prompt format), a
+  family mlx-lm has no text class for, so the server runs every request of it through mlx-vlm.
 
 Each directory holds config.json, safetensors weights (mlx-vlm's parameter names, which both
 mlx-vlm's and mlx-lm's loaders read), a byte-level BPE tokenizer trained offline (as
@@ -66,6 +67,7 @@ _GEMMA_TOKENS = {
     "eoi_token": "<end_of_image>",
     "image_token": "<image_soft_token>",
 }
+_PALI_TOKENS = {"image_token": "<image>"}
 _QWEN_TOKENS = {
     "image_token": "<|image_pad|>",
     "video_token": "<|video_pad|>",
@@ -89,10 +91,10 @@ _QWEN_PROCESSOR = {
     "do_convert_rgb": True,
 }
 
-FAMILIES = ("gemma3", "qwen2", "qwen2_5")
+FAMILIES = ("gemma3", "qwen2", "qwen2_5", "paligemma")
 # The perturbation's scale per family: large enough that greedy answers vary with the image
 # (at 0.05 the Qwen models repeat one token whatever they are shown).
-NOISE = {"gemma3": 0.05, "qwen2": 0.3, "qwen2_5": 0.3}
+NOISE = {"gemma3": 0.05, "qwen2": 0.3, "qwen2_5": 0.3, "paligemma": 0.3}
 
 
 def _tokenizer(family: str):
@@ -103,16 +105,17 @@ def _tokenizer(family: str):
 
     backend = build_tiny(512).backend_tokenizer
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    if family == "gemma3":
+    if family in ("gemma3", "paligemma"):
         tok = PreTrainedTokenizerFast(
             tokenizer_object=backend,
             bos_token="<bos>",
             eos_token="<eos>",
             pad_token="<pad>",
             unk_token="<unk>",
-            extra_special_tokens=dict(_GEMMA_TOKENS),
+            extra_special_tokens=dict(_GEMMA_TOKENS if family == "gemma3" else _PALI_TOKENS),
         )
-        tok.chat_template = GEMMA3_VL_TEMPLATE
+        if family == "gemma3":  # PaliGemma has none: it takes a prompt, not a chat
+            tok.chat_template = GEMMA3_VL_TEMPLATE
         return tok
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -171,6 +174,40 @@ def tiny_config(family: str, tok) -> dict:
                 "image_size": 32,
                 "num_channels": 3,
                 "layer_norm_eps": 1e-6,
+            },
+        }
+    if family == "paligemma":
+        # A 32 x 32 image in 8-pixel patches: 16 image tokens before the prompt.
+        return {
+            "model_type": "paligemma",
+            "image_token_index": ids(_PALI_TOKENS["image_token"]),
+            "vocab_size": vocab,
+            "hidden_size": 64,
+            "projection_dim": 64,
+            "pad_token_id": 0,
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+            "text_config": {
+                "model_type": "gemma",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "vocab_size": vocab,
+                "num_image_tokens": 16,
+                "max_position_embeddings": 2048,
+            },
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "intermediate_size": 64,
+                "num_attention_heads": 2,
+                "patch_size": 8,
+                "image_size": 32,
+                "projection_dim": 64,
             },
         }
     vision = {
@@ -281,6 +318,26 @@ def save(out_dir: str | Path, family: str, seed: int = 0) -> Path:
         (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
         (out / "processor_config.json").write_text(
             json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}, indent=2)
+        )
+        return out
+    if family == "paligemma":
+        processor = {
+            "image_processor_type": "SiglipImageProcessor",
+            "processor_class": "PaliGemmaProcessor",
+            "size": {"height": 32, "width": 32},
+            "image_seq_length": 16,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "resample": 3,
+        }
+        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+        (out / "processor_config.json").write_text(
+            json.dumps({"processor_class": "PaliGemmaProcessor", "image_seq_length": 16}, indent=2)
         )
         return out
     name = "Qwen2VL" if family == "qwen2" else "Qwen2_5_VL"

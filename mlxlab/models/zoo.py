@@ -84,6 +84,11 @@ ZOO: dict[str, ZooEntry] = {
         )
         for name, fam in (("gemma3", "gemma3"), ("qwen2", "qwen2"), ("qwen2.5", "qwen2_5"))
     },
+    "tiny-paligemma": ZooEntry(
+        "tiny-paligemma",
+        "random-init tiny PaliGemma (a VLM mlx-lm has no text class for) for tests",
+        _tiny_vlm_builder("paligemma"),
+    ),
 }
 
 

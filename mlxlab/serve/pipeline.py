@@ -391,6 +391,7 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         prompt = render_text(loaded, ask.prompt)
     if seen is None or seen.inputs is None:
         limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+        seen = vision.text_job(loaded, ask, prompt, seen)  # a VLM only mlx-vlm runs
     sampling = resolve_sampling(ask.sampling, cfg, loaded)
     grammar = grammar_for(ask.shape, ask.tools, loaded, reasoning)
     try:

@@ -321,8 +321,6 @@ def plan(cfg: ServeConfig, loaded, ask) -> Plan | None:
     if ask.tools:
         kwargs["tools"] = ask.tools
     tok = loaded.tokenizer
-    if not (getattr(tok, "chat_template", None) or vision.chat_template):
-        raise APIError(400, "the model has no chat template to place images in a prompt")
     try:
         text = vision.render(model_messages, tok, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja's errors: the messages do not fit the template
@@ -345,6 +343,26 @@ def plan(cfg: ServeConfig, loaded, ask) -> Plan | None:
         ]
         preamble = vp.render_table(rows, cfg.image_exif)
     return Plan(None, inputs, prompt, reasoning, vision.image_bytes(inputs), preamble)
+
+
+def text_job(loaded, ask, prompt: list[int], seen: Plan | None) -> Plan | None:
+    """`seen` as make_job has it after rendering a request without shown images; on a model
+    mlx-vlm serves alone (mlx-lm has no text class for it) the job still runs through mlx-vlm,
+    so it gets the prompt as mlx-vlm inputs."""
+    vision = loaded.vision
+    if vision is None or not vision.alone:
+        return seen
+    if ask.adapter:
+        raise APIError(
+            400,
+            f"adapter: this {vision.model_type} model runs through mlx-vlm alone (mlx-lm has no "
+            "text class for it), which has no adapter slots",
+            param="adapter",
+            code="adapter_not_supported",
+        )
+    return Plan(
+        seen.messages if seen is not None else ask.messages, vision.token_inputs(prompt), prompt
+    )
 
 
 def ceiling(admission, extra_bytes: int) -> int:

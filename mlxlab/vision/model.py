@@ -15,7 +15,11 @@ with a `vision_config` of a family mlx-vlm knows):
   projector, embedding merge, family-specific positions such as Qwen's 3-D mRoPE, and its
   language model), with the server's sampler and logits processors (`steps`).
 
-A family mlx-lm has no text class for is refused at load with a message saying so.
+A family mlx-lm has no text class for (PaliGemma, Idefics3, Phi-3-vision, ...) is served by
+mlx-vlm alone (`VisionModel.alone`): every request, with images or not, runs mlx-vlm's
+`generate_step`, and the engine's model is a `TextView` of mlx-vlm's language model (what
+admission measures and the tokenizer-side code reads); such a model has no prompt cache,
+batching, adapters or decode kernel.
 
 The image processor runs where the prompt is rendered (`inputs`; mlx-vlm's `prepare_inputs`,
 its outputs copied to numpy there), the model only on the thread that calls `steps`.
@@ -27,6 +31,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.nn as nn
 
 from mlxlab.errors import UserError
 
@@ -79,7 +86,7 @@ class VisionModel:
     """mlx-vlm's model and processor for `model_dir`, its language weights shared with the
     mlx-lm `text_model` (see the module docstring)."""
 
-    def __init__(self, model_dir, dtype: str, text_model):
+    def __init__(self, model_dir, dtype: str, text_model=None):
         import mlx.core as mx
         from mlx.utils import tree_flatten, tree_unflatten
         from mlx_vlm.utils import load_image_processor, load_model, load_processor
@@ -91,7 +98,8 @@ class VisionModel:
         self.model.set_dtype(resolve_dtype(dtype))
         self.config = self.model.config
         self.model_type = self.config.model_type
-        theirs = dict(tree_flatten(text_model.parameters()))
+        self.alone = text_model is None  # no mlx-lm model beside it: every request runs here
+        theirs = dict(tree_flatten(text_model.parameters())) if text_model is not None else {}
         shared = []
         for name, value in tree_flatten(self.model.language_model.parameters()):
             full = f"language_model.{name}"
@@ -102,10 +110,18 @@ class VisionModel:
                 shared.append((name, mine))
         self.model.language_model.update(tree_unflatten(shared))
         mx.eval(self.model.parameters())
+
+        def nbytes(pairs, skip=()) -> int:  # each array once (a tied head is the embedding)
+            seen = {id(v): v.nbytes for _, v in pairs if id(v) not in skip}
+            return sum(seen.values())
+
         ids = {id(v) for _, v in shared}
-        params = tree_flatten(self.model.parameters())
-        self.shared_bytes = sum(v.nbytes for _, v in shared)
-        self.own_bytes = sum(v.nbytes for _, v in params if id(v) not in ids)
+        self.shared_bytes = nbytes(shared)
+        self.own_bytes = nbytes(tree_flatten(self.model.parameters()), ids)
+        language = nbytes(tree_flatten(self.model.language_model.parameters()))
+        # resident bytes beyond the engine's model (mlx-lm's, or the TextView of this one's
+        # language model): the vision tower, projector, and any parameter loaded twice
+        self.extra_bytes = self.own_bytes - (language if self.alone else 0)
         processor = load_processor(
             path, True, eos_token_ids=getattr(self.config, "eos_token_id", None)
         )
@@ -156,6 +172,13 @@ class VisionModel:
         n_image = int((ids == self.image_token_id).sum()) if self.image_token_id is not None else 0
         return Inputs(ids, pixels, mask, extra, len(images), n_image)
 
+    def token_inputs(self, tokens: list[int]) -> Inputs:
+        """Inputs for a prompt already tokenized and without images."""
+        import numpy as np
+
+        ids = np.array([tokens], dtype=np.int32)
+        return Inputs(ids, None, np.ones_like(ids))
+
     def image_bytes(self, inputs: Inputs) -> int:
         """Memory the vision tower needs for `inputs`' images, from the measured reference: each
         image at the reference's cost, scaled by the square of its share of vision tokens above
@@ -201,11 +224,33 @@ class VisionModel:
         return int(peak), max(inputs.image_tokens, 1)
 
     def render(self, messages: list[dict], tokenizer=None, **kwargs) -> str:
-        """The chat template applied to `messages` (image parts as `{"type": "image"}`)."""
+        """The chat template applied to `messages` (image parts as `{"type": "image"}`). A model
+        without one (PaliGemma: a prompt, not a chat) gets mlx-vlm's own prompt format for its
+        family, which places the images and keeps the last user message's text."""
         tok = tokenizer if tokenizer is not None else self.tokenizer
-        return tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        from mlx_vlm.prompt_utils import apply_chat_template
+
+        n = sum(
+            1
+            for m in messages
+            if isinstance(m.get("content"), list)
+            for p in m["content"]
+            if p.get("type") == "image"
         )
+        plain = [
+            {
+                "role": m["role"],
+                "content": m["content"]
+                if isinstance(m.get("content"), str)
+                else "".join(p.get("text", "") for p in m.get("content") or []),
+            }
+            for m in messages
+        ]
+        return apply_chat_template(self.processor, self.config, plain, num_images=n)
 
     def steps(self, inputs: Inputs, sampler, processors, max_tokens: int, prefill_step: int):
         """mlx-vlm's `generate_step` over `inputs`: (token, logprobs) pairs, sampled with
@@ -230,13 +275,80 @@ class VisionModel:
             "model_type": self.model_type,
             "shared_bytes": self.shared_bytes,
             "vision_bytes": self.own_bytes,
+            "alone": self.alone,
             "bytes_per_image": self.bytes_per_image,
             "reference_image_tokens": self.reference_tokens,
         }
 
 
-def load(spec: str, dtype: str = "auto", decode_head: str = "auto"):
-    """(model, tokenizer, VisionModel or None) for any model spec (see the module docstring)."""
+class TextView(nn.Module):
+    """mlx-lm's model interface over mlx-vlm's language model (logits out, `layers`, `args`,
+    `make_cache` with mlx-lm's cache classes), for a VLM that mlx-vlm serves alone: what the
+    engine measures (admission) and inspects. It holds the same module: no second copy."""
+
+    def __init__(self, vlm):
+        super().__init__()
+        self.language_model = vlm.language_model
+        text = vlm.config.text_config
+        vocab = getattr(text, "vocab_size", None) or getattr(vlm.config, "vocab_size", 0)
+        self.args = SimpleNamespace(
+            model_type=vlm.config.model_type,
+            vocab_size=vocab,
+            num_attention_heads=getattr(text, "num_attention_heads", None),
+            max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        )
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        return self.language_model(inputs, cache=cache, inputs_embeds=input_embeddings).logits
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    def make_cache(self):
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        lm = self.language_model
+        theirs = lm.make_cache() if hasattr(lm, "make_cache") else None
+        if theirs is None:
+            return [KVCache() for _ in self.layers]
+        out = []
+        for c in theirs:  # mlx-vlm's own classes -> mlx-lm's, which admission knows
+            kind = type(c).__name__
+            if kind == "RotatingKVCache":
+                out.append(RotatingKVCache(max_size=c.max_size, keep=getattr(c, "keep", 0)))
+            else:
+                out.append(KVCache() if kind == "KVCache" else c)
+        return out
+
+
+def mlx_lm_has(model_type: str | None) -> bool:
+    """Whether mlx-lm has a text class for `model_type` (its own remapping applied)."""
+    import importlib.util
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    if not model_type:
+        return False
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    try:
+        return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def needs_mlx_vlm(spec: str) -> bool:
+    """Whether `spec` is a VLM that only mlx-vlm can run (no text class in mlx-lm)."""
+    from mlxlab.models.zoo import resolve
+
+    config = vision_config(resolve(spec))
+    return config is not None and not mlx_lm_has(config.get("model_type"))
+
+
+def load(spec: str, dtype: str = "auto", decode_head: str = "auto", text_model: bool | None = None):
+    """(model, tokenizer, VisionModel or None) for any model spec (see the module docstring).
+    `text_model`: for a VLM, whether mlx-lm runs its text requests (default: when mlx-lm has the
+    family); False serves it through mlx-vlm alone."""
     from mlxlab.models.zoo import load as load_text
     from mlxlab.models.zoo import resolve
 
@@ -254,13 +366,16 @@ def load(spec: str, dtype: str = "auto", decode_head: str = "auto"):
         raise UserError(
             f"{model_dir}: mlx-vlm does not know the model type {config.get('model_type')!r} ({e})"
         ) from None
+    if text_model is None:
+        text_model = mlx_lm_has(config.get("model_type"))
+    if not text_model:
+        return _load_alone(model_dir, dtype, config)
     try:
         model, tokenizer = load_text(str(model_dir), dtype, decode_head=decode_head)
     except ValueError as e:
         raise UserError(
             f"{model_dir}: mlx-lm cannot load the language model of this "
-            f"{config.get('model_type')} model ({e}); mlxlab serves vision-language families "
-            "whose language model mlx-lm has a class for"
+            f"{config.get('model_type')} model ({e})"
         ) from None
     vision = VisionModel(model_dir, dtype, model)
     if not getattr(tokenizer, "chat_template", None) and vision.chat_template:
@@ -278,3 +393,24 @@ def load(spec: str, dtype: str = "auto", decode_head: str = "auto"):
         REFERENCE_SIZE,
     )
     return model, tokenizer, vision
+
+
+def _load_alone(model_dir, dtype: str, config: dict):
+    """A VLM served by mlx-vlm alone: its model, mlx-lm's tokenizer wrapper over the same
+    tokenizer files (streaming detokenizer, end tokens), a TextView for the engine."""
+    from mlx_lm.utils import load_tokenizer
+
+    vision = VisionModel(model_dir, dtype)
+    eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    eos = [eos] if isinstance(eos, int) else eos
+    tokenizer = load_tokenizer(Path(model_dir), eos_token_ids=eos)
+    if not getattr(tokenizer, "chat_template", None) and vision.chat_template:
+        tokenizer._tokenizer.chat_template = vision.chat_template
+    log.info(
+        "mlxlab: %s is a vision-language model (%s) that mlx-lm has no text class for: every "
+        "request runs through mlx-vlm (%.1f MB; no prompt cache, batching or adapters)",
+        model_dir,
+        vision.model_type,
+        vision.own_bytes / 1e6,
+    )
+    return TextView(vision.model), tokenizer, vision

@@ -48,7 +48,10 @@ class Loaded:
         self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)
         budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb else None
         self.kv = kv_quant.parse(cfg.kv_quant, self.model, self.model_dir)
-        self.admission = admission.measure(self.model, budget, cfg.prefill_step, self.kv)
+        if self.vision is not None and self.vision.alone and self.kv.enabled:
+            log.warning("mlxlab serve: kv_quant does not apply to a model mlx-vlm runs alone")
+        extra = self.vision.extra_bytes if self.vision is not None else 0  # the vision tower
+        self.admission = admission.measure(self.model, budget, cfg.prefill_step, self.kv, extra)
         mx.set_memory_limit(self.admission.budget_bytes)
         self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
         self.generation_config = read_generation_config(self.model_dir)
