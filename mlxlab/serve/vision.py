@@ -156,12 +156,13 @@ async def fetch_images(cfg: ServeConfig, loaded, ask) -> None:
     serve.allow_image_urls; any other URL image stays unfetched (its id comes from its URL)."""
     from mlxlab.serve.image_fetch import FetchError, fetch
 
+    shown = _shown(ask.messages)
     todo = [
         p
-        for p in _shown(ask.messages)
+        for p in shown
         if p["bytes"] is None and (p["url"] or "").lower().startswith(("http://", "https://"))
     ]
-    if not todo or loaded is None or loaded.vision is None:
+    if not todo or loaded is None or loaded.vision is None or len(shown) > cfg.max_images:
         return  # nothing to fetch, or make_job refuses the images anyway
     if not cfg.allow_image_urls:
         p = todo[0]

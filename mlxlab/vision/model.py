@@ -138,7 +138,15 @@ class VisionModel:
             ),
             None,
         )
-        self.bytes_per_image, self.reference_tokens = self._measure()
+        try:
+            self.bytes_per_image, self.reference_tokens = self._measure()
+        except Exception as e:  # noqa: BLE001 - a family whose processor wants more than this
+            log.warning(
+                "mlxlab: could not measure the vision tower's memory on a reference image (%s); "
+                "admission counts the images' prompt positions only",
+                e,
+            )
+            self.bytes_per_image, self.reference_tokens = 0, 1
 
     # --- on the render thread ---------------------------------------------------------------
 
