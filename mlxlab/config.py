@@ -122,10 +122,18 @@ class GenerateConfig:
     when that is lossless, as for zoo models: half the bytes of the step's largest read, for
     half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
     rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    image: Any = None
+    """Image file(s) for a vision-language model (JPEG, PNG, GIF, WebP): `image=photo.jpg` or
+    `image=[a.png,b.png]`; the prompt becomes a user message with them (as `chat=true`)."""
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
+        if self.image is not None:
+            files = [self.image] if isinstance(self.image, str) else list(self.image)
+            if not files or not all(isinstance(f, str) and f for f in files):
+                raise UserError(f"image: give a file path or a list of them, got {self.image!r}")
+            self.image = files
         if self.max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -734,6 +742,30 @@ class ServeConfig:
     """Browser origins (scheme://host[:port]) that may call the API cross-origin and get CORS
     headers; others get 403 on POST/PUT/PATCH/DELETE. `*` allows any; the server's own origin is
     always allowed: `cors_origins=[http://localhost:3000]`."""
+    # --- images, on a vision-language model (mlxlab/serve/vision.py) ---
+    max_images: int = 5
+    """Images in the last user message (the ones the model is shown); more is a 400."""
+    max_image_mb: float = 20.0
+    """Largest image, in MB of its file (a fetched URL's too); a larger one is a 413."""
+    max_images_mb: float = 50.0
+    """All the images of one request together (the history's too), in MB; more is a 413."""
+    vision_body_mb: float = 72.0
+    """Largest request body when the model has vision (base64 is 4/3 of the bytes: 50 MB of
+    images is ~67 MB); a text-only model keeps max_body_mb, and the larger of the two applies."""
+    allow_image_urls: bool = False
+    """Fetch http(s) image URLs (off: data URLs and base64 sources only). A fetch is capped at
+    max_image_mb and image_url_timeout_s, follows at most 3 redirects, and refuses any host that
+    resolves to a loopback, private, link-local or other non-public address, on every hop."""
+    image_url_timeout_s: float = 10.0
+    """Deadline of one image URL's whole fetch (redirects included)."""
+    image_url_hosts: list[str] = field(default_factory=list)
+    """Host names (as written in URLs) that may resolve to private addresses, such as an image
+    server on the LAN: `image_url_hosts=[images.lan]`; every other host must be public."""
+    image_table: bool = True
+    """Begin an answer about images with the filename table (`<!-- mlxk:filenames -->`) that
+    keeps image ids stable when a client drops the images from its history."""
+    image_exif: bool = True
+    """The table's EXIF columns (Original, Location, Date, Camera); false: Image and Filename."""
 
     def __post_init__(self):
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
@@ -777,6 +809,17 @@ class ServeConfig:
                 raise UserError(
                     f"serve.cors_origins: {origin!r} is not an origin: scheme://host[:port] "
                     "without a path (http://localhost:3000), or *"
+                )
+        if self.max_images < 1:
+            raise UserError(f"serve.max_images must be >= 1, got {self.max_images}")
+        for name in ("max_image_mb", "max_images_mb", "vision_body_mb", "image_url_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"serve.{name} must be > 0, got {getattr(self, name)}")
+        for host in self.image_url_hosts:
+            if not isinstance(host, str) or not host or re.search(r"[\s/:]", host):
+                raise UserError(
+                    f"serve.image_url_hosts: {host!r} is not a host name (a name as it appears "
+                    "in URLs, without scheme or port)"
                 )
 
 

@@ -4,9 +4,12 @@
     python -m mlxlab generate chat=true prompt="Name three colours." temperature=0.7 seed=1
     python -m mlxlab generate chat=true adapter=outputs/quickstart/<run>/adapter prompt="..."
     python -m mlxlab generate model=tiny-llama --cfg job     # print the resolved config
+    python -m mlxlab generate model=DIR image=photo.jpg prompt="What is in this picture?"
 
 Built on mlx-lm's `stream_generate` and samplers; the stats line reports prompt and decode
-tokens/s and peak memory.
+tokens/s and peak memory. With `image=`, on a vision-language model (an mlx-vlm directory), the
+prompt and images become one user message, rendered and run as the server runs an image request
+(mlxlab/vision: the images checked, each after its `[Image N]` label, mlx-vlm's generate_step).
 """
 
 from __future__ import annotations
@@ -47,11 +50,95 @@ def stream(model, tokenizer, cfg: GenerateConfig) -> Iterator:
     yield from stream_generate(model, tokenizer, prompt, max_tokens=cfg.max_tokens, sampler=sampler)
 
 
+def stream_images(cfg: GenerateConfig) -> Iterator:
+    """(text segment, stats or None) pairs for a prompt with `cfg.image` on a VLM (or without
+    images on a VLM only mlx-vlm runs); the last pair carries the stats."""
+    import time
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlxlab.errors import UserError
+    from mlxlab.vision import images, model, prompt
+
+    if cfg.adapter:
+        raise UserError("adapter= applies to text prompts; image= runs mlx-vlm's model without it")
+    pictures = []
+    for f in cfg.image or []:
+        try:
+            data = Path(f).expanduser().read_bytes()
+        except OSError as e:
+            raise UserError(f"image={f}: {e.strerror or e}") from None
+        try:
+            pictures.append(images.decode(data, None, f"image={f}"))
+        except images.ImageError as e:
+            raise UserError(str(e)) from None
+    _, tokenizer, vision = model.load(cfg.model, cfg.dtype, decode_head=cfg.decode_head)
+    if vision is None:
+        raise UserError(
+            f"model {cfg.model!r} has no vision: it is a text-only model; image= needs a "
+            "vision-language model (an mlx-vlm directory, e.g. model=tiny-gemma3-vl)"
+        )
+    parts = [{"type": "text", "text": cfg.prompt}]
+    for n in range(1, len(pictures) + 1):
+        parts += [{"type": "text", "text": prompt.label(n)}, {"type": "image"}]
+    messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [
+        {"role": "user", "content": parts}
+    ]
+    inputs = vision.inputs(vision.render(messages, tokenizer), [p.image for p in pictures])
+    mx.random.seed(cfg.seed)
+    mx.reset_peak_memory()
+    sampler = make_sampler(temp=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eos = set(tokenizer.eos_token_ids)
+    t0 = time.perf_counter()
+    first = t0
+    n, finish = 0, "length"
+    for token, _ in vision.steps(inputs, sampler, [], cfg.max_tokens, 512):
+        if n == 0:
+            first = time.perf_counter()
+        if token in eos:
+            finish = "stop"
+            break
+        n += 1
+        detok.add_token(token)
+        yield detok.last_segment, None
+    detok.finalize()
+    end = time.perf_counter()
+    stats = {
+        "prompt_tokens": len(inputs.tokens),
+        "prompt_tps": round(len(inputs.tokens) / max(first - t0, 1e-9), 2),
+        "generation_tokens": n,
+        "generation_tps": round(max(n - 1, 0) / max(end - first, 1e-9), 2),
+        "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
+        "finish_reason": finish,
+        "images": len(pictures),
+    }
+    yield detok.last_segment, stats
+
+
 def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
     """Load, stream to `out`, and return the stats of the run."""
     import mlx.core as mx
 
     from mlxlab.models.zoo import load
+    from mlxlab.vision.model import needs_mlx_vlm
+
+    if cfg.image or needs_mlx_vlm(cfg.model):  # images, or a VLM only mlx-vlm can run
+        stats = None
+        for text, last in stream_images(cfg):
+            out.write(text)
+            out.flush()
+            stats = last or stats
+        out.write("\n")
+        log.info(
+            f"[prompt: {stats['prompt_tokens']} tokens ({stats['images']} image(s)), "
+            f"{stats['prompt_tps']:.1f} tok/s | decode: {stats['generation_tokens']} tokens, "
+            f"{stats['generation_tps']:.1f} tok/s | peak memory: {stats['peak_memory_gb']:.2f} GB]"
+        )
+        return stats
 
     model, tokenizer = load(cfg.model, cfg.dtype, decode_head=cfg.decode_head)
     if cfg.adapter:

@@ -65,7 +65,10 @@ ENUMS = {
     "runs": {},
 }
 # Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
-TASK_ENUMS = {"chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")}}
+TASK_ENUMS = {
+    "chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")},
+    "chunk_pref": {"name": ("chunk_pref",), "eval.split": ("train", "valid", "test")},
+}
 
 # String fields that take free text (paths, names, prompts): everything else string-typed is an enum.
 FREE = {
@@ -80,16 +83,18 @@ FREE = {
         "data.train",
         "data.valid",
         "lora.targets",
+        "lora.init",
     },
     "diag": {"model", "adapter", "out"},
     "data": {"out"},
     "eval": {"model", "adapter", "data", "out"},
     "serve": {"model", "host", "adapter_root"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
-    | {"runs_dir"},
+    | {"runs_dir"}
+    | {"image_url_hosts"},  # format-checked
     "runs": {"dir", "host", "api_key", "api_key_file", "allowed_hosts", "cors_origins"},
 }
-TASK_FREE = {"chunk": {"report"}}
+TASK_FREE = {"chunk": {"report"}, "chunk_pref": {"report", "sft"}}
 
 
 def string_fields(cls, prefix: str = "") -> set[str]:

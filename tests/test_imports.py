@@ -83,6 +83,8 @@ def test_the_cycle_finder_finds_one():
     [
         ("mlxlab.serve.engine", ("mlxlab.serve.",)),  # the engine knows no protocol, router or HTTP
         ("mlxlab.lora", ("mlxlab.serve", "mlxlab.train")),
+        # vision-language models: shared by serve and generate, above models only
+        ("mlxlab.vision", ("mlxlab.serve", "mlxlab.train", "mlxlab.lora", "mlxlab.generate")),
         ("mlxlab.models", ("mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
         # the compiled kernel's loader sits below the models that use it
         ("mlxlab.kernels", ("mlxlab.models", "mlxlab.lora", "mlxlab.serve", "mlxlab.train")),

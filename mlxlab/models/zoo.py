@@ -54,6 +54,15 @@ def _tiny_builder(family: str) -> Callable[[Path], Path]:
     return build
 
 
+def _tiny_vlm_builder(family: str) -> Callable[[Path], Path]:
+    def build(out: Path) -> Path:
+        from mlxlab.models import tiny_vlm
+
+        return atomic_dir(out, lambda tmp: tiny_vlm.save(tmp, family))
+
+    return build
+
+
 ZOO: dict[str, ZooEntry] = {
     "gemma3-270m": ZooEntry(
         "gemma3-270m",
@@ -66,6 +75,20 @@ ZOO: dict[str, ZooEntry] = {
         )
         for fam in ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
     },
+    # Vision-language models (mlx-vlm directories) for the vision tests: models/tiny_vlm.py.
+    **{
+        f"tiny-{name}-vl": ZooEntry(
+            f"tiny-{name}-vl",
+            f"random-init tiny {name} vision-language model for tests",
+            _tiny_vlm_builder(fam),
+        )
+        for name, fam in (("gemma3", "gemma3"), ("qwen2", "qwen2"), ("qwen2.5", "qwen2_5"))
+    },
+    "tiny-paligemma": ZooEntry(
+        "tiny-paligemma",
+        "random-init tiny PaliGemma (a VLM mlx-lm has no text class for) for tests",
+        _tiny_vlm_builder("paligemma"),
+    ),
 }
 
 

@@ -55,12 +55,17 @@ def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> 
     app.state.metrics = Metrics(gateway, app.state.response_store)
     # The runs page's directory: serve.runs_dir, else (None) the loaded model's adapter root.
     app.state.runs_dir = Path(cfg.runs_dir).expanduser().resolve() if cfg.runs_dir else None
+
+    def body_cap() -> int:  # a vision model takes base64 images up to serve.vision_body_mb
+        vlm = gateway.loaded is not None and getattr(gateway.loaded, "vision", None) is not None
+        return int(max(cfg.max_body_mb, cfg.vision_body_mb if vlm else 0) * 1e6)
+
     # The last added runs first: Exchanges (X-Request-ID, in-flight count), Requests (metrics:
     # every answer counted, refusals too), Guard (Host, Origin, keys: before any body is read),
     # BodyLimit (the body read within its cap and deadline), then the routers.
     app.add_middleware(
         BodyLimit,
-        max_bytes=int(cfg.max_body_mb * 1e6),
+        max_bytes=body_cap,
         timeout_s=cfg.read_timeout_s,
         shape_for=shape_for,
     )

@@ -201,15 +201,26 @@ class BodyLimit:
     `max_bytes` of it (413 above) and within `timeout_s` of the request's start (408 after: a
     client that stalls or trickles its body holds no handler). Errors take the shape
     `shape_for(path)` names and close the connection. The app then reads the body from memory;
-    later `receive` calls (a streaming response listening for the client leaving) go through."""
+    later `receive` calls (a streaming response listening for the client leaving) go through.
+    `max_bytes` may be a function, asked per request (the cap grows once a vision model is up)."""
 
-    def __init__(self, app, max_bytes: int, timeout_s: float, shape_for: Callable[[str], Shape]):
-        self.app, self.max_bytes, self.timeout_s, self.shape_for = (
+    def __init__(
+        self,
+        app,
+        max_bytes: int | Callable[[], int],
+        timeout_s: float,
+        shape_for: Callable[[str], Shape],
+    ):
+        self.app, self._max_bytes, self.timeout_s, self.shape_for = (
             app,
             max_bytes,
             timeout_s,
             shape_for,
         )
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes() if callable(self._max_bytes) else self._max_bytes
 
     async def _refuse(self, scope, receive, send, err: APIError) -> None:
         err.headers = {**err.headers, "Connection": "close"}
@@ -218,7 +229,8 @@ class BodyLimit:
     def _too_large(self) -> APIError:
         return APIError(
             413,
-            f"request body over {self.max_bytes / 1e6:g} MB (serve.max_body_mb)",
+            f"request body over {self.max_bytes / 1e6:g} MB (serve.max_body_mb"
+            f"{'; serve.vision_body_mb on a vision model' if callable(self._max_bytes) else ''})",
             code="request_too_large",
         )
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import StreamingResponse
 
 from mlxlab.config import ServeConfig
+from mlxlab.serve import vision
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.engine.jobs import (
     AdapterSpec,
@@ -112,8 +113,9 @@ def adapter_spec(spec: str | None) -> AdapterSpec:
 
 
 def text_of(content, where: str, text_kinds=("text", "input_text", "output_text")) -> str:
-    """A message's content as text: a string, or text parts joined; images are refused (no vision).
-    `text_kinds`: the part types that carry text in the caller's protocol."""
+    """A message's content as text: a string, or text parts joined; images are refused (they
+    belong in user messages: `vision.user_content`). `text_kinds`: the part types that carry
+    text in the caller's protocol."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -130,7 +132,7 @@ def text_of(content, where: str, text_kinds=("text", "input_text", "output_text"
         elif kind in ("image_url", "input_image", "image"):
             raise APIError(
                 400,
-                f"{where}: image input needs a vision model; this server runs a text-only model",
+                f"{where}: images are accepted in user messages only",
                 param=where,
                 code="vision_not_supported",
             )
@@ -144,7 +146,9 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         role = "system" if m["role"] == "developer" else m["role"]
-        msg = {"role": role, "content": text_of(m.get("content"), f"messages[{i}].content")}
+        where = f"messages[{i}].content"
+        images = vision.user_content(m.get("content"), where) if role == "user" else None
+        msg = {"role": role, "content": images or text_of(m.get("content"), where)}
         if m.get("tool_calls"):
             calls = []
             for c in m["tool_calls"]:
@@ -356,7 +360,9 @@ async def off_loop(fn, *args):
 async def prepare(gateway: Gateway, cfg: ServeConfig, build: Callable[[], Ask]) -> Job:
     """`build()` (the protocol's body -> Ask) then `make_job`, both on the render thread: what
     every router calls, so nothing that grows with the request runs on the event loop."""
-    return await off_loop(lambda: make_job(gateway, cfg, build()))
+    ask = await off_loop(build)
+    await vision.fetch_images(cfg, gateway.loaded, ask)  # image URLs, when allowed (async)
+    return await off_loop(lambda: make_job(gateway, cfg, ask))
 
 
 def check_request(cfg: ServeConfig, ask: Ask) -> None:
@@ -372,13 +378,20 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     check_request(cfg, ask)
     loaded = ready_loaded(gateway)
     checkpoint, reasoning = 0, False
-    if ask.messages is not None:
+    seen = vision.plan(cfg, loaded, ask)  # images: checked, numbered, through the processor
+    if seen is not None and seen.inputs is not None:
+        prompt, reasoning = seen.prompt, seen.reasoning
+        limit = vision.completion_limit(loaded, cfg, len(prompt), ask.max_tokens, seen.image_bytes)
+    elif ask.messages is not None:
+        messages = seen.messages if seen is not None else ask.messages
         prompt, checkpoint, reasoning = render_chat(
-            loaded, ask.messages, ask.tools, ask.template_kwargs, ask.origins
+            loaded, messages, ask.tools, ask.template_kwargs, ask.origins
         )
     else:
         prompt = render_text(loaded, ask.prompt)
-    limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+    if seen is None or seen.inputs is None:
+        limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+        seen = vision.text_job(loaded, ask, prompt, seen)  # a VLM only mlx-vlm runs
     sampling = resolve_sampling(ask.sampling, cfg, loaded)
     grammar = grammar_for(ask.shape, ask.tools, loaded, reasoning)
     try:
@@ -398,6 +411,8 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         checkpoint=checkpoint,
         adapter=ask.adapter,
         grammar=grammar,
+        vision=seen.inputs if seen is not None else None,
+        preamble=seen.preamble if seen is not None else "",
     )
 
 
@@ -436,6 +451,7 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
         raise APIError(
             503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
         ) from None
+    preamble = job.preamble  # the image table: sent before the model's first text
     try:
         while True:
             if is_disconnected is None:
@@ -450,6 +466,9 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
                     continue
             if isinstance(ev, Done) and ev.finish_reason == "cancelled" and job.aborted:
                 ev = shutting_down(job.aborted)
+            if preamble and not isinstance(ev, Failed):
+                yield Delta("content", preamble)
+            preamble = ""
             yield ev
             if isinstance(ev, (Done, Failed)):
                 return

@@ -54,6 +54,7 @@ def model_card(request: Request) -> dict:
         "created": int(gateway.started_at),
         "owned_by": "mlxlab",
         "context_length": loaded.admission.max_safe_context if loaded else None,
+        "vision": (loaded.vision is not None) if loaded else None,  # takes image input
     }
 
 
@@ -117,6 +118,7 @@ async def stats(request: Request):
         "adapters": loaded.adapters.stats() if loaded else None,
         "batch": g.batch_stats(),
         "kv_quant": loaded.kv.stats() if loaded else None,
+        "vision": loaded.vision.stats() if loaded and loaded.vision else None,
     }
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxlab.serve import vision
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, text_of
 from mlxlab.serve.structured import Shape, named
@@ -115,12 +116,8 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str], list[tuple]
                 if not isinstance(block.get("text"), str):
                     raise APIError(400, f"{where}[{j}]: a text block needs a string 'text'")
                 text.append(block["text"])
-            elif kind == "image":
-                raise APIError(
-                    400,
-                    f"{where}[{j}]: image input needs a vision model; this server runs a "
-                    "text-only model",
-                )
+            elif kind == "image" and m.role == "user":
+                text.append(vision.anthropic_part(block, f"{where}[{j}]"))
             elif kind == "tool_use" and m.role == "assistant":
                 if (
                     not isinstance(block.get("id"), str)
@@ -148,7 +145,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str], list[tuple]
                         "in an earlier assistant message",
                     )
                 if text:  # keep the order: text before the result stays before it
-                    messages.append({"role": "user", "content": "".join(text)})
+                    messages.append({"role": "user", "content": vision.joined(text)})
                     text = []
                 result = block.get("content", "")
                 result = (
@@ -168,7 +165,7 @@ def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str], list[tuple]
         if calls:
             messages.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
         elif text or m.role == "assistant":
-            messages.append({"role": m.role, "content": "".join(text)})
+            messages.append({"role": m.role, "content": vision.joined(text)})
         origins += [f"messages[{i}]"] * (len(messages) - len(origins))
     tools, schemas = [], []
     for i, t in enumerate(body.tools or []):

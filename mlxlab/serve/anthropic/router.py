@@ -6,7 +6,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from mlxlab.serve import pipeline
+from mlxlab.serve import pipeline, vision
 from mlxlab.serve.anthropic import encode
 from mlxlab.serve.anthropic.protocol import (
     AnthropicError,
@@ -37,11 +37,29 @@ async def messages(body: MessagesRequest, request: Request):
 async def count_tokens(body: CountRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
 
-    def count() -> int:
+    def build() -> pipeline.Ask:
         chat, tools, origins, schemas = to_chat(body)
-        pipeline.check_request(cfg, pipeline.Ask(messages=chat, tools=tools, tool_schemas=schemas))
+        kwargs = template_kwargs(body)
+        return pipeline.Ask(
+            messages=chat,
+            tools=tools,
+            tool_schemas=schemas,
+            template_kwargs=kwargs,
+            origins=origins,
+        )
+
+    def count(ask: pipeline.Ask) -> int:
+        pipeline.check_request(cfg, ask)
         loaded = pipeline.ready_loaded(gateway)
-        prompt, _, _ = pipeline.render_chat(loaded, chat, tools, template_kwargs(body), origins)
+        seen = vision.plan(cfg, loaded, ask)  # with images: the processor's tokens
+        if seen is not None and seen.inputs is not None:
+            return len(seen.prompt)
+        messages = seen.messages if seen is not None else ask.messages
+        prompt, _, _ = pipeline.render_chat(
+            loaded, messages, ask.tools, ask.template_kwargs, ask.origins
+        )
         return len(prompt)
 
-    return {"input_tokens": await pipeline.off_loop(count)}
+    ask = await pipeline.off_loop(build)
+    await vision.fetch_images(cfg, gateway.loaded, ask)
+    return {"input_tokens": await pipeline.off_loop(count, ask)}

@@ -79,13 +79,16 @@ class Admission:
         return d
 
 
-def measure(model, budget_bytes: int | None, prefill_step: int, kv=None) -> Admission:
-    """Measure the model's memory terms and solve for the max safe context (`kv`: a KVQuant plan)."""
+def measure(
+    model, budget_bytes: int | None, prefill_step: int, kv=None, extra_bytes: int = 0
+) -> Admission:
+    """Measure the model's memory terms and solve for the max safe context (`kv`: a KVQuant plan;
+    `extra_bytes`: resident weights outside `model`, such as a VLM's vision tower)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + extra_bytes
     cache = kv.make_cache(model) if kv is not None else make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])

@@ -47,10 +47,12 @@ log = logging.getLogger(__name__)
 
 
 def batchable(job: Job) -> bool:
-    """Whether a job can join a batch: its sampling must not need a seeded RNG or a token history."""
+    """Whether a job can join a batch: its sampling must not need a seeded RNG or a token history,
+    and it has no images (those run through mlx-vlm on the serial lane)."""
     s = job.sampling
     return (
-        s.seed is None
+        job.vision is None
+        and s.seed is None
         and not s.repetition_penalty
         and not s.presence_penalty
         and not s.frequency_penalty

@@ -86,6 +86,10 @@ class Job:
     )
     cancelled: threading.Event = field(default_factory=threading.Event)
     aborted: str | None = None  # why the server cut it (a shutdown), when it did
+    # A prompt with images (mlxlab.vision.model.Inputs, `prompt` is its token ids): it runs
+    # through mlx-vlm on the serial lane (engine/vision.py), without the prompt cache.
+    vision: object | None = None
+    preamble: str = ""  # text the answer begins with, before the model's (the image table)
 
     def abort(self, reason: str) -> None:
         """Stop the job before its next token for a reason of the server's: its client gets

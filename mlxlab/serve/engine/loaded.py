@@ -11,11 +11,12 @@ from pathlib import Path
 
 from mlxlab import grammar
 from mlxlab.config import ServeConfig
-from mlxlab.models.zoo import load, resolve
+from mlxlab.models.zoo import resolve
 from mlxlab.serve.engine import admission, kv_quant
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.engine.output import think_markers, tool_syntax
 from mlxlab.serve.engine.prompt_cache import PromptCache
+from mlxlab.vision.model import load as load_model
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ class Loaded:
         import mlx.core as mx
 
         self.model_dir = resolve(cfg.model)
-        self.model, self.tokenizer = load(
+        # `vision`: mlx-vlm's model beside mlx-lm's when the directory is a VLM, else None.
+        self.model, self.tokenizer, self.vision = load_model(
             str(self.model_dir), cfg.dtype, decode_head=cfg.decode_head
         )
         self.model_id = cfg.model
@@ -46,7 +48,10 @@ class Loaded:
         self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)
         budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb else None
         self.kv = kv_quant.parse(cfg.kv_quant, self.model, self.model_dir)
-        self.admission = admission.measure(self.model, budget, cfg.prefill_step, self.kv)
+        if self.vision is not None and self.vision.alone and self.kv.enabled:
+            log.warning("mlxlab serve: kv_quant does not apply to a model mlx-vlm runs alone")
+        extra = self.vision.extra_bytes if self.vision is not None else 0  # the vision tower
+        self.admission = admission.measure(self.model, budget, cfg.prefill_step, self.kv, extra)
         mx.set_memory_limit(self.admission.budget_bytes)
         self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
         self.generation_config = read_generation_config(self.model_dir)

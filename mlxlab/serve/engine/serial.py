@@ -18,6 +18,7 @@ from mlxlab.serve.engine.rows import (
     make_sampling,
     prompt_segments,
 )
+from mlxlab.serve.engine.vision import run as run_vision
 
 
 class SerialLane:
@@ -37,6 +38,8 @@ class SerialLane:
                 mx.eval([c.state for c in cache])
 
     def run(self, job: Job) -> Done:
+        if job.vision is not None:  # images: mlx-vlm's model, no prompt cache (engine/vision.py)
+            return run_vision(self.m, self.cfg, job)
         m = self.m
         ids = claim_adapters(m, job)
         m.adapters.selection.ids = ids

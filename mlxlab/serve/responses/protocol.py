@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxlab.serve import vision
 from mlxlab.serve.http import APIError
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages, text_of
 from mlxlab.serve.structured import Shape, named
@@ -96,7 +97,9 @@ def to_chat(
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"{where}: unknown role {role!r}", param=where)
-            text = _item_text(item.get("content", ""), f"{where}.content")
+            content = item.get("content", "")
+            images = vision.user_content(content, f"{where}.content") if role == "user" else None
+            text = images or _item_text(content, f"{where}.content")
             if role in ("system", "developer"):
                 system_extra.append(text)
             else:

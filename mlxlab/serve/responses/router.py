@@ -9,7 +9,7 @@ import time
 
 from fastapi import APIRouter, Request
 
-from mlxlab.serve import pipeline
+from mlxlab.serve import pipeline, vision
 from mlxlab.serve.engine.jobs import Done
 from mlxlab.serve.http import STREAMED, APIError, protocol_route
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
@@ -33,8 +33,9 @@ def not_found(rid: str, param: str | None = None) -> APIError:
 def remember(
     store: ResponseStore, resp: dict, messages: list[dict], instructions, done: Done, text: str
 ) -> None:
-    """Keep the conversation with this answer appended, for a follow-up's previous_response_id."""
-    convo = list(messages)
+    """Keep the conversation with this answer appended, for a follow-up's previous_response_id
+    (images as their hashes: only a new user message's images are shown to the model)."""
+    convo = vision.for_store(messages)
     if done.tool_calls:
         convo.append(
             {
@@ -69,7 +70,9 @@ async def create(body: ResponsesRequest, request: Request):
         raise APIError(400, "input has no messages", param="input")
     if (
         body.store
-        and ResponseStore.size_of({"messages": messages, "instructions": instructions})
+        and ResponseStore.size_of(
+            {"messages": vision.for_store(messages), "instructions": instructions}
+        )
         > store.max_bytes
     ):
         raise APIError(
