@@ -719,8 +719,30 @@ class ServeConfig:
     """Browser origins (scheme://host[:port]) that may call the API cross-origin and get CORS
     headers; others get 403 on POST/PUT/PATCH/DELETE. `*` allows any; the server's own origin is
     always allowed: `cors_origins=[http://localhost:3000]`."""
+    # Speech-to-text and embeddings (serve/audio, serve/embeddings), beside the chat model.
+    stt_model: str | None = None
+    """Speech-to-text model for /v1/audio/transcriptions, /v1/audio/translations and chat
+    `input_audio` parts: `whisper-base` (zoo) or a converted Whisper directory; unset, those
+    answer 400 saying how to set it."""
+    embeddings_model: str | None = None
+    """Sentence-embedding model for /v1/embeddings: `all-minilm-l6-v2` (zoo) or a converted
+    BERT-family directory; unset, /v1/embeddings answers 400 saying how to set it."""
+    max_audio_mb: float = 50.0
+    """Largest request body on the audio routes (the uploaded file and its form), in MB
+    (10^6 bytes): 413 above, spooled to disk below; replaces max_body_mb there."""
+    max_chat_audio_mb: float = 5.0
+    """Largest decoded `input_audio` part of a chat message, in MB (the body itself stays under
+    max_body_mb)."""
+    max_audio_s: float = 3600.0
+    """Longest audio one request may decode to, in seconds (a small file can hold hours)."""
 
     def __post_init__(self):
+        for name in ("max_audio_mb", "max_chat_audio_mb", "max_audio_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("stt_model", "embeddings_model"):
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                setattr(self, name, None)  # `stt_model=` on the command line: none
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
         check_choice("dtype", self.dtype, DTYPES)
         if not is_kv_quant(self.kv_quant):  # the wording kv_quant.parse uses for the same problem
