@@ -115,7 +115,7 @@ def write(path: str | Path, model: CT2Model) -> None:
     out = [struct.pack("<I", 6), string(model.spec), struct.pack("<I", model.revision)]
     out.append(struct.pack("<I", len(model.variables)))
     for name, array in model.variables.items():
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array).copy(order="C")  # (ascontiguousarray makes scalars 1-d)
         out += [string(name), struct.pack("<B", array.ndim)]
         out += [struct.pack("<I", d) for d in array.shape]
         out += [struct.pack("<BI", codes[array.dtype], array.nbytes), array.tobytes()]
