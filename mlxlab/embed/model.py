@@ -5,7 +5,7 @@ module), computed with mlx-embeddings' BERT in float32.
 Tokenizing (`tokenize`) is plain Python/Rust and may run on any thread; `embed` is MLX work:
 call it only from the thread that owns MLX (the server's engine thread). Inputs are sorted by
 length and run in batches of at most `BATCH` rows padded to their longest (the padding is
-masked out of attention and pooling, so a vector does not depend on its batch).
+masked out of attention and pooling, so a vector is the same in any batch, to float rounding).
 """
 
 from __future__ import annotations

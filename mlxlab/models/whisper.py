@@ -376,7 +376,7 @@ TINY_DIMS = {
     "n_audio_head": 2,
     "n_audio_layer": 2,
     "n_vocab": 51865,  # the real tokenizer's ids
-    "n_text_ctx": 64,  # so a window decodes at most 32 tokens
+    "n_text_ctx": 16,  # so a window decodes at most 8 tokens
     "n_text_state": 32,
     "n_text_head": 2,
     "n_text_layer": 2,
