@@ -727,6 +727,9 @@ class ServeConfig:
     embeddings_model: str | None = None
     """Sentence-embedding model for /v1/embeddings: `all-minilm-l6-v2` (zoo) or a converted
     BERT-family directory; unset, /v1/embeddings answers 400 saying how to set it."""
+    stt_language: str | None = None
+    """The language chat `input_audio` parts are spoken in (ISO 639-1 code or English name);
+    unset: detected per part. The audio routes take theirs from the request's `language`."""
     max_audio_mb: float = 50.0
     """Largest request body on the audio routes (the uploaded file and its form), in MB
     (10^6 bytes): 413 above, spooled to disk below; replaces max_body_mb there."""

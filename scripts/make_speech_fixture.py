@@ -20,7 +20,7 @@ from mlxlab.audio.decode import SAMPLE_RATE, decode, encode
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "speech"
 TEXT = "Good morning. My name is Alice and I live in a small house near the city library."
-VOICE, SPEED = "en-us", 140
+VOICE, SPEED = "en-gb", 140  # en-gb: whisper-base detects English at p 0.86-0.90 (en-us: 0.36-0.57)
 
 
 def main() -> None:

@@ -66,6 +66,9 @@ class Loaded:
         if cfg.stt_model:
             from mlxlab.audio.speech import Speech
 
+            from mlxlab.audio.speech import language_code
+
+            language_code(cfg.stt_language)  # a bad one fails at start, not per request
             self.speech = Speech(cfg.stt_model, cfg.dtype)
             log.info("mlxlab serve: speech-to-text model %s", self.speech.name)
         if cfg.embeddings_model:

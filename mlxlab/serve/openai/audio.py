@@ -84,7 +84,9 @@ async def transcribe_parts(request: Request, body: ChatRequest) -> Heard | None:
             raise APIError(400, f"{where}: input_audio goes in user messages", param=where)
         raw, fmt = _payload(part, where, cfg.max_chat_audio_mb)
         audio = await sidecars.decode_audio(raw, fmt, where, cfg.max_audio_s)
-        transcript = await sidecars.on_engine(request, lambda a=audio: speech.transcribe(a.samples))
+        transcript = await sidecars.on_engine(
+            request, lambda a=audio: speech.transcribe(a.samples, language=cfg.stt_language)
+        )
         text = f"[audio transcript: {transcript.text}]"
         text = ("\n" if j > 0 else "") + text + ("\n" if j < len(message.content) - 1 else "")
         message.content[j] = {"type": "text", "text": text}
