@@ -152,6 +152,11 @@ def test_a_60_mb_upload_is_a_413_and_the_server_never_holds_it(server):
     grew = (max(peak) - peak[0]) / 1e6
     print(f"\npeak RSS growth over two 60 MB uploads: {grew:.1f} MB")
     assert grew < 30
+    # The watch sees a body held in memory: 60 MB held is seen as such.
+    before = me.memory_info().rss
+    held = np.ones(60_000_000, np.uint8)
+    assert (me.memory_info().rss - before) / 1e6 > 50 and held[-1] == 1
+    del held
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
@@ -210,9 +215,12 @@ def test_paraphrases_rank_above_unrelated_pairs(server):
 
 def test_minilm_base64_limits_and_dimensions(server):
     url, sdk, _ = server
-    floats = embed(sdk, ["base64 please"])[0]
+    # The SDK asks for base64 itself and decodes it unless told a format: embed() above does.
+    floats = embed(sdk, ["base64 please"], encoding_format="float")[0]
     b64 = sdk.embeddings.create(model="x", input="base64 please", encoding_format="base64")
-    assert np.array_equal(np.array(b64.data[0].embedding, np.float32), floats.astype(np.float32))
+    decoded = np.frombuffer(base64.b64decode(b64.data[0].embedding), dtype="<f4")
+    assert np.array_equal(decoded, floats.astype(np.float32))
+    assert np.array_equal(embed(sdk, ["base64 please"])[0].astype(np.float32), decoded)
     with httpx.Client(base_url=url, timeout=120) as client:
         long = "word " * 300
         r = client.post("/v1/embeddings", json={"input": long})
