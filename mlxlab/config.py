@@ -743,7 +743,7 @@ class ServeConfig:
         for name in ("max_audio_mb", "max_chat_audio_mb", "max_audio_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("stt_model", "embeddings_model"):
+        for name in ("stt_model", "embeddings_model", "stt_language"):
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 setattr(self, name, None)  # `stt_model=` on the command line: none
         check_choice("decode_head", self.decode_head, DECODE_HEADS)

@@ -26,9 +26,8 @@ class ZooEntry:
     name: str
     description: str
     build: Callable[[Path], Path]  # writes the mlx-lm directory at the given path
-    kind: str = (
-        "lm"  # lm (mlx-lm), stt (Whisper: serve stt_model=), embeddings (serve embeddings_model=)
-    )
+    # lm (mlx-lm), stt (Whisper: serve stt_model=), embeddings (serve embeddings_model=)
+    kind: str = "lm"
 
 
 def _pull_gemma3_270m(out: Path) -> Path:

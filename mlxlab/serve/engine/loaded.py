@@ -64,9 +64,7 @@ class Loaded:
         # too are only ever run by this thread.
         self.speech = self.embedder = None
         if cfg.stt_model:
-            from mlxlab.audio.speech import Speech
-
-            from mlxlab.audio.speech import language_code
+            from mlxlab.audio.speech import Speech, language_code
 
             language_code(cfg.stt_language)  # a bad one fails at start, not per request
             self.speech = Speech(cfg.stt_model, cfg.dtype)
