@@ -20,6 +20,7 @@ from mlxlab.models import ctranslate2
 from tests.helpers.subtitles import parse_srt, parse_vtt
 
 SPEECH = Path(__file__).parent / "data" / "speech"
+WAV = (SPEECH / "sentence.wav").read_bytes()
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -64,6 +65,8 @@ def test_stereo_44k_is_resampled_to_16k_mono(tmp_path):
         (b"this is not audio at all, just text" * 50, "mp3", ["mp3 format", "not audio"]),
         (b"", "wav", ["wav format", "empty"]),
         (b"RIFF\x00\x00\x00\x00WAVEjunkjunkjunk" * 40, "wav", ["wav"]),
+        (WAV[:20] + b"\x77\x77" + WAV[22:], "wav", ["wav", "codec is not supported"]),
+        (WAV[:22] + b"\x00\x00" + WAV[24:], "wav", ["wav", "corrupt"]),
     ],
 )
 def test_bad_audio_is_an_error_naming_the_format(data, hint, words):

@@ -89,6 +89,11 @@ def decode(
                 "(unsupported format; send wav, mp3, m4a, ogg/opus, flac or webm)"
             )
         stream = container.streams.audio[0]
+        if stream.codec_context is None:  # a codec this FFmpeg build does not have
+            raise AudioError(
+                f"{_what(hint, label)}: the {found} file's audio codec is not supported "
+                "(send wav, mp3, m4a, ogg/opus, flac or webm)"
+            )
         codec = stream.codec_context.name
         resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
         limit = None if max_seconds is None else int(max_seconds * SAMPLE_RATE)
@@ -104,7 +109,9 @@ def decode(
                     )
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1).copy())
-        except av.error.FFmpegError as e:
+        except AudioError:
+            raise
+        except (av.error.FFmpegError, ValueError, ArithmeticError) as e:  # what a bad stream raises
             raise AudioError(
                 f"{_what(hint, label)}: corrupt {found} audio ({codec}) after "
                 f"{n / SAMPLE_RATE:.1f} s: {_reason(e)}"
