@@ -49,7 +49,7 @@ def test_vectors_equal_a_plain_numpy_bert(served):
 
 def test_a_vector_does_not_depend_on_its_batch(served):
     client, _ = served
-    many = [f"{TEXTS[i % 4]} {'again ' * (i % 7)}" for i in range(45)]  # > one batch, mixed lengths
+    many = [f"{TEXTS[i % 4]} {'again ' * (i % 7)}" for i in range(140)]  # > 128: two batches
     together = vectors(client.post("/v1/embeddings", json={"input": many}))
     alone = np.stack(
         [vectors(client.post("/v1/embeddings", json={"input": t}))[0] for t in many[:6]]
@@ -130,3 +130,14 @@ def test_without_an_embedding_model_the_400_says_how_to_serve_one(tiny_dir):
         assert "embeddings_model=all-minilm-l6-v2" in r.json()["error"]["message"]
     finally:
         gateway.stop()
+
+
+def test_batches_keep_to_their_row_and_token_caps():
+    from mlxlab.embed.model import BATCH, BATCH_TOKENS, batches
+
+    ids = [[1] * n for n in [3, 250, 7, 256, 5] * 60]
+    groups = batches(ids)
+    assert sorted(i for g in groups for i in g) == list(range(len(ids)))
+    for g in groups:
+        assert len(g) <= BATCH and len(g) * max(len(ids[i]) for i in g) <= BATCH_TOKENS
+    assert max(len(g) for g in groups) == BATCH  # short inputs fill whole batches

@@ -4,7 +4,7 @@ module), computed with mlx-embeddings' BERT in float32.
 
 Tokenizing (`tokenize`) is plain Python/Rust and may run on any thread; `embed` is MLX work:
 call it only from the thread that owns MLX (the server's engine thread). Inputs are sorted by
-length and run in batches of at most `BATCH` rows padded to their longest (the padding is
+length and run in batches (`batches`: at most BATCH rows and BATCH_TOKENS tokens) padded to their longest (the padding is
 masked out of attention and pooling, so a vector is the same in any batch, to float rounding).
 """
 
@@ -16,7 +16,11 @@ import numpy as np
 
 from mlxlab.errors import UserError
 
-BATCH = 32
+BATCH = 128
+"""Rows per batch at most. Measured (all-MiniLM-L6-v2, 256 inputs of 16 tokens, 2-core box):
+8 rows 34/s, 32 rows 55/s, 128 rows 85/s, 256 rows 85/s."""
+BATCH_TOKENS = 8192
+"""Padded tokens per batch at most (rows x the longest): bounds the attention scores' memory."""
 
 
 class TooLong(UserError):
@@ -69,9 +73,7 @@ class Embedder:
         """[n, dimensions] float32 sentence vectors for token-id sequences (MLX: the owning
         thread only). Empty sequences are the caller's to refuse."""
         out = np.zeros((len(ids), self.dimensions), np.float32)
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        for at in range(0, len(order), BATCH):
-            rows = order[at : at + BATCH]
+        for rows in batches(ids):
             out[rows] = self._batch([ids[i] for i in rows])
         return out
 
@@ -93,6 +95,19 @@ class Embedder:
             vectors = normalize(vectors)
         mx.eval(vectors)
         return np.array(vectors, dtype=np.float32)
+
+
+def batches(ids: list[list[int]]) -> list[list[int]]:
+    """Input indices grouped for batching: sorted by length (little padding), at most BATCH rows
+    and BATCH_TOKENS padded tokens each."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out: list[list[int]] = []
+    for i in order:
+        if out and len(out[-1]) < BATCH and (len(out[-1]) + 1) * len(ids[i]) <= BATCH_TOKENS:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def check_lengths(ids: list[list[int]], limit: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter, Request
 
-from mlxlab.embed.model import BATCH, TooLong, check_lengths, shorten
+from mlxlab.embed.model import TooLong, batches, check_lengths, shorten
 from mlxlab.serve import sidecars
 from mlxlab.serve.embeddings import encode
 from mlxlab.serve.embeddings.protocol import EmbeddingsRequest
@@ -67,10 +67,8 @@ async def embeddings(body: EmbeddingsRequest, request: Request):
     embedder = sidecars.embedder(request)
     dims = _dimensions(embedder, body.dimensions)
     ids = await off_loop(_token_ids, embedder, body)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     vectors = np.zeros((len(ids), embedder.dimensions), np.float32)
-    for at in range(0, len(order), BATCH):
-        rows = order[at : at + BATCH]
+    for rows in batches(ids):
         batch = [ids[i] for i in rows]
         vectors[rows] = await sidecars.on_engine(request, lambda b=batch: embedder.embed(b))
     if dims != embedder.dimensions:
