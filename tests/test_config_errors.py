@@ -62,6 +62,11 @@ ENUMS = {
         "decode_head": ("auto", "exact", "bfloat16"),
         "kv_quant": ("off", "4", "8", "config", "plan.json"),
     },
+    "transcribe": {
+        "task": ("transcribe", "translate"),
+        "format": ("text", "json", "verbose_json", "srt", "vtt"),
+        "dtype": DTYPES,
+    },
 }
 # Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
 TASK_ENUMS = {"chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")}}
@@ -84,7 +89,9 @@ FREE = {
     "data": {"out"},
     "eval": {"model", "adapter", "data", "out"},
     "serve": {"model", "host", "adapter_root"}
-    | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"},  # format-checked
+    | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
+    | {"stt_model", "embeddings_model", "stt_language"},  # resolved (and checked) at load
+    "transcribe": {"file", "model", "language", "prompt", "out"},
 }
 TASK_FREE = {"chunk": {"report"}}
 
