@@ -7,6 +7,9 @@ against a plain numpy BERT, ranking paraphrases above unrelated pairs, through t
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ import pytest
 from mlxlab.audio.wer import wer, words
 from tests.helpers.bert_numpy import sentence_vector
 from tests.helpers.cli import run_cli
-from tests.helpers.serve import start_server
+from tests.helpers.serve import free_port, start_server
 from tests.helpers.subtitles import parse_srt, parse_vtt
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -114,50 +117,90 @@ def test_input_audio_through_the_sdk_is_answered_by_gemma3_270m(server):
     assert r.usage.model_extra["audio_seconds"] == pytest.approx(6.81, abs=0.05)
 
 
-def test_a_60_mb_upload_is_a_413_and_the_server_never_holds_it(server):
-    url, _, _ = server
-    me = psutil.Process()
-    peak, stop = [me.memory_info().rss], threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            peak.append(me.memory_info().rss)
-            time.sleep(0.01)
-
-    size = 60_000_000
-    chunk = b"\x00" * (1 << 20)
-
-    def body():
-        sent = 0
-        while sent < size:
-            piece = chunk[: size - sent]
-            sent += len(piece)
-            yield piece
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+def test_a_60_mb_upload_is_a_413_and_the_server_never_holds_it(tiny_dir, session_home):
+    """A `serve` process of its own (fresh, so its RSS has no freed memory to reuse): two 60 MB
+    uploads, one declaring its length and one chunked, are 413s while its peak RSS stays flat;
+    then a 15 MB JSON body, which the server does hold, shows that the watch would see one."""
+    tiny_dir("gemma3")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxlab", "serve", "model=tiny-gemma3", f"port={port}"],
+        env={**os.environ, "MLXLAB_HOME": str(session_home)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            for headers in ({"content-length": str(size)}, {}):  # declared, then chunked
-                r = client.post(
-                    "/v1/audio/transcriptions",
-                    content=body(),
-                    headers={"content-type": "multipart/form-data; boundary=x", **headers},
-                )
-                assert r.status_code == 413, r.text
-                assert "serve.max_audio_mb" in r.json()["error"]["message"]
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        server = psutil.Process(proc.pid)
+        peak, stop = [server.memory_info().rss], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                peak.append(server.memory_info().rss)
+                time.sleep(0.005)
+
+        def body(size: int):
+            chunk = b"\x00" * (1 << 20)
+            sent = 0
+            while sent < size:
+                piece = chunk[: size - sent]
+                sent += len(piece)
+                yield piece
+
+        def grown(send) -> float:
+            stop.clear()
+            peak[:] = [server.memory_info().rss]
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                send()
+            finally:
+                stop.set()
+                watcher.join()
+            return (max(peak) - peak[0]) / 1e6
+
+        size = 60_000_000
+
+        def uploads():
+            with httpx.Client(base_url=url, timeout=120) as client:
+                for headers in ({"content-length": str(size)}, {}):  # declared, then chunked
+                    r = client.post(
+                        "/v1/audio/transcriptions",
+                        content=body(size),
+                        headers={"content-type": "multipart/form-data; boundary=x", **headers},
+                    )
+                    assert r.status_code == 413, r.text
+                    assert "serve.max_audio_mb" in r.json()["error"]["message"]
+
+        def held():  # 15 MB under max_body_mb (16): BodyLimit reads it into memory (a 400 after)
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                content=b"[" + b" " * 15_000_000,
+                headers={"content-type": "application/json"},
+                timeout=300,
+            )
+            assert r.status_code == 400, r.text
+
+        audio_growth = grown(uploads)
+        control = grown(held)
+        print(
+            f"\nserver RSS growth: two 60 MB uploads {audio_growth:.1f} MB, "
+            f"a 15 MB JSON body {control:.1f} MB"
+        )
+        assert control > 14  # the watch sees a body held in memory
+        assert audio_growth < 8
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
     finally:
-        stop.set()
-        watcher.join()
-    grew = (max(peak) - peak[0]) / 1e6
-    print(f"\npeak RSS growth over two 60 MB uploads: {grew:.1f} MB")
-    assert grew < 30
-    # The watch sees a body held in memory: 60 MB held is seen as such.
-    before = me.memory_info().rss
-    held = np.ones(60_000_000, np.uint8)
-    assert (me.memory_info().rss - before) / 1e6 > 50 and held[-1] == 1
-    del held
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        proc.terminate()
+        proc.wait(30)
 
 
 # --- all-MiniLM-L6-v2 --------------------------------------------------------------------------
