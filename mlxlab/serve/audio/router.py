@@ -15,10 +15,11 @@ from __future__ import annotations
 from fastapi import APIRouter, File, Form, Request, UploadFile
 
 from mlxlab.audio.decode import format_hint
+from mlxlab.errors import UserError
 from mlxlab.serve import sidecars
 from mlxlab.serve.audio import encode
 from mlxlab.serve.audio.protocol import Hearing, hearing
-from mlxlab.serve.http import protocol_route
+from mlxlab.serve.http import APIError, protocol_route
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
 
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
@@ -31,18 +32,22 @@ async def _run(request: Request, file: UploadFile, h: Hearing):
     cfg = request.app.state.cfg
     name = file.filename or "file"
     audio = await sidecars.decode_audio(file.file, format_hint(name), repr(name), cfg.max_audio_s)
-    transcript = await sidecars.on_engine(
-        request,
-        lambda: speech.transcribe(
-            audio.samples,
-            language=h.language,
-            task=h.task,
-            prompt=h.prompt,
-            temperature=h.temperature,
-            word_timestamps=h.words,
-        ),
-    )
+    try:
+        transcript = await sidecars.on_engine(request, lambda: _transcribe(speech, audio, h))
+    except UserError as e:  # what the model cannot do (a translation by an English-only one)
+        raise APIError(400, str(e)) from None
     return encode.response(transcript, h)
+
+
+def _transcribe(speech, audio, h: Hearing):
+    return speech.transcribe(
+        audio.samples,
+        language=h.language,
+        task=h.task,
+        prompt=h.prompt,
+        temperature=h.temperature,
+        word_timestamps=h.words,
+    )
 
 
 @router.post("/v1/audio/transcriptions", responses=ANSWER)
