@@ -31,6 +31,10 @@ COMMANDS = {
     "data": ("mlxlab.data.cli", "build a task dataset offline: chunk out=DIR"),
     "eval": ("mlxlab.eval.cli", "score a model/adapter on a task: chunk adapter=DIR"),
     "runs": ("mlxlab.serve.web.cli", "the training runs page on its own (dir=outputs, port=8091)"),
+    "transcribe": (
+        "mlxlab.audio.cli",
+        "speech to text with Whisper: FILE [language=en format=srt task=translate out=FILE]",
+    ),
 }
 
 USAGE = (

@@ -766,8 +766,33 @@ class ServeConfig:
     keeps image ids stable when a client drops the images from its history."""
     image_exif: bool = True
     """The table's EXIF columns (Original, Location, Date, Camera); false: Image and Filename."""
+    # Speech-to-text and embeddings (serve/audio, serve/embeddings), beside the chat model.
+    stt_model: str | None = None
+    """Speech-to-text model for /v1/audio/transcriptions, /v1/audio/translations and chat
+    `input_audio` parts: `whisper-base` (zoo) or a converted Whisper directory; unset, those
+    answer 400 saying how to set it."""
+    embeddings_model: str | None = None
+    """Sentence-embedding model for /v1/embeddings: `all-minilm-l6-v2` (zoo) or a converted
+    BERT-family directory; unset, /v1/embeddings answers 400 saying how to set it."""
+    stt_language: str | None = None
+    """The language chat `input_audio` parts are spoken in (ISO 639-1 code or English name);
+    unset: detected per part. The audio routes take theirs from the request's `language`."""
+    max_audio_mb: float = 50.0
+    """Largest request body on the audio routes (the uploaded file and its form), in MB
+    (10^6 bytes): 413 above, spooled to disk below; replaces max_body_mb there."""
+    max_chat_audio_mb: float = 5.0
+    """Largest decoded `input_audio` part of a chat message, in MB (the body itself stays under
+    max_body_mb)."""
+    max_audio_s: float = 3600.0
+    """Longest audio one request may decode to, in seconds (a small file can hold hours)."""
 
     def __post_init__(self):
+        for name in ("max_audio_mb", "max_chat_audio_mb", "max_audio_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("stt_model", "embeddings_model", "stt_language"):
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                setattr(self, name, None)  # `stt_model=` on the command line: none
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
         check_choice("dtype", self.dtype, DTYPES)
         if not is_kv_quant(self.kv_quant):  # the wording kv_quant.parse uses for the same problem
@@ -878,6 +903,41 @@ def check_api_key(key, where: str) -> None:
         )
 
 
+@dataclass
+class TranscribeConfig:
+    """`python -m mlxlab transcribe FILE`: speech to text with Whisper (mlxlab/audio)."""
+
+    file: str | None = None
+    """The audio file: wav, mp3, m4a, ogg/opus, flac, webm (decoded by PyAV, resampled to 16 kHz)."""
+    model: str = "whisper-base"
+    """Zoo name (whisper-base) or a converted Whisper directory."""
+    language: str | None = None
+    """ISO 639-1 code or English name; unset: detected from the first 30 s."""
+    task: str = "transcribe"
+    """transcribe, or translate (to English)."""
+    format: str = "text"
+    """Output: text, json, verbose_json, srt or vtt."""
+    prompt: str | None = None
+    """Text the first window is conditioned on (names, spellings)."""
+    temperature: float = 0.0
+    """0: greedy with Whisper's fallback to higher temperatures; > 0: sample at that one."""
+    word_timestamps: bool = False
+    """Word-level timestamps (verbose_json's `words`)."""
+    out: str | None = None
+    """Write the output to this file (atomically) instead of stdout."""
+    progress: bool = True
+    """A progress bar on stderr, advancing one 30 s window at a time."""
+    dtype: str = "auto"
+    """Compute dtype: auto (float32 on CPU, float16 on GPU), float32, float16."""
+
+    def __post_init__(self):
+        check_choice("task", self.task, ("transcribe", "translate"))
+        check_choice("format", self.format, ("text", "json", "verbose_json", "srt", "vtt"))
+        check_choice("dtype", self.dtype, DTYPES)
+        if not 0.0 <= self.temperature <= 1.0:
+            raise UserError(f"temperature must be in [0, 1], got {self.temperature}")
+
+
 SCHEMAS = {
     "generate": GenerateConfig,
     "models": ModelsConfig,
@@ -888,6 +948,7 @@ SCHEMAS = {
     "eval": EvalConfig,
     "serve": ServeConfig,
     "runs": RunsConfig,
+    "transcribe": TranscribeConfig,
 }
 
 

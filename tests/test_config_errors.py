@@ -63,6 +63,11 @@ ENUMS = {
         "kv_quant": ("off", "4", "8", "config", "plan.json"),
     },
     "runs": {},
+    "transcribe": {
+        "task": ("transcribe", "translate"),
+        "format": ("text", "json", "verbose_json", "srt", "vtt"),
+        "dtype": DTYPES,
+    },
 }
 # Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
 TASK_ENUMS = {
@@ -91,8 +96,10 @@ FREE = {
     "serve": {"model", "host", "adapter_root"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
     | {"runs_dir"}
-    | {"image_url_hosts"},  # format-checked
+    | {"image_url_hosts"}  # format-checked
+    | {"stt_model", "embeddings_model", "stt_language"},  # resolved (and checked) at load
     "runs": {"dir", "host", "api_key", "api_key_file", "allowed_hosts", "cors_origins"},
+    "transcribe": {"file", "model", "language", "prompt", "out"},
 }
 TASK_FREE = {"chunk": {"report"}, "chunk_pref": {"report", "sft"}}
 

@@ -38,6 +38,9 @@ def served(tiny_dir, tmp_path_factory):
         allowed_hosts=["testserver"],
         max_tokens=8,
         adapter_root=str(tmp_path_factory.mktemp("adapters")),
+        # the audio and embeddings routes get real models behind them too
+        stt_model="tiny-whisper",
+        embeddings_model="tiny-bert",
     )
     yield client
     gateway.stop()

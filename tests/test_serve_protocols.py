@@ -378,6 +378,8 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
     from mlxlab.serve.admin import router as admin
     from mlxlab.serve.anthropic import router as anthropic
     from mlxlab.serve.app import create_app
+    from mlxlab.serve.audio import router as audio
+    from mlxlab.serve.embeddings import router as embeddings
     from mlxlab.serve.openai import router as openai
     from mlxlab.serve.responses import router as responses
     from mlxlab.serve.web import router as web
@@ -394,6 +396,8 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
         responses.router,
         web.pages_router,
         web.runs_router,
+        audio.router,
+        embeddings.router,
     )
     routes = {
         (m.lower(), route.path.replace(":path", ""))

@@ -25,7 +25,7 @@ def run(cfg: ModelsConfig) -> None:
     if cfg.action == "list":
         for row in zoo.listing():
             mark = "converted" if row["converted"] else "not converted"
-            print(f"{row['name']:<14} {mark:<14} {row['description']}")
+            print(f"{row['name']:<17} {row['kind']:<11} {mark:<14} {row['description']}")
         print(f"cache: {zoo.models_dir()}")
     elif cfg.action in ("pull", "convert"):
         if not cfg.target:

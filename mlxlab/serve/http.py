@@ -196,12 +196,21 @@ up to this many times the cap; beyond it, or when Content-Length says so, the an
 and the connection closes."""
 
 
+SPOOL_BYTES = 1 << 20
+"""A spooled body (BodyLimit's `routes`) stays in memory up to this size, then goes to disk."""
+
+
 class BodyLimit:
     """Pure ASGI middleware: reads each request's whole body before the app runs, at most
     `max_bytes` of it (413 above) and within `timeout_s` of the request's start (408 after: a
     client that stalls or trickles its body holds no handler). Errors take the shape
     `shape_for(path)` names and close the connection. The app then reads the body from memory;
     later `receive` calls (a streaming response listening for the client leaving) go through.
+
+    `routes`: paths with a cap of their own, path -> (max bytes, the flag that sets it), e.g.
+    the audio uploads (serve.max_audio_mb): their bodies are spooled to a temporary file (in
+    memory up to SPOOL_BYTES) rather than held in memory. A body whose Content-Length is over
+    its cap is never kept, only read and dropped (or refused at once, as above).
     `max_bytes` may be a function, asked per request (the cap grows once a vision model is up)."""
 
     def __init__(
@@ -210,6 +219,7 @@ class BodyLimit:
         max_bytes: int | Callable[[], int],
         timeout_s: float,
         shape_for: Callable[[str], Shape],
+        routes: dict[str, tuple[int, str]] | None = None,
     ):
         self.app, self._max_bytes, self.timeout_s, self.shape_for = (
             app,
@@ -217,26 +227,32 @@ class BodyLimit:
             timeout_s,
             shape_for,
         )
-
-    @property
-    def max_bytes(self) -> int:
-        return self._max_bytes() if callable(self._max_bytes) else self._max_bytes
+        self.routes = dict(routes or {})
 
     async def _refuse(self, scope, receive, send, err: APIError) -> None:
         err.headers = {**err.headers, "Connection": "close"}
         await respond(err, self.shape_for(scope.get("path", "")))(scope, receive, send)
 
-    def _too_large(self) -> APIError:
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes() if callable(self._max_bytes) else self._max_bytes
+
+    def _too_large(self, limit: int | None = None, flag: str | None = None) -> APIError:
+        if limit is None:
+            limit = self.max_bytes
+            vision = "; serve.vision_body_mb on a vision model" if callable(self._max_bytes) else ""
+            flag = f"serve.max_body_mb{vision}"
         return APIError(
             413,
-            f"request body over {self.max_bytes / 1e6:g} MB (serve.max_body_mb"
-            f"{'; serve.vision_body_mb on a vision model' if callable(self._max_bytes) else ''})",
+            f"request body over {limit / 1e6:g} MB ({flag})",
             code="request_too_large",
         )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("path") in self.routes:
+            return await self._spooled(scope, receive, send, *self.routes[scope["path"]])
         declared = None
         for name, value in scope.get("headers") or []:
             if name == b"content-length":
@@ -290,3 +306,69 @@ class BodyLimit:
             return pending.pop() if pending else await receive()
 
         return await self.app(scope, replay, send)
+
+    async def _spooled(self, scope, receive, send, limit: int, flag: str):
+        """As `__call__`, for a route with its own cap: the body goes to a spooled temporary
+        file and is replayed to the app from it, in SPOOL_BYTES chunks."""
+        import tempfile
+
+        declared, expects = None, False
+        for name, value in scope.get("headers") or []:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = None
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expects = True
+        too_large = self._too_large(limit, flag)
+        if declared is not None and (
+            declared > DISCARD_FACTOR * limit or (expects and declared > limit)
+        ):
+            return await self._refuse(scope, receive, send, too_large)
+        keep = declared is None or declared <= limit  # a body said to be too large is only dropped
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
+            size = 0
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+                except asyncio.TimeoutError:
+                    return await self._refuse(
+                        scope,
+                        receive,
+                        send,
+                        APIError(
+                            408,
+                            f"the request body did not arrive within {self.timeout_s:g} s "
+                            "(serve.read_timeout_s)",
+                            code="request_timeout",
+                        ),
+                    )
+                if message["type"] != "http.request":
+                    return None
+                body = message.get("body", b"")
+                size += len(body)
+                if keep and size <= limit:
+                    spool.write(body)
+                elif size > DISCARD_FACTOR * limit:
+                    return await self._refuse(scope, receive, send, too_large)
+                if not message.get("more_body", False):
+                    break
+            if size > limit:
+                return await self._refuse(scope, receive, send, too_large)
+            spool.seek(0)
+            left = [size]
+
+            async def replay():
+                if left[0] < 0:
+                    return await receive()
+                chunk = spool.read(SPOOL_BYTES)
+                left[0] -= len(chunk)
+                more = left[0] > 0
+                if not more:
+                    left[0] = -1
+                return {"type": "http.request", "body": chunk, "more_body": more}
+
+            return await self.app(scope, replay, send)

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlxlab.errors import UserError
+from mlxlab.serve import sidecars
 from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.http import APIError, protocol_route
@@ -55,17 +56,21 @@ def model_card(request: Request) -> dict:
         "owned_by": "mlxlab",
         "context_length": loaded.admission.max_safe_context if loaded else None,
         "vision": (loaded.vision is not None) if loaded else None,  # takes image input
+        **sidecars.chat_card(request),
     }
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [model_card(request)]}
+    return {"object": "list", "data": [model_card(request), *sidecars.cards(request)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
     served = request.app.state.cfg.model
+    beside = next((c for c in sidecars.cards(request) if c["id"] == model_id), None)
+    if beside is not None:
+        return beside
     if model_id != served:
         raise APIError(
             404,

@@ -65,6 +65,20 @@ class Loaded:
                 m.rank,
                 len(m.modules),
             )
+        # The models served beside the chat one (serve/sidecars.py), loaded here so that they
+        # too are only ever run by this thread.
+        self.speech = self.embedder = None
+        if cfg.stt_model:
+            from mlxlab.audio.speech import Speech, language_code
+
+            language_code(cfg.stt_language)  # a bad one fails at start, not per request
+            self.speech = Speech(cfg.stt_model, cfg.dtype)
+            log.info("mlxlab serve: speech-to-text model %s", self.speech.name)
+        if cfg.embeddings_model:
+            from mlxlab.embed.model import Embedder
+
+            self.embedder = Embedder(cfg.embeddings_model)
+            log.info("mlxlab serve: embedding model %s", self.embedder.name)
         vocab.join()
 
     def _grammar_vocab(self) -> None:

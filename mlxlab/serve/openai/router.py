@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from mlxlab.serve import pipeline
 from mlxlab.serve.http import STREAMED, protocol_route
-from mlxlab.serve.openai import encode
+from mlxlab.serve.openai import audio, encode
 from mlxlab.serve.openai.protocol import ChatRequest, CompletionRequest, OpenAIError, error_shape
 
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
@@ -18,13 +18,15 @@ router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
 @router.post("/v1/chat/completions", responses=STREAMED)
 async def chat(body: ChatRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
+    heard = await audio.transcribe_parts(request, body)  # input_audio parts -> their transcripts
     job = await pipeline.prepare(gateway, cfg, body.to_ask)
     job.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     head = {"id": job.id, "created": int(time.time()), "model": cfg.model}
     if body.stream:
-        return await pipeline.stream(gateway, job, encode.ChatStream(head, body.include_usage()))
+        stream = audio.chat_stream(head, body.include_usage(), heard)
+        return await pipeline.stream(gateway, job, stream)
     got = await pipeline.collect(gateway, job, request.is_disconnected)
-    return encode.chat_body(head, got, body.logprobs)
+    return audio.with_usage(encode.chat_body(head, got, body.logprobs), heard)
 
 
 @router.post("/v1/completions", responses=STREAMED)

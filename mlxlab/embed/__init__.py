@@ -1,0 +1,2 @@
+"""Sentence embeddings: a BERT-family model (mlx-embeddings' classes) with the model's own
+pooling and normalization, batched."""
