@@ -271,6 +271,20 @@ def test_resume_refuses_a_different_run(tiny_dir, session_home, tmp_path):
     assert s["start_step"] == 1
 
 
+def test_a_timestamped_run_resumes_by_its_directory(tiny_dir, monkeypatch, tmp_path):
+    """A run started without out_dir (outputs/<name>/<time>) saved out_dir: null; resuming it
+    names the directory, which is where the run is, not a different run."""
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    monkeypatch.chdir(tmp_path)
+    first = run(_cfg(tmp_path, iters=2, save_every=1, out_dir=None))
+    run_dir = Path(first["adapter"]).parent
+    assert run_dir.parent.parent == tmp_path / "outputs"
+    again = run(_cfg(tmp_path, iters=3, resume=True, out_dir=str(run_dir)))
+    assert again["start_step"] == 1  # from its checkpoint, as any resumed run
+
+
 def test_unknown_optimizer_is_a_clean_error():
     from mlxlab.train.trainer import make_optimizer
 

@@ -67,6 +67,7 @@ def run_dir_for(cfg: TrainConfig) -> Path:
 # but extending a run is the point of changing it).
 RESUME_MAY_CHANGE = (
     "resume",
+    "out_dir",  # where the run is, not what it does: a timestamped run resumes by it
     "iters",
     "save_every",
     "keep_last",
