@@ -148,8 +148,17 @@ def listing() -> list[dict]:
     ]
 
 
-def load(spec: str, dtype: str = "auto", decode_kernel: bool = True, decode_head: str = "auto"):
+def load(
+    spec: str,
+    dtype: str = "auto",
+    decode_kernel: bool = True,
+    decode_head: str = "auto",
+    lazy: bool = False,
+):
     """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype).
+
+    `lazy`: leave the weights unread (MLX reads a safetensors array when it is first evaluated);
+    a pipeline stage drops the layers it does not hold before anything reads them.
 
     `decode_kernel`: route decode-step products through mlxlab's CPU kernel
     (models/fastdecode.py); False keeps mlx-lm's code path for every product. `decode_head`:
@@ -161,9 +170,10 @@ def load(spec: str, dtype: str = "auto", decode_kernel: bool = True, decode_head
     from mlxlab.runtime import resolve_dtype
 
     target = resolve_dtype(dtype)
-    model, tokenizer = mlx_lm_load(str(resolve(spec)))
+    model, tokenizer = mlx_lm_load(str(resolve(spec)), lazy=lazy)
     model.set_dtype(target)
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     if decode_kernel:
         from mlxlab.models.fastdecode import accelerate, use_head_dtype
 
