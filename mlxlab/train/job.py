@@ -107,8 +107,17 @@ def _join(world, cfg: TrainConfig, hooks: Hooks) -> None:
 
     if world.writer:
         log.info(world.describe())
-    else:
-        logging_.getLogger("mlxlab").setLevel(logging_.WARNING)
+    else:  # warnings and errors only, marked with the rank
+        logger = logging_.getLogger("mlxlab")
+        logger.setLevel(logging_.WARNING)
+        prefix = f"[rank {world.rank}] "
+
+        def mark(record):
+            record.msg, record.args = prefix + record.getMessage(), ()
+            return True
+
+        for handler in logger.handlers:
+            handler.addFilter(mark)
     if type(hooks) is not Hooks:
         raise UserError(
             "a task run (task=..., e.g. +exp=chunk_seg4) builds and evaluates on one process; "
@@ -260,7 +269,7 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     from mlxlab.train.objectives import PairObjective
 
     if pipeline:
-        grad_fn, how = dist.grad_fn(PairObjective.from_config(cfg)), dist.describe()
+        grad_fn, how = dist.grad_fn(), dist.describe()
     else:
         grad_fn, how = make_grad_fn(
             model,

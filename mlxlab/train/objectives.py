@@ -256,11 +256,18 @@ def _fingerprint(model_name: str, sampler) -> str:
     return h.hexdigest()
 
 
-def precompute_reference(model, sampler, path, model_name: str = "") -> None:
+def precompute_reference(
+    model, sampler, path, model_name: str = "", world=None, reference=None
+) -> None:
     """Give `sampler` (of pairs) the reference log-prob of every example it batches, computed
     once over its batches (the shapes training sees, so the values equal a per-batch
     computation) and written to `path` (JSON, with a fingerprint of the model name and the
-    examples); a later run (resume) reads `path` instead, and refuses one made for other data."""
+    examples); a later run (resume) reads `path` instead, and refuses one made for other data.
+
+    `world` (a run on several processes, train/world.py): rank 0 alone reads and writes `path`,
+    each rank computes its share of every batch (a data-parallel sampler's), and every rank gets
+    every value. `reference(model, batch)` stands in for reference_logps (the segment
+    pipeline's)."""
     import json
     import logging
     from pathlib import Path
@@ -271,7 +278,11 @@ def precompute_reference(model, sampler, path, model_name: str = "") -> None:
     path = Path(path)
     n = len(sampler.examples)
     fingerprint = _fingerprint(model_name, sampler)
-    if path.is_file():
+    reference = reference or reference_logps
+
+    def read():
+        if not path.is_file():
+            return None
         try:
             saved = json.loads(path.read_text())
             ref, saved_fp = saved["ref"], saved["fingerprint"]
@@ -282,16 +293,30 @@ def precompute_reference(model, sampler, path, model_name: str = "") -> None:
                 f"{path} holds reference log-probs of other data or another model; resume with "
                 "the run's own data and model, or delete the file to recompute them"
             )
-        sampler.set_reference([float("nan") if v is None else v for v in ref])
+        return [float("nan") if v is None else v for v in ref]
+
+    if world is None:
+        saved = read()
+    else:
+        saved = world.share_floats(
+            world.agree(read, "reading reference log-probs"), n, "sharing reference log-probs"
+        )
+    if saved is not None:
+        sampler.set_reference(saved)
         return
     logging.getLogger(__name__).info(
         f"reference log-probs (adapter off) for {n // 2} pairs -> {path.name}"
     )
     ref: list = [None] * n
     for group in sampler.groups:
-        order = [i for unit in group for i in unit]
         batch = sampler._collate(group)
-        for i, v in zip(order, reference_logps(model, batch).tolist(), strict=True):
+        if batch is None:  # a data-parallel rank's empty share
+            continue
+        order = [i for unit in sampler.shard_of(group) for i in unit]
+        for i, v in zip(order, reference(model, batch).tolist(), strict=True):
             ref[i] = v
-    atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "ref": ref}) + "\n")
+    if world is not None:
+        ref = world.merge_floats(ref, "sharing reference log-probs")
+    if world is None or world.writer:
+        atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "ref": ref}) + "\n")
     sampler.set_reference([float("nan") if v is None else v for v in ref])

@@ -53,6 +53,8 @@ class DataParallel:
 
     def __init__(self, world: World):
         self.world = world
+        self.steps = 0  # steps since the last log record, and the world's bytes then
+        self.bytes_then = world.bytes_sent
 
     @property
     def size(self) -> int:
@@ -73,6 +75,7 @@ class DataParallel:
     def grads(self, model, grad_fn, batches):
         # Dropout: fold the rank into the step's seeded stream, so shares draw their own masks.
         mx.random.seed(int(mx.random.randint(0, 2**30, ()).item()) + self.world.rank)
+        self.steps += 1
         return (grad_fn(model, b) for b in batches)
 
     def reduce(self, loss_sum, acc, metrics):
@@ -98,8 +101,23 @@ class DataParallel:
         return loss_fn
 
     def log_fields(self) -> dict:
-        peaks = [r[0] for r in self.world.gather_values([mx.get_peak_memory() / 1e9])]
-        return {"peak_mem_gb": max(peaks), "peak_mem_gb_ranks": peaks}
+        """Every rank's peak memory and payload sent per step since the last record."""
+        sent = (self.world.bytes_sent - self.bytes_then) / max(self.steps, 1)
+        self.steps, self.bytes_then = 0, self.world.bytes_sent
+        rows = self.world.gather_values([mx.get_peak_memory() / 1e9, sent / 1e6])
+        return {
+            "peak_mem_gb": max(r[0] for r in rows),
+            "peak_mem_gb_ranks": [r[0] for r in rows],
+            "sent_mb_ranks": [r[1] for r in rows],
+        }
+
+    def summary_fields(self) -> dict:
+        rows = self.world.gather_values([mx.get_peak_memory() / 1e9, self.world.bytes_sent / 1e6])
+        return {
+            "peak_mem_gb": max(r[0] for r in rows),
+            "peak_mem_gb_ranks": [r[0] for r in rows],
+            "sent_mb_ranks": [r[1] for r in rows],
+        }
 
     # --- state -------------------------------------------------------------------------------
 
@@ -130,6 +148,12 @@ class DataParallel:
             save_checkpoint(
                 run_dir, step, model, plan, optimizer, sampler, meta, keep, self.world_info()
             )
+
+    def precompute_reference(self, model, sampler, path, model_name: str = "") -> None:
+        """DPO's reference log-probs: each rank its share of every batch; rank 0 the file."""
+        from mlxlab.train.objectives import precompute_reference
+
+        precompute_reference(model, sampler, path, model_name, world=self.world)
 
     def save_adapter(self, model, plan, out_dir: Path, meta: dict) -> Path:
         from mlxlab.lora import io as lora_io

@@ -349,6 +349,8 @@ PAIR_METRICS = {k for keys in METRICS.values() for k in keys}  # printed with 4 
 
 
 def _fmt(key: str, value) -> str:
+    if isinstance(value, list):  # per rank (train/parallel.py, pipeline.py)
+        return f"{key} [" + " ".join(f"{v:.4g}" for v in value) + "]"
     if isinstance(value, float):
         if key == "lr":
             return f"lr {value:.2e}"
@@ -356,7 +358,7 @@ def _fmt(key: str, value) -> str:
             return f"mfu {value:.1%}"
         if "loss" in key:
             return f"{key} {value:.4f}"
-        if key in PAIR_METRICS:
+        if key in PAIR_METRICS or key == "bubble":
             return f"{key} {value:.4g}"
         return f"{key} {value:.1f}"
     return f"{key} {value}"
@@ -499,8 +501,8 @@ def train(
     summary.update(
         steps=cfg.iters, seconds=time.perf_counter() - t0, peak_mem_gb=mx.get_peak_memory() / 1e9
     )
-    if dist is not None:
-        summary.update(dist.log_fields())
+    if dist is not None:  # every rank's peak memory, traffic (pipeline: bubble) over the run
+        summary.update(dist.summary_fields())
     if shapes is not None and summary["seconds"] > 0:
         # The run's mean (validation and checkpoint time included, as in the step records).
         summary["model_tflop"] = run_flops / 1e12
