@@ -42,7 +42,8 @@ def _arrays_only(tree):
     arrays, other = [], []
     for k, v in tree_flatten(tree):
         (arrays if isinstance(v, mx.array) else other).append((k, v))
-    return arrays, other
+    # by name: a restored optimizer state's tree is in the file's order, not the init's
+    return sorted(arrays, key=lambda kv: kv[0]), other
 
 
 class DataParallel:

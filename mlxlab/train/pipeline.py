@@ -659,15 +659,16 @@ class Pipeline:
     def _share_owned(self, flat, to_all: bool, what: str) -> dict:
         """Each owner's arrays of `flat` (name, array) on rank 0 (`to_all`: on every rank), bit
         for bit. Arrays no rank owns (the optimizer's step) are the same everywhere: left out."""
-        got = {}
+        got, values = {}, dict(flat)
         for r in range(self.n):
-            names = [k for k, _ in flat if self._owner(k) == r]
+            # by name: a restored optimizer state's tree is in the file's order, not the init's
+            names = sorted(k for k in values if self._owner(k) == r)
             if not names:
                 continue
-            mine = [v for k, v in flat if self._owner(k) == r] if self.k == r else None
-            values = share(self.world, mine, len(names), r, what)
+            mine = [values[k] for k in names] if self.k == r else None
+            shared = share(self.world, mine, len(names), r, what)
             if to_all or self.k == 0:
-                got.update(zip(names, values, strict=True))
+                got.update(zip(names, shared, strict=True))
         return got
 
     @contextmanager
@@ -732,15 +733,16 @@ class Pipeline:
         return start
 
     def _from_root(self, flat, what: str) -> dict:
-        """Rank 0's arrays of `flat` that have an owner: the owner keeps its own (shapes come
-        along), every other rank an empty array in their place."""
-        names = [k for k, _ in flat if self._owner(k) is not None]
+        """Rank 0's arrays of `flat`: an owner keeps its own (shapes come along), the other
+        ranks an empty array in their place; arrays without an owner (the optimizer's step and
+        rate) every rank takes."""
         values = dict(flat)
+        names = sorted(values)  # (see _share_owned)
         got = share(
             self.world, [values[k] for k in names] if self.k == 0 else None, len(names), 0, what
         )
         return {
-            k: v if self._owner(k) == self.k else mx.zeros((0,), v.dtype)
+            k: v if self._owner(k) in (None, self.k) else mx.zeros((0,), v.dtype)
             for k, v in zip(names, got, strict=True)
         }
 
