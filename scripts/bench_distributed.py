@@ -1,17 +1,19 @@
 """Training on 1 vs 2 processes: tokens/s, bytes moved per step, peak memory per rank, bubble.
 
     python scripts/bench_distributed.py [--model gemma3-270m] [--iters 5] [--segment-size 4]
-                                        [--only NAME ...] [--out experiments/distributed]
+                                        [--only NAME ...] [--two-threads] [--out DIR]
 
 Every run is `python -m mlxlab train` on the bundled quickstart data (LoRA rank 8 on every
 projection), validation and checkpoints off, in its own processes; the two-process runs start
 their ranks as `mlx.launch --backend ring -n 2` does (MLX_RANK + a loopback hostfile):
 
-  one process, 2 BLAS threads   the machine's usual single run (both cores)
   one process, 1 BLAS thread    the per-process baseline (one core)
   data parallel, 2 x 1 thread   each rank trains on half of every batch of 4
-  segmented, 1 / 2 threads      backward.mode=segmented, batches of 1 x grad_accum 4 micro-batches
+  segmented, 1 thread           backward.mode=segmented, batches of 1 x grad_accum 4 micro-batches
   pipeline, 2 x 1 thread        the same with backward.pipeline=true (segments on the two ranks)
+  (--two-threads adds one process with 2 BLAS threads, both cores, for each mode: on an idle
+  machine the fair single-run baseline; on a loaded one OpenBLAS's spinning threads make it
+  pathologically slow, measured 200+ s/step for gemma3-270m here)
 
 tok/s counts the real tokens of the steps after the first (warm-up) one over their wall time
 (metrics.jsonl `elapsed_s`); bytes moved are what each rank handed to collectives and sends
@@ -71,6 +73,11 @@ RUNS = [
         ["batch_size=1", "grad_accum=4", "backward.mode=segmented", "backward.pipeline=true"],
     ),
 ]
+
+
+def selected(args) -> list:
+    runs = [r for r in RUNS if args.two_threads or r[2] == 1 or r[1] > 1]
+    return [r for r in runs if not args.only or any(s in r[0] for s in args.only)]
 
 
 def run(name, procs, threads, extra, args, tmp: Path) -> dict:
@@ -144,13 +151,12 @@ def main() -> None:
         "--segment-size", type=int, default=4, help="layers per segment (segmented runs)"
     )
     p.add_argument("--only", nargs="*", help="run names to keep (substring match)")
+    p.add_argument("--two-threads", action="store_true", help="add the 2-thread single runs")
     p.add_argument("--out", default=str(ROOT / "experiments" / "distributed"))
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, procs, threads, extra in RUNS:
-            if args.only and not any(s in name for s in args.only):
-                continue
+        for name, procs, threads, extra in selected(args):
             rows.append(run(name, procs, threads, extra, args, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)

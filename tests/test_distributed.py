@@ -90,6 +90,7 @@ def test_segments_are_placed_in_balanced_runs():
     from mlxlab.train.pipeline import assign_stages
 
     assert assign_stages([4, 4, 4, 4, 2], 2) == [(0, 1), (2, 4)]  # 8 + 10 layers
+    assert assign_stages([4, 4, 4, 4, 2], 2, tail=6) == [(0, 2), (3, 4)]  # 12 | 6 + the head
     assert assign_stages([1] * 6, 3) == [(0, 1), (2, 3), (4, 5)]
     assert assign_stages([2, 2, 2], 2) == [(0, 1), (2, 2)]
     with pytest.raises(UserError, match="needs at least 3 segments"):

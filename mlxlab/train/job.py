@@ -123,6 +123,11 @@ def _join(world, cfg: TrainConfig, hooks: Hooks) -> None:
             "a task run (task=..., e.g. +exp=chunk_seg4) builds and evaluates on one process; "
             "under mlx.launch train its data directly (data.train=DIR)"
         )
+    if not cfg.backward.pipeline and cfg.batch_size % world.size:
+        raise UserError(
+            f"batch_size={cfg.batch_size} is not a multiple of the {world.size} processes: "
+            "data parallel gives each rank batch_size / world size of every batch"
+        )
 
 
 def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
@@ -195,17 +200,11 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     if pipeline:
         from mlxlab.train.pipeline import Pipeline
 
-        dist = Pipeline.build(
-            world, model, cfg, (cfg.batch_size * per_unit, cfg.data.max_seq_length)
-        )
+        rows = [(len(e.ids) - 1, len(e.ids) - max(e.offset, 1)) for e in train_set.examples]
+        dist = Pipeline.build(world, model, cfg, rows)
     elif world is not None:
         from mlxlab.train.parallel import DataParallel
 
-        if cfg.batch_size % world.size:
-            raise UserError(
-                f"batch_size={cfg.batch_size} is not a multiple of the {world.size} processes: "
-                "data parallel gives each rank batch_size / world size of every batch"
-            )
         dist, shard = DataParallel(world), (world.rank, world.size)
         log.info(
             f"data parallel: each rank trains on {cfg.batch_size // world.size} of every "

@@ -2,7 +2,8 @@
 
 `backward.mode=segmented backward.pipeline=true` under `mlx.launch -n K`: the plan's segments
 (backward.segment_size layers each) are cut into K runs of consecutive segments, balanced by
-layer count, and rank k holds only its run's layers, weights and LoRA arrays both (the model
+their FLOPs with the loss head counted on the last run (on Gemma's 262k vocabulary the head of
+a step costs about as much as six layers of gemma3-270m), and rank k holds only its run's layers, weights and LoRA arrays both (the model
 is loaded lazily and the other layers' arrays replaced by empty ones before anything reads
 them), plus the embedding on rank 0 and the final norm and loss head on rank K-1 (a tied head is
 the embedding again). A model too large for one machine's memory trains across several.
@@ -53,19 +54,19 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # --- placement and order ----------------------------------------------------------------------
 
 
-def assign_stages(sizes: list[int], k: int) -> list[tuple[int, int]]:
-    """Cut segments (their layer counts `sizes`) into `k` runs of consecutive segments with the
-    smallest possible largest run (ties: the earlier ranks take more, the last rank also runs
-    the loss head); (first, last) segment index of each run."""
-    n = len(sizes)
+def assign_stages(costs: list[float], k: int, tail: float = 0.0) -> list[tuple[int, int]]:
+    """Cut segments (their costs: layer counts, or FLOPs) into `k` runs of consecutive segments
+    whose largest cost is the smallest possible, the last run also paying `tail` (the loss
+    head); (first, last) segment index of each run. Ties: the earlier runs take more."""
+    n = len(costs)
     if k > n:
         raise UserError(
             f"backward.pipeline on {k} ranks needs at least {k} segments; the plan has {n} "
             "(lower backward.segment_size)"
         )
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
     best: dict = {}
 
     def solve(start: int, parts: int):
@@ -73,7 +74,7 @@ def assign_stages(sizes: list[int], k: int) -> list[tuple[int, int]]:
         if (start, parts) in best:
             return best[(start, parts)]
         if parts == 1:
-            out = (prefix[n] - prefix[start], [(start, n - 1)])
+            out = (prefix[n] - prefix[start] + tail, [(start, n - 1)])
         else:
             out = None
             for end in range(n - parts, start - 1, -1):  # the longest first run first
@@ -85,6 +86,22 @@ def assign_stages(sizes: list[int], k: int) -> list[tuple[int, int]]:
         return out
 
     return solve(0, k)[1]
+
+
+def segment_costs(shapes, plan, length: float, trained: float, head_chunk: int = 0):
+    """(FLOPs of each segment, FLOPs of the loss head) of one sequence of `length` tokens with
+    `trained` response positions in a pipelined step (train/flops.py's counts): a segment's
+    layers run forward, then again inside its vjp with their backward (the last segment only
+    inside its vjp); the head runs forward and backward (and again with head_chunk)."""
+    from mlxlab.train.flops import layer_flops
+
+    lengths = [max(int(round(length)), 1)]
+    costs = []
+    for s, seg in enumerate(plan.segments):
+        passes = 3 if s == len(plan.segments) - 1 else 4  # (forward) + recompute + ~2x backward
+        costs.append(sum(passes * layer_flops(shapes, i, lengths) for i in seg))
+    head = 2 * shapes.hidden * shapes.vocab * trained
+    return costs, head * (3 if head_chunk else 2)
 
 
 def schedule(k: int, n_stages: int, micro: int) -> list[tuple[str, int]]:
@@ -231,8 +248,10 @@ class Pipeline:
     # --- building a stage --------------------------------------------------------------------
 
     @classmethod
-    def build(cls, world: World, model, cfg, batch_shape) -> Pipeline:
-        """Place the segments, then drop (never read) every array this rank does not hold."""
+    def build(cls, world: World, model, cfg, lengths: list[tuple[int, int]] = ()) -> Pipeline:
+        """Place the segments, then drop (never read) every array this rank does not hold.
+        `lengths` ((tokens, trained) of the training rows) weighs segments and the loss head by
+        their FLOPs; without it (or a FLOP count for the family) segments count by layers."""
         from mlxlab.models.runners import runner_for
         from mlxlab.train.backward import plan_by_size
         from mlxlab.train.flops import model_shapes
@@ -244,11 +263,21 @@ class Pipeline:
             )
         runner = runner_for(model)
         plan = plan_by_size(len(runner.layers), cfg.backward.segment_size)
-        stages = assign_stages([len(s) for s in plan.segments], world.size)
         try:
             shapes = model_shapes(model)  # the whole model's, for the FLOP count
         except (UserError, AttributeError):
             shapes = None
+        if shapes is not None and lengths:
+            costs, head = segment_costs(
+                shapes,
+                plan,
+                sum(n for n, _ in lengths) / len(lengths),
+                sum(t for _, t in lengths) / len(lengths),
+                cfg.backward.head_chunk,
+            )
+            stages = assign_stages(costs, world.size, tail=head)
+        else:
+            stages = assign_stages([len(s) for s in plan.segments], world.size)
         from mlxlab.train.objectives import PairObjective
 
         self = cls(world, model, plan, stages, shapes, cfg.backward.head_chunk, (0, 0))
