@@ -474,28 +474,11 @@ def train(
             run_log.metrics(record, show="tok_per_s" in record or "val_loss" in record)
             summary["loss"] = loss
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
-                if dist is None:
-                    save_checkpoint(
-                        run_dir,
-                        step,
-                        model,
-                        plan,
-                        optimizer,
-                        train_sampler,
-                        meta or {},
-                        cfg.keep_last,
-                    )
-                else:  # every rank takes part (the pipeline gathers its stages); rank 0 writes
-                    dist.save_checkpoint(
-                        run_dir,
-                        step,
-                        model,
-                        plan,
-                        optimizer,
-                        train_sampler,
-                        meta or {},
-                        cfg.keep_last,
-                    )
+                # with dist every rank takes part (a pipeline gathers its stages); rank 0 writes
+                save = save_checkpoint if dist is None else dist.save_checkpoint
+                save(
+                    run_dir, step, model, plan, optimizer, train_sampler, meta or {}, cfg.keep_last
+                )
     finally:
         run_log.close()
     summary.update(
