@@ -168,6 +168,11 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     else:  # rank 0's run directory; every rank stops on its refusal
         world.agree(check_run_dir, "checking the run directory")
     pipeline = world is not None and cfg.backward.pipeline
+    if cfg.backward.pipeline and world is None:
+        log.warning(
+            "warning: backward.pipeline=true needs several processes (mlx.launch -n K ...); "
+            "this one trains alone with the segmented backward"
+        )
     t_start = time.perf_counter()
     data_cfg = hooks.prepare_data(cfg.data, run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
