@@ -452,6 +452,8 @@ class Pipeline:
             st.kv.update(kv_out)
         if self.k == self.n - 1:
             self._backward(st)  # the last rank's F is forward and backward
+        else:  # (Gemma 4) later layers' per-layer inputs: computed here, not inside the send
+            mx.eval([st.ctx.per_layer_inputs[i] for i in self.pli_layers[self.k]])
 
     def _backward(self, st: _Micro) -> None:
         if self.k == self.n - 1 and st.outs is not None:
