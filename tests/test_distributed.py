@@ -124,6 +124,7 @@ def test_the_launcher_environment_says_which_backend():
     assert detect_backend({"MLX_RANK": "0", "MLX_HOSTFILE": "/tmp/h.json"}) == "ring"
     assert detect_backend({"MLX_RANK": "0", "MLX_HOSTFILE": ""}) is None  # mlx.launch -n 1
     assert detect_backend({"OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"
+    assert detect_backend({"PMI_SIZE": "2", "PMI_RANK": "1"}) == "mpi"
     assert detect_backend({"MLX_JACCL_COORDINATOR": "10.0.0.1:32323"}) == "jaccl"
 
 

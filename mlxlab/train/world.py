@@ -38,7 +38,8 @@ LAUNCH_ENV = {
     "ring": ("MLX_HOSTFILE", "MLX_RANK"),
     "jaccl": ("MLX_JACCL_COORDINATOR",),
     "nccl": ("NCCL_HOST_IP", "MLX_WORLD_SIZE"),
-    "mpi": ("OMPI_COMM_WORLD_SIZE",),
+    "mpi": ("OMPI_COMM_WORLD_SIZE",),  # Open MPI's mpirun (mlx.launch --backend mpi)
+    "mpich": ("PMI_SIZE", "PMI_RANK"),  # MPICH-style mpirun: the mpi backend too
 }
 HOST_BYTES = 96  # a rank's "host (pid N)" label, padded, in the start-up gather
 MESSAGE_BYTES = 1024  # an error message agreed on by every rank
@@ -55,7 +56,7 @@ def detect_backend(env=None) -> str | None:
         if all(env.get(n) for n in names):
             if backend == "ring" and not env.get("MLX_HOSTFILE", "").strip():
                 continue  # mlx.launch -n 1 leaves the hostfile empty: one process
-            return backend
+            return "mpi" if backend == "mpich" else backend
     return None
 
 
