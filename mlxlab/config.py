@@ -287,9 +287,18 @@ class BackwardConfig:
     """Loss head over this many response positions at a time, each chunk's logits recomputed in
     the backward (0: all at once). Saves ~vocabulary x 4 bytes per position of peak memory (1 GB
     per 1024 positions on Gemma) for one more head matmul: for long responses."""
+    pipeline: bool = False
+    """Segment pipeline (mode=segmented, started with `mlx.launch -n K`): consecutive segments on
+    K ranks, each holding only its layers' weights and LoRA arrays; the grad_accum micro-batches
+    of a step flow through them (mlxlab/train/pipeline.py). A single process ignores it."""
 
     def __post_init__(self):
         check_choice("backward.mode", self.mode, BACKWARD_MODES)
+        if self.pipeline and self.mode != "segmented":
+            raise UserError(
+                f"backward.pipeline=true needs backward.mode=segmented (got {self.mode}): the "
+                "pipeline places the segmented backward's segments on the ranks"
+            )
         if self.head_chunk < 0:
             raise UserError(f"backward.head_chunk must be >= 0, got {self.head_chunk}")
         check_choice("backward.plan", self.plan, ("size", "auto"))
@@ -441,6 +450,27 @@ class EvalConfig(EvalSettings):
         check_choice("dtype", self.dtype, DTYPES)
 
 
+DIST_BACKENDS = ("any", "ring", "mpi", "jaccl", "nccl")
+
+
+@dataclass
+class DistConfig:
+    """A run on several processes (mx.distributed, started by `mlx.launch`; mlxlab/train/world.py).
+    A process started alone trains alone and ignores these."""
+
+    backend: str = "any"
+    """any (the backend the launcher set up: ring, mpi, jaccl or nccl) | ring | mpi | jaccl | nccl."""
+    timeout_s: float = 300.0
+    """Seconds a rank waits for the others in a collective, a pipeline transfer or the start-up
+    before it stops with an error naming what it waited for: a rank that died or hangs. Must exceed
+    the longest step of the slowest rank (and, at the start, the others' model loading)."""
+
+    def __post_init__(self):
+        check_choice("dist.backend", self.backend, DIST_BACKENDS)
+        if not self.timeout_s > 0:
+            raise UserError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
+
+
 @dataclass
 class DPOConfig:
     """DPO (`objective=dpo`): the policy against the base model with the adapter switched off."""
@@ -527,6 +557,7 @@ class TrainConfig:
     backward: BackwardConfig = field(default_factory=BackwardConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     orpo: ORPOConfig = field(default_factory=ORPOConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
         check_choice("objective", self.objective, ("sft", "dpo", "orpo"))

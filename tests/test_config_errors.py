@@ -45,6 +45,7 @@ ENUMS = {
         "backward.plan": ("size", "auto"),
         "objective": ("sft", "dpo", "orpo"),
         "dpo.loss": ("sigmoid", "ipo"),
+        "dist.backend": ("any", "ring", "mpi", "jaccl", "nccl"),
     },
     "diag": {
         "action": ("parity", "leak", "memory", "decode", "profile"),

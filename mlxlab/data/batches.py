@@ -63,11 +63,12 @@ def collate(examples: list[Example]) -> Batch:
     return collate_rows([[e] for e in examples], packed=False)
 
 
-def collate_rows(rows: list[list[Example]], packed: bool = True) -> Batch:
-    """Rows of one or more examples each into a Batch; with `packed`, it carries `segments`."""
+def collate_rows(rows: list[list[Example]], packed: bool = True, width: int = 0) -> Batch:
+    """Rows of one or more examples each into a Batch; with `packed`, it carries `segments`.
+    `width` > 0 pads to that many positions (a data-parallel shard, as wide as its whole batch)."""
     import mlx.core as mx
 
-    width = _round_up(max(sum(len(e.ids) - 1 for e in row) for row in rows))
+    width = width or _round_up(max(sum(len(e.ids) - 1 for e in row) for row in rows))
     inputs = np.zeros((len(rows), width), np.int32)
     segments = np.zeros((len(rows), width), np.int32)
     positions, labels = [], []
@@ -146,6 +147,11 @@ class BatchSampler:
 
     Like mlx-lm's iterate_batches: sort by length, cut into batches, shuffle batch order. With
     `pack_length`, the units cut into batches are packed rows (pack_rows) instead of examples.
+
+    `shard=(rank, size)` (data parallel, mlxlab/train/parallel.py): every rank walks the same
+    batches in the same order (so the position it saves is every rank's) and collates only its
+    share of each, units rank, rank + size, ... (length-sorted, so the shares are alike), padded
+    to the whole batch's width: each row is computed as in a single process.
     """
 
     def __init__(
@@ -156,10 +162,12 @@ class BatchSampler:
         shuffle: bool = True,
         pack_length: int = 0,
         pairs: bool = False,
+        shard: tuple[int, int] = (0, 1),
     ):
         from mlxlab.errors import UserError
 
         self.examples = examples
+        self.shard = shard
         self.pairs = pairs
         self.ref = None  # per example: the reference log-prob (set_reference)
         if pairs:  # examples 2k, 2k+1 are pair k's chosen and rejected sides, one row each
@@ -203,15 +211,31 @@ class BatchSampler:
         self.index += 1
         return self._collate(group)
 
-    def _collate(self, group: list[list[int]]) -> Batch:
+    def shard_of(self, group: list[list[int]]) -> list[list[int]]:
+        """The units of a batch this rank collates (all of them in a single process)."""
+        rank, size = self.shard
+        return group if size == 1 else group[rank::size]
+
+    def _collate(self, group: list[list[int]]) -> Batch | None:
+        """The batch of `group` (this rank's share of it; None when that share is empty)."""
+        width = 0
+        if self.shard[1] > 1:
+            width = _round_up(
+                max(sum(len(self.examples[i].ids) - 1 for i in row) for row in self._rows(group))
+            )
+            group = self.shard_of(group)
+            if not group:
+                return None
         if not self.pairs:
-            return collate_rows([[self.examples[i] for i in row] for row in group], self.packed)
+            return collate_rows(
+                [[self.examples[i] for i in row] for row in group], self.packed, width
+            )
         import dataclasses
 
         import mlx.core as mx
 
         order = [i for unit in group for i in unit]
-        batch = collate_rows([[self.examples[i]] for i in order], packed=False)
+        batch = collate_rows([[self.examples[i]] for i in order], packed=False, width=width)
         ref = None if self.ref is None else mx.array([self.ref[i] for i in order], mx.float32)
         return dataclasses.replace(batch, ref=ref, pairs=True)
 
@@ -258,7 +282,8 @@ class BatchSampler:
         self.epoch, self.index, self.seed = state["epoch"], state["index"], state["seed"]
 
     def one_pass(self, limit: int = 0):
-        """Every batch once, in order (validation); `limit` > 0 caps the count."""
+        """Every batch once, in order (validation); `limit` > 0 caps the count. A data-parallel
+        rank gets its share of each (None where a batch has fewer units than ranks)."""
         groups = self.groups[:limit] if limit else self.groups
         for group in groups:
             yield self._collate(group)

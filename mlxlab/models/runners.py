@@ -48,7 +48,13 @@ class Runner:
 
     def embed(self, inputs: mx.array, segments: mx.array | None = None) -> tuple[mx.array, Context]:
         h = self.inner.embed_tokens(inputs)
-        return h, Context(masks=self._masks(h) if segments is None else self.packed_masks(segments))
+        return h, self.context(h, segments)
+
+    def context(self, h: mx.array, segments: mx.array | None = None) -> Context:
+        """The Context of a batch whose hidden states look like `h` (only its shape and dtype are
+        read): what a segment-pipeline stage that holds no embedding builds (Gemma 4's per-layer
+        inputs, which need the tokens' embeddings, it receives: train/pipeline.py)."""
+        return Context(masks=self._masks(h) if segments is None else self.packed_masks(segments))
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window, or None for full attention."""
@@ -102,15 +108,18 @@ class Gemma3Runner(Runner):
     window_attr = "window_size"
 
     def embed(self, inputs, segments=None):
-        from mlxlab.models import fastlayers
-
         h = self.inner.embed_tokens(inputs)
         h = h * mx.array(self.inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+        return h, self.context(h, segments)
+
+    def context(self, h, segments=None):
+        from mlxlab.models import fastlayers
+
         fast = fastlayers.usable(h)
         if fast is not None:  # masks come from positions inside the kernel: none to build
             starts = None if segments is None else fastlayers.example_starts(segments)
-            return h, Context(masks=[None] * len(self.layers), fast=fast, starts=starts)
-        return h, Context(masks=self._masks(h) if segments is None else self.packed_masks(segments))
+            return Context(masks=[None] * len(self.layers), fast=fast, starts=starts)
+        return Context(masks=self._masks(h) if segments is None else self.packed_masks(segments))
 
     def layer(self, i, h, ctx, shared_kv=None):
         if ctx.fast is None:
@@ -140,16 +149,19 @@ class Gemma4Runner(Runner):
     def embed(self, inputs, segments=None):
         emb = self.inner.embed_tokens(inputs)
         h = emb * self.inner.embed_scale
-        per_layer = [None] * len(self.layers)
+        ctx = self.context(h, segments)
         if self.inner.hidden_size_per_layer_input:
             pli = self.inner._get_per_layer_inputs(inputs, emb)
             pli = self.inner._project_per_layer_inputs(h, pli)
-            per_layer = [pli[:, :, i, :] for i in range(len(self.layers))]
+            ctx.per_layer_inputs = [pli[:, :, i, :] for i in range(len(self.layers))]
+        return h, ctx
+
+    def context(self, h, segments=None):
         if segments is None:
             masks = self.inner._make_masks(h, [None] * len(self.layers))
         else:
             masks = self.packed_masks(segments)
-        return h, Context(masks=masks, per_layer_inputs=per_layer)
+        return Context(masks=masks, per_layer_inputs=[None] * len(self.layers))
 
     def layer(self, i, h, ctx, shared_kv=None):
         h, kvs, _ = self.layers[i](

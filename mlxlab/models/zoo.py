@@ -212,8 +212,17 @@ def listing() -> list[dict]:
     ]
 
 
-def load(spec: str, dtype: str = "auto", decode_kernel: bool = True, decode_head: str = "auto"):
+def load(
+    spec: str,
+    dtype: str = "auto",
+    decode_kernel: bool = True,
+    decode_head: str = "auto",
+    lazy: bool = False,
+):
     """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype).
+
+    `lazy`: leave the weights unread (MLX reads a safetensors array when it is first evaluated);
+    a pipeline stage drops the layers it does not hold before anything reads them.
 
     `decode_kernel`: route decode-step products through mlxlab's CPU kernel
     (models/fastdecode.py); False keeps mlx-lm's code path for every product. `decode_head`:
@@ -231,9 +240,10 @@ def load(spec: str, dtype: str = "auto", decode_kernel: bool = True, decode_head
             f"{spec} is a {ZOO[spec].kind} model, not a chat/text model: "
             f"serve it beside one with `serve {flag}={spec}`"
         )
-    model, tokenizer = mlx_lm_load(str(resolve(spec)))
+    model, tokenizer = mlx_lm_load(str(resolve(spec)), lazy=lazy)
     model.set_dtype(target)
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     if decode_kernel:
         from mlxlab.models.fastdecode import accelerate, use_head_dtype
 

@@ -208,6 +208,107 @@ def _grad_tree(model, flat: dict[str, mx.array]):
     return tree_map_with_path(pick, model.trainable_parameters())
 
 
+class Segments:
+    """The segmented backward's steps, one segment at a time: `segmented_backward` runs them all
+    in one process, the segment pipeline (train/pipeline.py) runs each rank's on that rank, so
+    both compute the same numbers. `objective` (a PairObjective) puts its pair head on the last
+    segment instead of the SFT loss."""
+
+    def __init__(self, model, plan: Plan, head_chunk: int = 0, objective=None):
+        self.model, self.plan, self.head_chunk, self.objective = model, plan, head_chunk, objective
+        self.runner = runner = runner_for(model)
+        self.donors = donors = runner.kv_donors()  # sharer -> donor
+        self.seg_of = seg_of = {i: s for s, seg in enumerate(plan.segments) for i in seg}
+        # K/V streams that cross cuts: donors whose sharers sit in a later segment.
+        crossing = sorted({d for j, d in donors.items() if seg_of[d] < seg_of[j]})
+        self.outgoing = [[d for d in crossing if seg_of[d] == s] for s in range(len(plan.segments))]
+        self.incoming = [
+            sorted({donors[j] for j in seg if j in donors and seg_of[donors[j]] < s})
+            for s, seg in enumerate(plan.segments)
+        ]
+        self.last = len(plan.segments) - 1
+
+    def run_segment(self, s, h, ctx, kv_in: dict):
+        kvs = dict(kv_in)
+        for i in self.plan.segments[s]:
+            d = self.donors.get(i)
+            h, kv = self.runner.layer(i, h, ctx, kvs.get(d) if d is not None else None)
+            if kv is not None:
+                kvs[i] = kv
+        return h, {d: kvs[d] for d in self.outgoing[s]}
+
+    def unpack(self, batch_arrays):
+        """(inputs, positions, labels, weights, packed segments or None, reference or None)."""
+        inputs, positions, labels, weights, *rest = batch_arrays
+        segments = rest[0] if self.objective is None and rest else None
+        ref = rest[0] if self.objective is not None and rest else None
+        return inputs, positions, labels, weights, segments, ref
+
+    def forward(self, s, base, h, ctx, kv_store: dict):
+        """Segment s's first pass (s < last): its output boundary, evaluated (no graph), and the
+        K/V streams it starts."""
+        mx.random.seed(base + s)
+        h, kv_out = self.run_segment(s, h, ctx, {d: kv_store[d] for d in self.incoming[s]})
+        mx.eval(h, kv_out)  # evaluated boundaries hold no graph
+        return h, kv_out
+
+    def backward(self, s, base, ctx, h_in, kv_store: dict, dh, dkv: dict, head: tuple):
+        """One segment's vjp: recompute it from its input boundary `h_in` (with the head, for the
+        last), given the cotangents of its output (`dh`, and in `dkv` those of the K/V streams it
+        starts, summed over their sharers). Adds the cotangents of the streams it reads into
+        `dkv` (in place) and returns (outputs, cotangent of h_in, {layer.key: gradient});
+        outputs are (loss, ntoks, *metrics) for the last segment, else None."""
+        model, runner, objective = self.model, self.runner, self.objective
+        named = _layer_params(model, self.plan.segments[s])
+        names = [n for n, _ in named]
+        incoming = self.incoming[s]
+        kv_in = [x for d in incoming for x in kv_store[d]]
+        n_kv = len(kv_in)
+        positions, labels, weights, ref = head
+
+        def fn(*primals):
+            h, kv_flat, params = primals[0], primals[1 : 1 + n_kv], primals[1 + n_kv :]
+            _set_layer_params(model, list(zip(names, params, strict=True)))
+            kv = {d: (kv_flat[2 * k], kv_flat[2 * k + 1]) for k, d in enumerate(incoming)}
+            h_out, kv_out = self.run_segment(s, h, ctx, kv)
+            if s == self.last:
+                if objective is not None:
+                    return list(
+                        objective.head(
+                            model,
+                            runner.norm(h_out),
+                            positions,
+                            labels,
+                            weights,
+                            ref,
+                            self.head_chunk,
+                        )
+                    )
+                return list(head_loss(runner, h_out, positions, labels, weights, self.head_chunk))
+            return [h_out] + [x for d in self.outgoing[s] for x in kv_out[d]]
+
+        if s == self.last:
+            cot = [mx.array(1.0), mx.array(0.0)]
+            if objective is not None:
+                cot.append(mx.zeros((len(objective.metrics),), mx.float32))
+        else:
+            cot = [dh]
+            for d in self.outgoing[s]:
+                k, v = kv_store[d]
+                cot += dkv.get(d) or [mx.zeros_like(k), mx.zeros_like(v)]
+        mx.random.seed(base + s)
+        outs, vjps = mx.vjp(fn, [h_in, *kv_in, *(v for _, v in named)], cot)
+        _set_layer_params(model, named)  # put the original arrays back
+        d_h_in = vjps[0]
+        for k, d in enumerate(incoming):
+            add = [vjps[1 + 2 * k], vjps[2 + 2 * k]]
+            dkv[d] = [a + b for a, b in zip(dkv[d], add, strict=True)] if d in dkv else add
+        grads = dict(zip(names, vjps[1 + n_kv :], strict=True))
+        outs = outs if s == self.last else None
+        mx.eval(outs, d_h_in, list(grads.values()), list(dkv.values()))
+        return outs, d_h_in, grads
+
+
 def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0, objective=None):
     """GradFn computing the full backward's gradients one segment at a time.
 
@@ -216,107 +317,37 @@ def segmented_backward(model, plan: Plan, timer=None, head_chunk: int = 0, objec
     PairObjective) differentiates its pair loss: both sides of every pair go through the
     segments together, as rows of the batch, and its metrics come back as a fourth value."""
     mark = timer or (lambda phase: None)
-    runner = runner_for(model)
-    donors = runner.kv_donors()  # sharer -> donor
-    seg_of = {i: s for s, seg in enumerate(plan.segments) for i in seg}
-    # K/V streams that cross cuts: donors whose sharers sit in a later segment.
-    crossing = sorted({d for j, d in donors.items() if seg_of[d] < seg_of[j]})
-    outgoing = [[d for d in crossing if seg_of[d] == s] for s in range(len(plan.segments))]
-    incoming = [
-        sorted({donors[j] for j in seg if j in donors and seg_of[donors[j]] < s})
-        for s, seg in enumerate(plan.segments)
-    ]
-
-    def run_segment(s, h, ctx, kv_in: dict):
-        kvs = dict(kv_in)
-        for i in plan.segments[s]:
-            h, kv = runner.layer(i, h, ctx, kvs.get(donors[i]) if i in donors else None)
-            if kv is not None:
-                kvs[i] = kv
-        return h, {d: kvs[d] for d in outgoing[s]}
-
-    last = len(plan.segments) - 1
+    seg = Segments(model, plan, head_chunk, objective)
+    runner, last = seg.runner, seg.last
 
     def grad_fn(model_, batch):
         assert model_ is model, "segmented_backward was built for another model"
-        inputs, positions, labels, weights, *rest = batch.arrays()
-        segments = [] if objective is not None else rest
-        ref = rest[0] if objective is not None and rest else None
+        inputs, positions, labels, weights, segments, ref = seg.unpack(batch.arrays())
         # Dropout: each segment draws from its own seed, so its recomputation inside the vjp
         # sees the same masks as its first run.
         base = int(mx.random.randint(0, 2**30, ()).item())
-        h, ctx = runner.embed(inputs, *segments)
+        h, ctx = runner.embed(inputs, segments)
         h = mx.stop_gradient(h)
         mx.eval(h, [m for m in ctx.masks if isinstance(m, mx.array)])
         mark("embed")
         bounds, kv_store = [h], {}
         for s in range(last):  # the last segment runs once, inside its vjp with the head
-            mx.random.seed(base + s)
-            h, kv_out = run_segment(s, h, ctx, {d: kv_store[d] for d in incoming[s]})
-            mx.eval(h, kv_out)  # evaluated boundaries hold no graph
+            h, kv_out = seg.forward(s, base, h, ctx, kv_store)
             mark(f"forward {s}")
             bounds.append(h)
             kv_store.update(kv_out)
 
         dkv: dict[int, list] = {}
         grads: dict[str, mx.array] = {}
-        dh = loss = ntoks = None
+        dh = outs = None
         for s in reversed(range(last + 1)):
-            named = _layer_params(model, plan.segments[s])
-            names = [n for n, _ in named]
-            kv_in = [x for d in incoming[s] for x in kv_store[d]]
-            n_kv = len(kv_in)
-
-            def fn(*primals, s=s, names=names, n_kv=n_kv):
-                h_in, kv_flat, params = primals[0], primals[1 : 1 + n_kv], primals[1 + n_kv :]
-                _set_layer_params(model, list(zip(names, params, strict=True)))
-                kv = {d: (kv_flat[2 * k], kv_flat[2 * k + 1]) for k, d in enumerate(incoming[s])}
-                h_out, kv_out = run_segment(s, h_in, ctx, kv)
-                if s == last:
-                    if objective is not None:
-                        return list(
-                            objective.head(
-                                model,
-                                runner.norm(h_out),
-                                positions,
-                                labels,
-                                weights,
-                                ref,
-                                head_chunk,
-                            )
-                        )
-                    return list(head_loss(runner, h_out, positions, labels, weights, head_chunk))
-                return [h_out] + [x for d in outgoing[s] for x in kv_out[d]]
-
-            if s == last:
-                cot = [mx.array(1.0), mx.array(0.0)]
-                if objective is not None:
-                    cot.append(mx.zeros((len(objective.metrics),), mx.float32))
-            else:
-                cot = [dh]
-                for d in outgoing[s]:
-                    k, v = kv_store[d]
-                    cot += dkv.get(d) or [mx.zeros_like(k), mx.zeros_like(v)]
-            mx.random.seed(base + s)
-            outs, vjps = mx.vjp(fn, [bounds[s], *kv_in, *(v for _, v in named)], cot)
-            _set_layer_params(model, named)  # put the original arrays back
-            if s == last:
-                loss, ntoks, *aux = outs
-            dh = vjps[0]
-            for k, d in enumerate(incoming[s]):
-                add = [vjps[1 + 2 * k], vjps[2 + 2 * k]]
-                dkv[d] = [a + b for a, b in zip(dkv[d], add, strict=True)] if d in dkv else add
-            for name, g in zip(names, vjps[1 + n_kv :], strict=True):
-                grads[name] = g
-            mx.eval(
-                loss,
-                ntoks,
-                aux,
-                dh,
-                [g for n, g in grads.items() if n in names],
-                list(dkv.values()),
+            out, dh, g = seg.backward(
+                s, base, ctx, bounds[s], kv_store, dh, dkv, (positions, labels, weights, ref)
             )
+            outs = out if out is not None else outs
+            grads.update(g)
             mark(f"backward {s}")
+        loss, ntoks, *aux = outs
         return (loss, ntoks, _grad_tree(model, grads), *aux)
 
     return grad_fn

@@ -30,7 +30,8 @@ def run(cfg: TrainConfig | TrainCommandConfig, command: str | None = None) -> di
         hooks = tasks.hooks_for(cfg.task, command=command)
         cfg = cfg.train_config()
     summary = job.run(cfg, hooks)
-    print(f"adapter: {summary['adapter']}")
+    if "adapter" in summary:  # (rank 0 of a run on several processes)
+        print(f"adapter: {summary['adapter']}")
     return summary
 
 

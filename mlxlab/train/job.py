@@ -3,11 +3,14 @@
 `run(cfg, hooks)` is what `python -m mlxlab train` runs. What a task adds around the loop (build
 its dataset, evaluate the base and the tuned model, write a report: mlxlab/tasks/) comes in as a
 `Hooks` object; this module knows no task, no evaluation and no Hydra.
+
+Started by `mlx.launch` (several processes), the job joins the world first (train/world.py),
+prints it, and trains data-parallel (train/parallel.py) or, with backward.pipeline, as a segment
+pipeline (train/pipeline.py); rank 0 alone checks and writes the run directory.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -76,6 +79,7 @@ RESUME_MAY_CHANGE = (
     "val_batches",
     "wandb",
     "wandb_project",
+    "dist",
 )
 
 
@@ -89,6 +93,8 @@ def _check_resume_config(run_dir: Path, now: dict) -> None:
     saved = yaml.safe_load(saved_path.read_text())
     if isinstance(saved.get("task"), dict) and saved["task"].get("name") is None:
         saved.pop("task")  # written before tasks were their own configs: no task
+    if isinstance(saved.get("backward"), dict):
+        saved["backward"].setdefault("pipeline", False)  # written before the pipeline existed
     differ = sorted(
         k
         for k in set(saved) | set(now)
@@ -97,6 +103,36 @@ def _check_resume_config(run_dir: Path, now: dict) -> None:
     if differ:
         raise UserError(
             f"resume=true with a different config than {saved_path}: {', '.join(differ)}"
+        )
+
+
+def _join(world, cfg: TrainConfig, hooks: Hooks) -> None:
+    """Print the world (rank 0; the other ranks print warnings and errors only) and refuse
+    what does not run on several processes."""
+    import logging as logging_
+
+    if world.writer:
+        log.info(world.describe())
+    else:  # warnings and errors only, marked with the rank
+        logger = logging_.getLogger("mlxlab")
+        logger.setLevel(logging_.WARNING)
+        prefix = f"[rank {world.rank}] "
+
+        def mark(record):
+            record.msg, record.args = prefix + record.getMessage(), ()
+            return True
+
+        for handler in logger.handlers:
+            handler.addFilter(mark)
+    if type(hooks) is not Hooks:
+        raise UserError(
+            "a task run (task=..., e.g. +exp=chunk_seg4) builds and evaluates on one process; "
+            "under mlx.launch train its data directly (data.train=DIR)"
+        )
+    if not cfg.backward.pipeline and cfg.batch_size % world.size:
+        raise UserError(
+            f"batch_size={cfg.batch_size} is not a multiple of the {world.size} processes: "
+            "data parallel gives each rank batch_size / world size of every batch"
         )
 
 
@@ -113,25 +149,44 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     from mlxlab.train import trainer
     from mlxlab.train.backward import make_grad_fn
     from mlxlab.train.objectives import PairObjective
+    from mlxlab.train.world import World
 
     hooks = hooks or Hooks()
     cfg = hooks.train_config(cfg)
+    world = World.start(cfg.dist)  # None: this process trains alone
+    if world is not None:
+        _join(world, cfg, hooks)
+    writer = world is None or world.writer
     run_dir = run_dir_for(cfg)
     config_dict = to_dict(cfg)
     task_config = hooks.config()
     if task_config is not None:
         config_dict["task"] = task_config
-    if cfg.resume:
-        _check_resume_config(run_dir, config_dict)
-    elif run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(
-            f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it"
+
+    def check_run_dir():
+        if cfg.resume:
+            _check_resume_config(run_dir, config_dict)
+        elif run_dir.exists() and any(run_dir.iterdir()):
+            raise UserError(
+                f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it"
+            )
+
+    if world is None:
+        check_run_dir()
+    else:  # rank 0's run directory; every rank stops on its refusal
+        world.agree(check_run_dir, "checking the run directory")
+    pipeline = world is not None and cfg.backward.pipeline
+    if cfg.backward.pipeline and world is None:
+        log.warning(
+            "warning: backward.pipeline=true needs several processes (mlx.launch -n K ...); "
+            "this one trains alone with the segmented backward"
         )
     t_start = time.perf_counter()
     data_cfg = hooks.prepare_data(cfg.data, run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
     # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
-    model, tokenizer = load(cfg.model, cfg.dtype, decode_head="exact")
+    # A pipeline stage loads lazily: the layers it does not hold are never read (pipeline.py).
+    model, tokenizer = load(cfg.model, cfg.dtype, decode_head="exact", lazy=pipeline)
     pairs = cfg.objective != "sft"
     per_unit = 2 if pairs else 1  # rows per sampler unit (a pair's two sides)
     if pairs:
@@ -160,17 +215,31 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
 
         start = lora_io.read_init(cfg.lora.init, model, plan)
         model.load_weights(list(start.items()), strict=False)
-        mx.eval(model.parameters())
+        if not pipeline:  # a pipeline stage reads only the arrays it holds
+            mx.eval(model.parameters())
         log.info(f"LoRA starts from {lora_io.resolve_dir(cfg.lora.init)}")
-    objective = PairObjective.from_config(cfg)
-    if objective is not None and start is not None:
-        objective = dataclasses.replace(objective, start=start)
+    objective = PairObjective.from_config(cfg, start)
+    dist, shard = None, (0, 1)
+    if pipeline:
+        from mlxlab.train.pipeline import Pipeline
+
+        rows = [(len(e.ids) - 1, len(e.ids) - max(e.offset, 1)) for e in train_set.examples]
+        dist = Pipeline.build(world, model, cfg, rows, start)
+    elif world is not None:
+        from mlxlab.train.parallel import DataParallel
+
+        dist, shard = DataParallel(world), (world.rank, world.size)
+        log.info(
+            f"data parallel: each rank trains on {cfg.batch_size // world.size} of every "
+            f"{cfg.batch_size} {'pairs' if pairs else 'examples'}; rank 0 writes {run_dir}"
+        )
     train_sampler = BatchSampler(
         train_set.examples,
         cfg.batch_size,
         cfg.seed,
         pack_length=cfg.data.max_seq_length if cfg.data.pack else 0,
         pairs=pairs,
+        shard=shard,
     )
     valid_sampler = (
         BatchSampler(
@@ -179,14 +248,19 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             cfg.seed,
             shuffle=False,
             pairs=pairs,
+            shard=shard,
         )
         if valid_set
         else None
     )
-    writable_dir(run_dir)
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
+    if writer:
+        writable_dir(run_dir)
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
     if cfg.objective == "dpo":  # after config.yaml: a run killed here can resume
-        from mlxlab.train.objectives import precompute_reference
+        if dist is None:
+            from mlxlab.train.objectives import precompute_reference
+        else:  # shared by the ranks; rank 0 reads and writes the file
+            precompute_reference = dist.precompute_reference
 
         for sampler, name, needed in (
             (valid_sampler, "valid", valid_sampler is not None and cfg.val_every),
@@ -217,16 +291,22 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             else f" ({len(train_sampler)} batches of {cfg.batch_size})"
         )
     )
-    grad_fn, how = make_grad_fn(
-        model,
-        cfg.backward,
-        (cfg.batch_size * per_unit, cfg.data.max_seq_length),
-        compile=cfg.compile,
-        objective=objective,
-    )
+    if pipeline:
+        grad_fn, how = dist.grad_fn(), dist.describe()
+    else:
+        grad_fn, how = make_grad_fn(
+            model,
+            cfg.backward,
+            (cfg.batch_size * per_unit, cfg.data.max_seq_length),
+            compile=cfg.compile,
+            objective=objective,
+        )
     log.info(f"gradients: {how}")
     meta = {"base_model": cfg.model, "run_dir": str(run_dir)}
-    run_log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, config_dict)
+    if writer:
+        run_log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, config_dict)
+    else:
+        run_log = trainer.QuietLog()
     summary = trainer.train(
         model,
         plan,
@@ -237,12 +317,20 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
         grad_fn=grad_fn,
         run_log=run_log,
         meta=meta,
+        dist=dist,
     )
-    adapter_dir = lora_io.save(model, plan, run_dir / "adapter", meta=meta)
+    if dist is None:
+        adapter_dir = lora_io.save(model, plan, run_dir / "adapter", meta=meta)
+    else:  # rank 0 writes (the pipeline gathers the stages' arrays first)
+        adapter_dir = dist.save_adapter(model, plan, run_dir / "adapter", meta)
+    if not writer:
+        return summary  # rank 0 reports the run
     summary["adapter"] = str(adapter_dir)
     hooks.after_training(job, summary)
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     summary["gradients"] = how
+    if world is not None:
+        summary["world"] = {**dist.world_info(), "backend": world.backend, "hosts": world.hosts}
     trainer.write_summary(run_dir, summary)
     hooks.finish(job, summary)
     val = summary.get("val_loss")

@@ -163,8 +163,8 @@ class PairObjective:
     start: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, cfg) -> PairObjective | None:
-        """From a TrainConfig; None for SFT."""
+    def from_config(cls, cfg, start: dict | None = None) -> PairObjective | None:
+        """From a TrainConfig (and the adapter the run starts from); None for SFT."""
         if cfg.objective == "sft":
             return None
         return cls(
@@ -173,6 +173,7 @@ class PairObjective:
             cfg.dpo.loss,
             cfg.dpo.label_smoothing,
             cfg.orpo.lam,
+            start,
         )
 
     @property
@@ -280,12 +281,23 @@ def _fingerprint(model_name: str, sampler, start: dict | None = None) -> str:
 
 
 def precompute_reference(
-    model, sampler, path, model_name: str = "", start: dict | None = None
+    model,
+    sampler,
+    path,
+    model_name: str = "",
+    start: dict | None = None,
+    world=None,
+    reference=None,
 ) -> None:
     """Give `sampler` (of pairs) the reference log-prob of every example it batches, computed
     once over its batches (the shapes training sees, so the values equal a per-batch
     computation) and written to `path` (JSON, with a fingerprint of the model name and the
-    examples); a later run (resume) reads `path` instead, and refuses one made for other data."""
+    examples); a later run (resume) reads `path` instead, and refuses one made for other data.
+
+    `world` (a run on several processes, train/world.py): rank 0 alone reads and writes `path`,
+    each rank computes its share of every batch (a data-parallel sampler's), and every rank gets
+    every value. `reference(model, batch)` stands in for reference_logps (the segment
+    pipeline's)."""
     import json
     import logging
     from pathlib import Path
@@ -296,7 +308,14 @@ def precompute_reference(
     path = Path(path)
     n = len(sampler.examples)
     fingerprint = _fingerprint(model_name, sampler, start)
-    if path.is_file():
+    if reference is None:
+
+        def reference(model, batch):
+            return reference_logps(model, batch, start)
+
+    def read():
+        if not path.is_file():
+            return None
         try:
             saved = json.loads(path.read_text())
             ref, saved_fp = saved["ref"], saved["fingerprint"]
@@ -307,7 +326,16 @@ def precompute_reference(
                 f"{path} holds reference log-probs of other data or another model; resume with "
                 "the run's own data and model, or delete the file to recompute them"
             )
-        sampler.set_reference([float("nan") if v is None else v for v in ref])
+        return [float("nan") if v is None else v for v in ref]
+
+    if world is None:
+        saved = read()
+    else:
+        saved = world.share_floats(
+            world.agree(read, "reading reference log-probs"), n, "sharing reference log-probs"
+        )
+    if saved is not None:
+        sampler.set_reference(saved)
         return
     logging.getLogger(__name__).info(
         f"reference log-probs ({'adapter off' if start is None else 'the starting adapter'}) "
@@ -315,9 +343,14 @@ def precompute_reference(
     )
     ref: list = [None] * n
     for group in sampler.groups:
-        order = [i for unit in group for i in unit]
         batch = sampler._collate(group)
-        for i, v in zip(order, reference_logps(model, batch, start).tolist(), strict=True):
+        if batch is None:  # a data-parallel rank's empty share
+            continue
+        order = [i for unit in sampler.shard_of(group) for i in unit]
+        for i, v in zip(order, reference(model, batch).tolist(), strict=True):
             ref[i] = v
-    atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "ref": ref}) + "\n")
+    if world is not None:
+        ref = world.merge_floats(ref, "sharing reference log-probs")
+    if world is None or world.writer:
+        atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "ref": ref}) + "\n")
     sampler.set_reference([float("nan") if v is None else v for v in ref])

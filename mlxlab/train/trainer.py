@@ -7,6 +7,11 @@ loop. Checkpoints hold everything a resumed run needs to continue exactly where 
 stopped: LoRA weights, optimizer state (with its step, hence the LR position) and the sampler's
 position. The RNG (dropout) is re-seeded from (seed, step) before every step, so it needs no
 saving: a resumed step draws the same numbers as the uninterrupted one.
+
+A run on several processes injects `dist` (train/parallel.py: data parallel; train/pipeline.py:
+the segment pipeline): it sums sizes, gradients and counts across the ranks, says who writes
+(rank 0 alone), brings rank 0's resumed state to the others and, in the pipeline, runs a step's
+micro-batches through the ranks. Without it (one process) every line below runs as it always did.
 """
 
 from __future__ import annotations
@@ -108,7 +113,13 @@ def make_optimizer(cfg: OptimConfig, iters: int) -> optim.Optimizer:
 
 
 def train_step(
-    model, optimizer, grad_fn: GradFn, batches: list[Batch], grad_clip: float | None, step: int
+    model,
+    optimizer,
+    grad_fn: GradFn,
+    batches: list[Batch],
+    grad_clip: float | None,
+    step: int,
+    dist=None,
 ) -> tuple[float, float, list[float] | None]:
     """One optimizer step over `batches` (gradient accumulation); returns (loss, grad norm,
     the objective's metrics or None).
@@ -116,13 +127,18 @@ def train_step(
     Micro-batch gradients are weighted by their token counts, so an SFT step equals one over
     the concatenated batch; a preference objective's by their pairs, exact for DPO and IPO (means
     over pairs), while ORPO's NLL term is each micro-batch's own token mean. A non-finite loss or
-    gradient raises before any update.
+    gradient raises before any update. With `dist`, `batches` are this rank's shares and sizes,
+    weighted sums and the norm are the world's.
     """
     sizes = [b.units for b in batches]
-    total = sum(sizes)
+    total = sum(sizes) if dist is None else dist.total_units(sum(sizes))
     loss_sum, acc, metrics = mx.array(0.0), None, None
-    for b, size in zip(batches, sizes, strict=True):
-        loss, _, grads, *aux = grad_fn(model, b)
+    results = (
+        (grad_fn(model, b) for b in batches)
+        if dist is None
+        else dist.grads(model, grad_fn, batches)
+    )
+    for size, (loss, _, grads, *aux) in zip(sizes, results, strict=True):
         w = size / total
         grads = tree_map(lambda g, w=w: g * w, grads)
         acc = grads if acc is None else tree_map(mx.add, acc, grads)
@@ -130,10 +146,9 @@ def train_step(
         if aux:
             metrics = aux[0] * w if metrics is None else metrics + aux[0] * w
         mx.eval(loss_sum, acc, metrics)
-    if grad_clip:
-        acc, norm = optim.clip_grad_norm(acc, grad_clip)
-    else:
-        norm = mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for _, g in tree_flatten(acc)))
+    if dist is not None:
+        loss_sum, acc, metrics = dist.reduce(loss_sum, acc, metrics)
+    acc, norm = clip_or_norm(acc, grad_clip) if dist is None else dist.clip(acc, grad_clip)
     loss_value, norm_value = loss_sum.item(), norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         raise TrainingDiverged(
@@ -145,17 +160,29 @@ def train_step(
     return loss_value, norm_value, None if metrics is None else metrics.tolist()
 
 
-def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce) -> float:
+def clip_or_norm(acc, grad_clip: float | None):
+    """(gradients clipped to `grad_clip`'s global norm, or as they are; the norm)."""
+    if grad_clip:
+        return optim.clip_grad_norm(acc, grad_clip)
+    return acc, mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for _, g in tree_flatten(acc)))
+
+
+def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce, dist=None) -> float:
     """Mean loss over the validation batches (dropout off), weighted by trained tokens (by pairs
-    for a preference objective's `loss_fn`, which then takes the batch's reference log-probs)."""
+    for a preference objective's `loss_fn`, which then takes the batch's reference log-probs).
+    With `dist`, over the world (a data-parallel rank sees its shares, some possibly empty)."""
     model.eval()
     total, weighted = 0, 0.0
     for b in sampler.one_pass(limit):
+        if b is None:  # a data-parallel rank's empty share of a small batch
+            continue
         loss = loss_fn(model, *b.arrays())[0]
         size = b.units
         weighted += loss.item() * size
         total += size
     model.train()
+    if dist is not None:
+        weighted, total = dist.sum_values([weighted, total])
     return weighted / max(total, 1)
 
 
@@ -170,16 +197,26 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model, plan: LoraPlan, optimizer, sampler, meta: dict, keep_last: int
+    run_dir: Path,
+    step: int,
+    model,
+    plan: LoraPlan,
+    optimizer,
+    sampler,
+    meta: dict,
+    keep_last: int,
+    world: dict | None = None,
 ) -> Path:
+    """`world` ({size, mode}) records a run on several processes; resume checks it."""
     out = run_dir / CKPT_DIR / f"step_{step:07d}"
+    state = {"step": step, "sampler": sampler.state()}
+    if world is not None:
+        state["world"] = world
 
     def write(tmp: Path) -> None:
         lora_io.save(model, plan, tmp, meta=meta)
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
-        (tmp / "trainer_state.json").write_text(
-            json.dumps({"step": step, "sampler": sampler.state()})
-        )
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
 
     atomic_dir(out, write)
     for old in checkpoints(run_dir)[:-keep_last]:
@@ -187,16 +224,46 @@ def save_checkpoint(
     return out
 
 
-def restore_checkpoint(ckpt: Path, model, optimizer, sampler) -> int:
-    """Load a checkpoint into a model that already carries the run's LoRA layers."""
+def restore_checkpoint(ckpt: Path, model, optimizer, sampler, world: dict | None = None) -> int:
+    """Load a checkpoint into a model that already carries the run's LoRA layers. A checkpoint
+    of another world (process count or parallel mode; `world` None: one process) is refused."""
+    info = json.loads((ckpt / "trainer_state.json").read_text())
+    saved, now = info.get("world") or {"size": 1}, world or {"size": 1}
+    if (saved.get("size"), saved.get("mode")) != (now.get("size"), now.get("mode")):
+        raise UserError(
+            f"{ckpt} was written by {_world_words(saved)}; this run is {_world_words(now)}: "
+            "resume with the same world (each rank's share of every batch, the order in which "
+            "gradients are summed and where each layer lives depend on it)"
+        )
     weights = mx.load(str(ckpt / lora_io.WEIGHTS))
     model.load_weights(list(weights.items()), strict=False)
     state = mx.load(str(ckpt / "optimizer.safetensors"))
     optimizer.state = tree_unflatten(list(state.items()))
-    info = json.loads((ckpt / "trainer_state.json").read_text())
     sampler.restore(info["sampler"])
     mx.eval(model.parameters(), optimizer.state)
     return int(info["step"])
+
+
+def _world_words(world: dict) -> str:
+    size = world.get("size", 1)
+    if size == 1:
+        return "one process"
+    how = "a segment pipeline" if world.get("mode") == "pipeline" else "data parallel"
+    return f"{how} on {size} processes (mlx.launch -n {size})"
+
+
+def _resume(run_dir: Path, model, optimizer, sampler, world: dict | None = None) -> int:
+    """Restore the newest checkpoint of `run_dir` (or none yet: step 0); the step to go on from."""
+    found = checkpoints(run_dir)
+    if found:
+        start = restore_checkpoint(found[-1], model, optimizer, sampler, world)
+        _truncate_metrics(run_dir / "metrics.jsonl", start)
+        log.info(f"resumed from {found[-1]} (step {start})")
+        return start
+    # killed before its first checkpoint: the same run from its start
+    _truncate_metrics(run_dir / "metrics.jsonl", -1)
+    log.info(f"resume=true: {run_dir} has no checkpoint yet; training from step 0")
+    return 0
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -268,10 +335,22 @@ class RunLog:
             self._wandb.finish()
 
 
+class QuietLog:
+    """The log of a rank other than 0: it writes nothing and prints nothing."""
+
+    def metrics(self, record: dict, show: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 PAIR_METRICS = {k for keys in METRICS.values() for k in keys}  # printed with 4 digits
 
 
 def _fmt(key: str, value) -> str:
+    if isinstance(value, list):  # per rank (train/parallel.py, pipeline.py)
+        return f"{key} [" + " ".join(f"{v:.4g}" for v in value) + "]"
     if isinstance(value, float):
         if key == "lr":
             return f"lr {value:.2e}"
@@ -279,7 +358,7 @@ def _fmt(key: str, value) -> str:
             return f"mfu {value:.1%}"
         if "loss" in key:
             return f"{key} {value:.4f}"
-        if key in PAIR_METRICS:
+        if key in PAIR_METRICS or key == "bubble":
             return f"{key} {value:.4g}"
         return f"{key} {value:.1f}"
     return f"{key} {value}"
@@ -298,15 +377,19 @@ def train(
     grad_fn: GradFn | None = None,
     run_log: RunLog | None = None,
     meta: dict | None = None,
+    dist=None,
 ) -> dict:
     """Train `model`'s LoRA parameters for cfg.iters steps; return a summary.
 
-    Resumes from the newest checkpoint in `run_dir` when cfg.resume is set.
+    Resumes from the newest checkpoint in `run_dir` when cfg.resume is set. `dist` (several
+    processes): rank 0 restores and writes, every rank trains (see the module doc).
     """
     from mlxlab.train.objectives import PairObjective
 
     objective = PairObjective.from_config(cfg)
     val_loss = response_ce if objective is None else objective.loss
+    if dist is not None:
+        val_loss = dist.val_loss(val_loss)
     if grad_fn is None:
         if objective is not None:
             raise ValueError("a preference objective needs its grad_fn (backward.make_grad_fn)")
@@ -314,17 +397,17 @@ def train(
     optimizer = make_optimizer(cfg.optim, cfg.iters)
     optimizer.init(model.trainable_parameters())
     start = 0
-    if cfg.resume:
-        found = checkpoints(run_dir)
-        if found:
-            start = restore_checkpoint(found[-1], model, optimizer, train_sampler)
-            _truncate_metrics(run_dir / "metrics.jsonl", start)
-            log.info(f"resumed from {found[-1]} (step {start})")
-        else:  # killed before its first checkpoint: the same run from its start
-            _truncate_metrics(run_dir / "metrics.jsonl", -1)
-            log.info(f"resume=true: {run_dir} has no checkpoint yet; training from step 0")
+    if cfg.resume and dist is None:
+        start = _resume(run_dir, model, optimizer, train_sampler)
+    elif dist is not None:  # rank 0 restores; every rank gets its state (and its refusal)
+        if cfg.resume:
+            start = dist.on_writer(
+                lambda: _resume(run_dir, model, optimizer, train_sampler, dist.world_info()),
+                "restoring the checkpoint",
+            )
+        start = dist.sync(model, optimizer, train_sampler, start or 0)
     run_log = run_log or RunLog(run_dir, cfg.iters)
-    shapes, rate = _flop_counting(model)
+    shapes, rate = _flop_counting(model, dist)
     model.train()
     mx.reset_peak_memory()
     summary = {"start_step": start, "val_loss": None}
@@ -332,17 +415,28 @@ def train(
     window_flops = run_flops = 0.0
     try:
         if valid_sampler is not None and start == 0 and cfg.val_every:
-            val = evaluate(model, valid_sampler, cfg.val_batches, val_loss)
+            val = evaluate(model, valid_sampler, cfg.val_batches, val_loss, dist)
             run_log.metrics({"step": 0, "val_loss": val}, show=True)
             summary["initial_val_loss"] = val
         for step in range(start + 1, cfg.iters + 1):
             batches = [train_sampler.next() for _ in range(cfg.grad_accum)]
             mx.random.seed(cfg.seed * 1_000_003 + step)  # dropout stream of this step
             loss, norm, aux = train_step(
-                model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step
+                model, optimizer, grad_fn, batches, cfg.optim.grad_clip, step, dist
             )
             lr = optimizer.learning_rate.item()  # the rate this step used
             step_tokens = sum(sum(b.lengths) for b in batches)  # real tokens, no padding
+            trained = sum(b.ntoks for b in batches)
+            f = 0.0
+            if shapes is not None:
+                f = sum(
+                    step_flops(
+                        shapes, list(b.lengths), b.ntoks, cfg.backward.mode, cfg.backward.head_chunk
+                    )["total"]
+                    for b in batches
+                )
+            if dist is not None:  # the world's counts
+                step_tokens, trained, f = dist.counts(step_tokens, trained, f)
             tokens += step_tokens
             record = {
                 "step": step,
@@ -351,17 +445,11 @@ def train(
                 "grad_norm": norm,
                 "elapsed_s": round(time.perf_counter() - t0, 3),
                 "tokens": step_tokens,
-                "trained_tokens": sum(b.ntoks for b in batches),
+                "trained_tokens": trained,
             }
             if aux is not None and objective is not None:
                 record.update(zip(objective.metrics, aux, strict=True))
             if shapes is not None:
-                f = sum(
-                    step_flops(
-                        shapes, list(b.lengths), b.ntoks, cfg.backward.mode, cfg.backward.head_chunk
-                    )["total"]
-                    for b in batches
-                )
                 window_flops += f
                 run_flops += f
                 record["tflop"] = f / 1e12
@@ -372,6 +460,8 @@ def train(
                 if shapes is not None:
                     record["gflops"] = window_flops / (now - since) / 1e9
                     record["mfu"] = record["gflops"] / rate
+                if dist is not None:  # every rank's peak memory (pipeline: bubble share)
+                    record.update(dist.log_fields())
                 tokens, since, window_flops = 0, now, 0.0
             if (
                 valid_sampler is not None
@@ -379,12 +469,14 @@ def train(
                 and (step % cfg.val_every == 0 or step == cfg.iters)
             ):
                 record["val_loss"] = summary["val_loss"] = evaluate(
-                    model, valid_sampler, cfg.val_batches, val_loss
+                    model, valid_sampler, cfg.val_batches, val_loss, dist
                 )
             run_log.metrics(record, show="tok_per_s" in record or "val_loss" in record)
             summary["loss"] = loss
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
-                save_checkpoint(
+                # with dist every rank takes part (a pipeline gathers its stages); rank 0 writes
+                save = save_checkpoint if dist is None else dist.save_checkpoint
+                save(
                     run_dir, step, model, plan, optimizer, train_sampler, meta or {}, cfg.keep_last
                 )
     finally:
@@ -392,6 +484,8 @@ def train(
     summary.update(
         steps=cfg.iters, seconds=time.perf_counter() - t0, peak_mem_gb=mx.get_peak_memory() / 1e9
     )
+    if dist is not None:  # every rank's peak memory, traffic (pipeline: bubble) over the run
+        summary.update(dist.summary_fields())
     if shapes is not None and summary["seconds"] > 0:
         # The run's mean (validation and checkpoint time included, as in the step records).
         summary["model_tflop"] = run_flops / 1e12
@@ -400,17 +494,19 @@ def train(
     return summary
 
 
-def _flop_counting(model):
+def _flop_counting(model, dist=None):
     """(shapes, float32 matmul GFLOPS measured now) for the MFU figures, or (None, None) for a
-    model family the FLOP count does not know (train/flops.py)."""
+    model family the FLOP count does not know (train/flops.py). Several processes: the shapes
+    of the whole model (a pipeline stage holds only its layers) and the world's rate."""
     from mlxlab.runtime import measure_matmul_gflops
 
     try:
-        shapes = model_shapes(model)
+        shapes = model_shapes(model) if getattr(dist, "shapes", None) is None else dist.shapes
     except (UserError, AttributeError) as e:
         log.debug("no FLOP count for this model: %s", e)
         return None, None
-    return shapes, measure_matmul_gflops()
+    rate = measure_matmul_gflops()
+    return shapes, rate if dist is None else rate * dist.size
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
