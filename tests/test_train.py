@@ -283,6 +283,7 @@ def test_a_timestamped_run_resumes_by_its_directory(tiny_dir, monkeypatch, tmp_p
     assert run_dir.parent.parent == tmp_path / "outputs"
     again = run(_cfg(tmp_path, iters=3, resume=True, out_dir=str(run_dir)))
     assert again["start_step"] == 1  # from its checkpoint, as any resumed run
+    assert again["initial_val_loss"] == first["initial_val_loss"]  # read back from metrics.jsonl
 
 
 def test_unknown_optimizer_is_a_clean_error():

@@ -301,7 +301,13 @@ def report(
         f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
         + "".join(f", {k} evaluation {v['peak_mem_gb']:.2f} GB" for k, v in evals.items()),
         f"- wall time: {_fmt_minutes(wall_s)} in all; training {_fmt_minutes(summary['seconds'])}"
-        + "".join(f", {k} evaluation {_fmt_minutes(v['seconds'])}" for k, v in evals.items()),
+        + "".join(f", {k} evaluation {_fmt_minutes(v['seconds'])}" for k, v in evals.items())
+        + (
+            f" (resumed at step {summary['start_step']}: the total and training are this "
+            "attempt's; evaluations read back from the run are their own attempt's)"
+            if summary.get("start_step")
+            else ""
+        ),
         "",
         "Metrics: 100 x (0.30 schema + 0.35 anchors + 0.15 labels + 0.20 nonempty) after JSON "
         "extraction and validation with repairs, by two validators: ref = the predecessor's "

@@ -367,6 +367,18 @@ def _fmt(key: str, value) -> str:
 # --- the loop ---------------------------------------------------------------------------------
 
 
+def _logged_initial_val_loss(run_dir: Path) -> float | None:
+    """The step-0 validation loss a resumed run's first attempt wrote to metrics.jsonl."""
+    try:
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("step") == 0 and "val_loss" in rec:
+                return rec["val_loss"]
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def train(
     model,
     plan: LoraPlan,
@@ -418,6 +430,10 @@ def train(
             val = evaluate(model, valid_sampler, cfg.val_batches, val_loss, dist)
             run_log.metrics({"step": 0, "val_loss": val}, show=True)
             summary["initial_val_loss"] = val
+        elif start:  # resumed: the first attempt logged it
+            first = _logged_initial_val_loss(run_dir)
+            if first is not None:
+                summary["initial_val_loss"] = first
         for step in range(start + 1, cfg.iters + 1):
             batches = [train_sampler.next() for _ in range(cfg.grad_accum)]
             mx.random.seed(cfg.seed * 1_000_003 + step)  # dropout stream of this step
