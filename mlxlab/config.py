@@ -412,6 +412,10 @@ class EvalSettings:
     what the model's context leaves after max_tokens, at most 8192."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
+    label_model: str = ""
+    """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) that
+    also scores the labels against gold by meaning: the cosine similarity of each gold chunk's
+    label with its matched predicted label (`label similarity`); empty: word-overlap F1 only."""
 
     def __post_init__(self):
         check_choice("split", self.split, ("train", "valid", "test"))
@@ -473,7 +477,8 @@ class DistConfig:
 
 @dataclass
 class DPOConfig:
-    """DPO (`objective=dpo`): the policy against the base model with the adapter switched off."""
+    """DPO (`objective=dpo`): the policy against a reference: the base model with the adapter
+    switched off, or with `lora.init` the adapter the run started from."""
 
     beta: float = 0.1
     """Strength of the preference margin (the KL penalty's inverse temperature)."""
@@ -702,7 +707,8 @@ class ServeConfig:
     max_body_mb: float = 16.0
     """Largest request body, in MB (10^6 bytes); a larger one gets 413 before any router runs."""
     read_timeout_s: float = 30.0
-    """A client has this long to send its request headers, and then this long for its body; a
+    """A client has this long to send its request headers, and then this long for its body (a
+    route with its own larger cap, as audio uploads, adds a second per MB of that cap); a
     stalled or trickling client is dropped (408 once its headers are in)."""
     max_connections: int = 256
     """Open connections (or requests in progress) beyond which a new request gets 503

@@ -86,6 +86,15 @@ def test_a_truncated_file_is_refused_or_decodes_what_is_there():
         assert 1.0 < a.seconds < 5.0  # half the file: half the audio, no garbage
 
 
+def test_format_hints_come_from_extensions_or_format_fields():
+    from mlxlab.audio.decode import format_hint
+
+    assert format_hint("talk.MP3") == "mp3" and format_hint("a.b/talk.ogg") == "ogg"
+    assert format_hint("recording") is None and format_hint("dir.d/recording") is None
+    assert format_hint("mp3", field=True) == "mp3" and format_hint(".WAV", field=True) == "wav"
+    assert format_hint(None) is None and format_hint("", field=True) is None
+
+
 def test_audio_longer_than_the_cap_is_refused():
     with pytest.raises(AudioError, match="longer than 2 s"):
         decode(SPEECH / "sentence.wav", "wav", max_seconds=2)

@@ -429,6 +429,36 @@ def test_label_relevance_and_memorized_labels():
     assert ev.score_case(json.dumps({"chunks": swapped}), U, GOLD).label_f1 == 0.5
 
 
+def test_label_similarity_by_meaning(tiny_dir):
+    """label_sim: the cosine of the matched labels' sentence vectors (tiny-bert here: random
+    weights, so only its algebra is checked: a label against itself is 1, a gold chunk no
+    predicted chunk covers counts 0, a case without gold gets none)."""
+    import numpy as np
+
+    from mlxlab.embed.model import Embedder
+
+    tiny_dir("bert")
+    same = ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD).to_dict()
+    assert same["label_pairs"] == [[g["label"]] * 2 for g in GOLD]
+    other = [{**GOLD[0], "label": "Python chat"}, GOLD[1]]
+    moved = ev.score_case(json.dumps({"chunks": other}), U, GOLD).to_dict()
+    one = [GOLD[1]]  # covers the second gold chunk only
+    partial = ev.score_case(json.dumps({"chunks": one}), U, GOLD).to_dict()
+    assert partial["label_pairs"][0] == [None, GOLD[0]["label"]]
+    no_gold = ev.score_case(json.dumps({"chunks": GOLD}), U, None).to_dict()
+    rows = [same, moved, partial, no_gold]
+    ev.label_similarity(rows, "tiny-bert")
+    e = Embedder("tiny-bert")
+    v = e.embed(e.tokenize(["Python chat", GOLD[0]["label"]])).astype(np.float64)
+    cos = float(v[0] @ v[1] / np.linalg.norm(v[0]) / np.linalg.norm(v[1]))
+    assert same["label_sim"] == pytest.approx(1.0)
+    assert moved["label_sim"] == pytest.approx((cos + 1) / 2) and cos < 0.999
+    assert partial["label_sim"] == pytest.approx(0.5)
+    assert "label_sim" not in no_gold
+    assert ev.summarize(rows)["label_sim"] == pytest.approx((1 + (cos + 1) / 2 + 0.5) / 3)
+    assert "| label similarity |" in ev.table({"m": ev.summarize(rows)})
+
+
 @pytest.mark.slow  # CLI subprocesses
 def test_data_and_eval_commands(tiny_dir, tmp_path):
     from tests.helpers.cli import run_cli

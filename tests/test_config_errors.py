@@ -93,7 +93,7 @@ FREE = {
     },
     "diag": {"model", "adapter", "out"},
     "data": {"out"},
-    "eval": {"model", "adapter", "data", "out"},
+    "eval": {"model", "adapter", "data", "out", "label_model"},
     "serve": {"model", "host", "adapter_root"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
     | {"runs_dir"}
@@ -102,7 +102,10 @@ FREE = {
     "runs": {"dir", "host", "api_key", "api_key_file", "allowed_hosts", "cors_origins"},
     "transcribe": {"file", "model", "language", "prompt", "out"},
 }
-TASK_FREE = {"chunk": {"report"}, "chunk_pref": {"report", "sft"}}
+TASK_FREE = {
+    "chunk": {"report", "eval.label_model"},
+    "chunk_pref": {"report", "sft", "eval.label_model"},
+}
 
 
 def string_fields(cls, prefix: str = "") -> set[str]:

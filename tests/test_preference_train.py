@@ -382,9 +382,10 @@ def test_lora_init_starts_from_an_adapter_and_is_dpos_reference(tiny_dir, tmp_pa
     tiny_dir("llama")
     first = run(_pair_cfg(tmp_path / "first", "orpo", iters=3, val_every=0))
     lora_cfg = LoraConfig(targets=["q", "v", "down"], rank=4, init=str(Path(first["adapter"])))
-    on_top = run(_pair_cfg(tmp_path / "top", "dpo", lora=lora_cfg, iters=2, val_every=0))
+    on_top = run(_pair_cfg(tmp_path / "top", "dpo", lora=lora_cfg, iters=2, val_every=2))
     steps = [r for r in _records(Path(on_top["adapter"]).parent) if "loss" in r]
     assert steps[0]["reward_margin"] == 0.0 and steps[0]["loss"] == pytest.approx(0.693147)
+    assert on_top["initial_val_loss"] == pytest.approx(0.693147)  # validation's reference too
 
     model, tokenizer = load("tiny-llama", "float32")
     lora_io.load(model, first["adapter"])

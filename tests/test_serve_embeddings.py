@@ -105,6 +105,15 @@ def test_over_length_input_is_a_400_unless_truncation_is_asked(served):
     np.testing.assert_allclose(
         vectors(cut)[0], sentence_vector(embedder.path, ids), atol=2e-6, rtol=0
     )
+    # one token array longer than the input cap counts as one input (its length is tokens)
+    many = client.post("/v1/embeddings", json={"input": [7] * 3000})
+    assert many.status_code == 400 and many.json()["error"]["code"] == "input_too_long"
+    assert (
+        client.post("/v1/embeddings", json={"input": [7] * 3000, "truncate": True}).json()["usage"][
+            "prompt_tokens"
+        ]
+        == 64
+    )
 
 
 @pytest.mark.parametrize(

@@ -273,7 +273,8 @@ def test_resume_refuses_a_different_run(tiny_dir, session_home, tmp_path):
 
 def test_a_timestamped_run_resumes_by_its_directory(tiny_dir, monkeypatch, tmp_path):
     """A run started without out_dir (outputs/<name>/<time>) saved out_dir: null; resuming it
-    names the directory, which is where the run is, not a different run."""
+    names the directory, which is where the run is, not a different run. Settings added since a
+    run was written (missing from its config.yaml) take their defaults."""
     from mlxlab.train.cli import run
 
     tiny_dir("llama")
@@ -281,6 +282,11 @@ def test_a_timestamped_run_resumes_by_its_directory(tiny_dir, monkeypatch, tmp_p
     first = run(_cfg(tmp_path, iters=2, save_every=1, out_dir=None))
     run_dir = Path(first["adapter"]).parent
     assert run_dir.parent.parent == tmp_path / "outputs"
+    import yaml
+
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["lora"]["init"], saved["backward"]["pipeline"], saved["dist"]  # an older run's
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     again = run(_cfg(tmp_path, iters=3, resume=True, out_dir=str(run_dir)))
     assert again["start_step"] == 1  # from its checkpoint, as any resumed run
     assert again["initial_val_loss"] == first["initial_val_loss"]  # read back from metrics.jsonl

@@ -40,12 +40,14 @@ class Audio:
         return len(self.samples) / SAMPLE_RATE
 
 
-def format_hint(name: str | None) -> str | None:
-    """The format a file name or a `format` field names (lower case, no dot), or None."""
+def format_hint(name: str | None, field: bool = False) -> str | None:
+    """The format a file name's extension names (lower case, no dot), or None (no extension);
+    `field`: `name` is a `format` field ("mp3" or ".mp3")."""
     if not name:
         return None
-    ext = os.path.splitext(name)[1] if "." in name else name
-    return ext.lstrip(".").lower() or None
+    if field:
+        return name.lstrip(".").lower() or None
+    return os.path.splitext(os.path.basename(name))[1].lstrip(".").lower() or None
 
 
 def _what(hint: str | None, label: str) -> str:

@@ -14,8 +14,9 @@ Per case, from the model's raw text and the conversation's message uuids:
 - nonempty: at least one chunk.
 
 Accuracy against the gold chunks (when a case has them): boundary F1 (chunk starts after the
-first message), the rate of gold chunks reproduced exactly, and label F1 (`label_f1`); with the
-training split's labels, the share of predicted labels that are verbatim training labels.
+first message), the rate of gold chunks reproduced exactly, label F1 (`label_f1`) and, with an
+embedding model, label similarity by meaning (`label_similarity`); with the training split's
+labels, the share of predicted labels that are verbatim training labels.
 `evaluate` reads a case longer than the prompt budget in windows of consecutive messages
 (`plan_windows`) and merges their answers into one cover (`merge_windows`); the merged answer is
 what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
@@ -306,6 +307,7 @@ class CaseScore:
     ref: float = 0.0  # the reference scorer's total (score_ref)
     ref_notes: list[str] = field(default_factory=list)
     label_f1: float | None = None  # predicted vs gold label words (`label_f1`); None without gold
+    label_pairs: list | None = None  # [predicted, gold] label per gold chunk (`label_matches`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -331,22 +333,55 @@ def token_f1(pred, gold) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def label_f1(ref: RefScore, gold_spans: list[tuple[int, int]], gold_labels: list[str]) -> float:
-    """Mean over gold chunks of `token_f1` against the label of the predicted chunk that overlaps
-    it most (0 where none does, or the answer did not validate)."""
-    if not gold_spans:
-        return 0.0
+def label_matches(
+    ref: RefScore, gold_spans: list[tuple[int, int]], gold_labels: list[str]
+) -> list[list]:
+    """[predicted label, gold label] per gold chunk: the label of the predicted chunk that
+    overlaps it most (None where none does, or the answer did not validate)."""
     spans = ref.spans or []
-    total = 0.0
+    out = []
     for (gs, ge), glabel in zip(gold_spans, gold_labels, strict=True):
         best, best_overlap = None, 0
         for k, (ps, pe) in enumerate(spans):
             overlap = min(ge, pe) - max(gs, ps) + 1
             if overlap > best_overlap:
                 best, best_overlap = k, overlap
-        if best is not None:
-            total += token_f1(ref.labels_text[best], glabel)
-    return total / len(gold_spans)
+        out.append([None if best is None else ref.labels_text[best], glabel])
+    return out
+
+
+def label_f1(ref: RefScore, gold_spans: list[tuple[int, int]], gold_labels: list[str]) -> float:
+    """Mean over gold chunks of `token_f1` against the label of the predicted chunk that overlaps
+    it most (0 where none does, or the answer did not validate)."""
+    pairs = label_matches(ref, gold_spans, gold_labels)
+    if not pairs:
+        return 0.0
+    return sum(token_f1(p, g) for p, g in pairs if p is not None) / len(pairs)
+
+
+def label_similarity(rows: list[dict], model: str) -> None:
+    """Add `label_sim` to each row with gold: the mean over its gold chunks of the cosine
+    similarity between the gold label and its matched predicted label (`label_matches`; 0 where
+    none) as sentence vectors of embedding model `model` (mlxlab/embed). Runs on this thread."""
+    import numpy as np
+
+    from mlxlab.embed.model import Embedder
+
+    texts = sorted(
+        {x for r in rows for pair in r.get("label_pairs") or [] for x in pair if isinstance(x, str)}
+    )
+    if not texts:
+        return
+    embedder = Embedder(model)
+    vectors = embedder.embed(embedder.tokenize(texts, truncate=True)).astype(np.float64)
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    at = {t: vectors[i] for i, t in enumerate(texts)}
+    for r in rows:
+        pairs = r.get("label_pairs")
+        if pairs:
+            r["label_sim"] = sum(
+                float(at[p] @ at[g]) for p, g in pairs if isinstance(p, str)
+            ) / len(pairs)
 
 
 def score_case(
@@ -383,7 +418,7 @@ def score_case(
     )
     nonempty = 1.0 if n else 0.0
     wf = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20 * nonempty)
-    f1 = exact = lf1 = None
+    f1 = exact = lf1 = pairs = None
     if gold is not None:
         index = {u: i for i, u in enumerate(uuids)}
         ordered = sorted(
@@ -402,6 +437,7 @@ def score_case(
             r = tp / len(gb) if gb else 0.0
             f1 = 2 * p * r / (p + r) if p + r else 0.0
         exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
+        pairs = label_matches(ref, gold_spans, [g["label"] for g in ordered])
         lf1 = label_f1(ref, gold_spans, [g["label"] for g in ordered])
     return CaseScore(
         wf,
@@ -417,6 +453,7 @@ def score_case(
         ref.ref,
         ref.notes,
         lf1,
+        pairs,
     )
 
 
@@ -430,6 +467,7 @@ METRICS = (
     "boundary_f1",
     "exact_match",
     "label_f1",
+    "label_sim",
     "memorized_labels",
     "window_ref",
 )
@@ -461,9 +499,9 @@ def table(summaries: dict[str, dict]) -> str:
     model decoded under the answer schema) is the row below it, "<name>, constrained"."""
     head = (
         "| model | cases | ref | strict | boundary F1 | F1 multi-topic | exact chunks | label F1 "
-        "| memorized labels | schema | anchors | labels |"
+        "| label similarity | memorized labels | schema | anchors | labels |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     rows = []
     for name, s in summaries.items():
         rows.append((name, s))
@@ -474,7 +512,8 @@ def table(summaries: dict[str, dict]) -> str:
             f"| {name} | {s['cases']} | {_fmt(s.get('ref'))} | {s['wellformed']:.1f} | "
             f"{_fmt(s.get('boundary_f1'), 3)} | {_fmt(s.get('boundary_f1_multi'), 3)} | "
             f"{_fmt(s.get('exact_match'), 3)} | "
-            f"{_fmt(s.get('label_f1'), 3)} | {_fmt(s.get('memorized_labels'), 3)} | "
+            f"{_fmt(s.get('label_f1'), 3)} | {_fmt(s.get('label_sim'), 3)} | "
+            f"{_fmt(s.get('memorized_labels'), 3)} | "
             f"{s['schema']:.3f} | {s['anchors']:.3f} | {s['labels']:.3f} |"
         )
     return "\n".join(lines)
@@ -869,6 +908,7 @@ def evaluate_model(
     constrained), write per-case JSONL to `out`; return the summary (+ seconds, results path).
     With `settings.constrained` the split is decoded again under the answer schema, written to
     `constrained_path(out)`, and its summary is the summary's "constrained" entry."""
+    from mlxlab.errors import UserError
     from mlxlab.fsutil import atomic_write_text
 
     def run(constrained: bool, path: Path, tag: str) -> dict:
@@ -889,6 +929,11 @@ def evaluate_model(
             getattr(settings, "window_overlap", 2),
             train_labels,
         )
+        if getattr(settings, "label_model", ""):
+            try:
+                label_similarity(rows, settings.label_model)
+            except UserError as e:  # a missing extra score never costs the evaluation
+                log.warning(f"warning: no label similarity ({settings.label_model}): {e}")
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
         return {
             **summarize(rows),

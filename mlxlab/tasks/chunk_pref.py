@@ -314,20 +314,28 @@ class ChunkPrefTask(ChunkTask):
             saved = yaml.safe_load((self.sft / "config.yaml").read_text())["task"]["eval"]
         except (OSError, KeyError, TypeError, yaml.YAMLError):
             return False
+        # settings added since the SFT run: their defaults; label_model only adds a score (a run
+        # without it shows none for SFT alone), so it does not stop the reuse
+        saved = {
+            **to_dict(type(self.cfg.eval)()),
+            **saved,
+            "label_model": self.cfg.eval.label_model,
+        }
         if not src.is_file() or saved != to_dict(self.cfg.eval):
             return False
         from mlxlab.eval.chunk import constrained_path
+        from mlxlab.fsutil import atomic_write
 
-        for a, b in (
-            (src, run_dir / "eval_sft.json"),
+        for a, b in (  # the summary last: its presence says the copy is complete
             (self.sft / "eval_tuned.jsonl", run_dir / "eval_sft.jsonl"),
             (
                 constrained_path(self.sft / "eval_tuned.jsonl"),
                 constrained_path(run_dir / "eval_sft.jsonl"),
             ),
+            (src, run_dir / "eval_sft.json"),
         ):
             if a.is_file():
-                shutil.copy(a, b)
+                atomic_write(b, lambda tmp, a=a: shutil.copyfile(a, tmp))
         self.evals["sft"] = json.loads(src.read_text())
         log.info(f"SFT alone: the evaluation of {self.sft} (same data and settings)")
         return True

@@ -11,6 +11,7 @@ pipeline (train/pipeline.py); rank 0 alone checks and writes the run directory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -83,8 +84,18 @@ RESUME_MAY_CHANGE = (
 )
 
 
-def _check_resume_config(run_dir: Path, now: dict) -> None:
-    """A resumed run must be the same run: only the length and bookkeeping may differ."""
+def _fill_missing(saved: dict, defaults: dict) -> None:
+    """Settings added since `saved` was written take their defaults (what the run had)."""
+    for k, v in defaults.items():
+        if k not in saved:
+            saved[k] = v
+        elif isinstance(saved[k], dict) and isinstance(v, dict):
+            _fill_missing(saved[k], v)
+
+
+def _check_resume_config(run_dir: Path, now: dict, defaults: dict | None = None) -> None:
+    """A resumed run must be the same run: only the length and bookkeeping may differ.
+    `defaults` (the config's defaults) fill settings added since the run was started."""
     import yaml
 
     saved_path = run_dir / "config.yaml"
@@ -93,8 +104,7 @@ def _check_resume_config(run_dir: Path, now: dict) -> None:
     saved = yaml.safe_load(saved_path.read_text())
     if isinstance(saved.get("task"), dict) and saved["task"].get("name") is None:
         saved.pop("task")  # written before tasks were their own configs: no task
-    if isinstance(saved.get("backward"), dict):
-        saved["backward"].setdefault("pipeline", False)  # written before the pipeline existed
+    _fill_missing(saved, defaults or {})
     differ = sorted(
         k
         for k in set(saved) | set(now)
@@ -165,7 +175,11 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
 
     def check_run_dir():
         if cfg.resume:
-            _check_resume_config(run_dir, config_dict)
+            defaults = to_dict(TrainConfig())
+            task_cfg = getattr(hooks, "cfg", None)
+            if task_config is not None and dataclasses.is_dataclass(task_cfg):
+                defaults["task"] = to_dict(type(task_cfg)())
+            _check_resume_config(run_dir, config_dict, defaults)
         elif run_dir.exists() and any(run_dir.iterdir()):
             raise UserError(
                 f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it"

@@ -18,7 +18,7 @@ cotangents to a donor stream's before passing it on. The order is one-forward-on
 (1F1B: rank k starts K-1-k micro-batches before its first backward), with every rank receiving
 its next input before it sends a cotangent back: sends and receives are blocking, and
 `schedule()` is the order proved deadlock-free for any K and M by the rendezvous simulation in
-tests/test_pipeline.py. With balanced ranks the idle share (the bubble) is (K-1)/(M+K-1); each
+tests/test_distributed.py. With balanced ranks the idle share (the bubble) is (K-1)/(M+K-1); each
 rank measures its own (the time it waits in transfers, `bubble` in the step records).
 
 Exactness: every number is computed by the same functions from the same inputs as in one

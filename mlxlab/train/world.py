@@ -281,18 +281,20 @@ class World:
 
     def share_floats(self, values: list[float] | None, n: int, what: str, root: int = 0):
         """Rank `root`'s list of `n` floats (or its None) on every rank, bit for bit."""
-        flag = mx.array([0 if values is None else 1], mx.float64)
-        data = mx.array(values if values is not None else [0.0] * n, mx.float64)
-        flag, data = self.broadcast_arrays([flag, data], what, root)
-        return data.tolist() if flag.item() else None
+        with mx.stream(mx.cpu):  # float64: a Mac's GPU refuses it
+            flag = mx.array([0 if values is None else 1], mx.float64)
+            data = mx.array(values if values is not None else [0.0] * n, mx.float64)
+            flag, data = self.broadcast_arrays([flag, data], what, root)
+            return data.tolist() if flag.item() else None
 
     def merge_floats(self, values: list[float | None], what: str) -> list[float | None]:
         """Each rank computed some entries of a list (None elsewhere): every rank gets every
         entry, from the lowest rank that has it, bit for bit."""
-        has = mx.array([v is not None for v in values], mx.uint8)
-        data = mx.array([0.0 if v is None else v for v in values], mx.float64)
-        every_has = self.all_gather(has[None], what).tolist()
-        every = self.all_gather(data[None], what).tolist()
+        with mx.stream(mx.cpu):  # float64: a Mac's GPU refuses it
+            has = mx.array([[v is not None for v in values]], mx.uint8)
+            data = mx.array([[0.0 if v is None else v for v in values]], mx.float64)
+            every_has = self.all_gather(has, what).tolist()
+            every = self.all_gather(data, what).tolist()
         out: list[float | None] = []
         for i in range(len(values)):
             r = next((r for r in range(self.size) if every_has[r][i]), None)

@@ -94,6 +94,8 @@ def main(argv: list[str]) -> None:
         from mlxlab.data.preference import load_pair_split as load_split  # noqa: F811
     train_path, _ = resolve_paths(cfg.data)
     examples = load_split(train_path, tokenizer, cfg.data).examples
+    if cfg.lora.init:
+        raise SystemExit("dist_step starts from a fresh LoRA; lora.init is train's (job.py)")
     plan = lora_apply.plan(model, cfg.lora)
     lora_apply.apply(model, plan, seed=cfg.seed)
     objective = PairObjective.from_config(cfg)

@@ -32,10 +32,10 @@ class EmbeddingsRequest(BaseModel):
             value = [value]
         if not value:
             raise APIError(400, "input is empty", param="input")
+        if isinstance(value[0], int):  # one token array (its length is tokens, not inputs)
+            value = [value]
         if len(value) > MAX_INPUTS:
             raise APIError(400, f"input: {len(value)} inputs, at most {MAX_INPUTS}", param="input")
-        if isinstance(value[0], int):  # one token array
-            value = [value]
         if isinstance(value[0], str):
             for i, text in enumerate(value):
                 if not text:

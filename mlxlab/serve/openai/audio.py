@@ -42,7 +42,9 @@ def _payload(part: dict, where: str, limit_mb: float) -> tuple[bytes, str]:
             400, f"{where}.input_audio needs {{data: base64, format}}", param=f"{where}.input_audio"
         )
     fmt = spec.get("format")
-    if fmt is not None and (not isinstance(fmt, str) or format_hint(fmt) not in FORMATS):
+    if fmt is not None and (
+        not isinstance(fmt, str) or format_hint(fmt, field=True) not in FORMATS
+    ):
         raise APIError(
             400,
             f"{where}.input_audio.format: unsupported audio format {fmt!r}; use one of "
@@ -67,7 +69,7 @@ def _payload(part: dict, where: str, limit_mb: float) -> tuple[bytes, str]:
         raise APIError(
             400, f"{where}.input_audio.data is not valid base64", param=f"{where}.input_audio.data"
         ) from None
-    return raw, format_hint(fmt) if fmt else None
+    return raw, format_hint(fmt, field=True) if fmt else None
 
 
 async def transcribe_parts(request: Request, body: ChatRequest) -> Heard | None:
