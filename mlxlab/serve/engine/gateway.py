@@ -209,9 +209,11 @@ class Gateway:
             return
         self.running = job
         done, error = None, None
+        # counted before the run: its answer reaches the client from inside it, and /stats read
+        # right after that answer must already count it
+        self.served_serial += 1
         try:
             done = self.serial.run(job)
-            self.served_serial += 1
         except JobError as e:
             error = Failed(str(e), 400, e.code)
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
