@@ -96,11 +96,9 @@ class ChunkTask(Hooks):
         self.evals["tuned"] = self.evaluate(run, "tuned")
         summary["eval"] = self.evals
 
-    def finish(self, run: Run, summary: dict) -> None:
-        from mlxlab.eval.chunk import table
-        from mlxlab.fsutil import atomic_write_text, writable_dir
-
-        text = report(
+    def report_text(self, run: Run, summary: dict) -> str:
+        """The run's report (README.md); a subclass's task writes its own."""
+        return report(
             run.cfg,
             self.cfg,
             run.run_dir,
@@ -111,6 +109,13 @@ class ChunkTask(Hooks):
             self.command,
             run.tokenizer,
         )
+
+    def finish(self, run: Run, summary: dict) -> None:
+        """The report into the run directory (and task.report), the table on the log."""
+        from mlxlab.eval.chunk import table
+        from mlxlab.fsutil import atomic_write_text, writable_dir
+
+        text = self.report_text(run, summary)
         atomic_write_text(run.run_dir / "README.md", text)
         if self.cfg.report:
             report_path = Path(self.cfg.report).expanduser().absolute()
@@ -157,7 +162,7 @@ class ChunkTask(Hooks):
         return summary
 
 
-def _fmt_minutes(seconds: float) -> str:
+def fmt_minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
@@ -300,8 +305,8 @@ def report(
     lines += [
         f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
         + "".join(f", {k} evaluation {v['peak_mem_gb']:.2f} GB" for k, v in evals.items()),
-        f"- wall time: {_fmt_minutes(wall_s)} in all; training {_fmt_minutes(summary['seconds'])}"
-        + "".join(f", {k} evaluation {_fmt_minutes(v['seconds'])}" for k, v in evals.items())
+        f"- wall time: {fmt_minutes(wall_s)} in all; training {fmt_minutes(summary['seconds'])}"
+        + "".join(f", {k} evaluation {fmt_minutes(v['seconds'])}" for k, v in evals.items())
         + (
             f" (resumed at step {summary['start_step']}: the total and training are this "
             "attempt's; evaluations read back from the run are their own attempt's)"

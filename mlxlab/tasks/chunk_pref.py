@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mlxlab.config import DataConfig, EvalSettings, TrainConfig, check_choice, to_dict
 from mlxlab.errors import UserError
-from mlxlab.tasks.chunk import ChunkTask
+from mlxlab.tasks.chunk import ChunkTask, fmt_minutes
 from mlxlab.train.job import Run
 
 log = logging.getLogger(__name__)
@@ -347,22 +347,8 @@ class ChunkPrefTask(ChunkTask):
         self.evals[f"sft + {run.cfg.objective}"] = self.evaluate(run, "tuned")
         summary["eval"] = self.evals
 
-    def finish(self, run: Run, summary: dict) -> None:
-        from mlxlab.eval.chunk import table
-        from mlxlab.fsutil import atomic_write_text, writable_dir
-
-        text = report(run, self.cfg, summary, self.evals, self.command)
-        atomic_write_text(run.run_dir / "README.md", text)
-        if self.cfg.report:
-            path = Path(self.cfg.report).expanduser().absolute()
-            writable_dir(path.parent)
-            atomic_write_text(path, text)
-            log.info(f"report: {self.cfg.report}")
-        log.info(table(self.evals))
-
-
-def _minutes(seconds) -> str:
-    return f"{seconds / 60:.1f} min"
+    def report_text(self, run: Run, summary: dict) -> str:
+        return report(run, self.cfg, summary, self.evals, self.command)
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -419,7 +405,7 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         f"{pairs['pairs_sampled']} of the SFT adapter's sampled answers (temperature "
         f"{pairs['temperature']}) that were wrong ({pairs['sampled_right']} were right), "
         f"{pairs['pairs_moved']} gold answers with a boundary moved by one message; sampled in "
-        f"{_minutes(pairs['seconds'])}",
+        f"{fmt_minutes(pairs['seconds'])}",
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
         f"batch {task.eval.batch_size}"
         + ("; also under the answer's JSON schema" if task.eval.constrained else ""),
@@ -449,9 +435,9 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
             for k, v in evals.items()
             if "peak_mem_gb" in v
         ),
-        f"- wall time: {_minutes(summary['wall_s'])} in all (pairs {_minutes(pairs['seconds'])}, "
-        f"training {_minutes(summary['seconds'])}, "
-        + ", ".join(f"{k} evaluation {_minutes(v['seconds'])}" for k, v in evals.items())
+        f"- wall time: {fmt_minutes(summary['wall_s'])} in all (pairs {fmt_minutes(pairs['seconds'])}, "
+        f"training {fmt_minutes(summary['seconds'])}, "
+        + ", ".join(f"{k} evaluation {fmt_minutes(v['seconds'])}" for k, v in evals.items())
         + "; SFT alone reused from its run costs nothing here)",
         "",
         "Metrics as in `experiments/chunk_seg4/README.md`: ref = the predecessor's chunk-eval (the "
