@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlxlab.models.tiny import TINY_CONFIGS
 from mlxlab.models.tokenizers import build_tiny
 
 # Gemma 3's turn format with image parts (`{"type": "image"}` -> <start_of_image>); a system
@@ -68,6 +69,16 @@ _GEMMA_TOKENS = {
     "image_token": "<image_soft_token>",
 }
 _PALI_TOKENS = {"image_token": "<image>"}
+# The SigLIP tower of the tiny Gemma 3 and PaliGemma: 32 x 32 images in 8-pixel patches.
+_SIGLIP = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "patch_size": 8,
+    "image_size": 32,
+}
 _QWEN_TOKENS = {
     "image_token": "<|image_pad|>",
     "video_token": "<|video_pad|>",
@@ -146,35 +157,13 @@ def tiny_config(family: str, tok) -> dict:
             "pad_token_id": 0,
             "bos_token_id": 2,
             "eos_token_id": [1, 5],
+            # the text-only tiny Gemma 3's language model (models/tiny.py)
             "text_config": {
-                "model_type": "gemma3_text",
-                "hidden_size": 64,
-                "num_hidden_layers": 6,
-                "intermediate_size": 128,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 1_000_000.0,
-                "rope_local_base_freq": 10_000.0,
-                "query_pre_attn_scalar": 32,
-                "sliding_window": 16,
-                "sliding_window_pattern": 3,
-                "max_position_embeddings": 2048,
+                **TINY_CONFIGS["gemma3"],
                 "vocab_size": vocab,
                 "mm_tokens_per_image": 4,
             },
-            "vision_config": {
-                "model_type": "siglip_vision_model",
-                "hidden_size": 32,
-                "num_hidden_layers": 2,
-                "intermediate_size": 64,
-                "num_attention_heads": 2,
-                "patch_size": 8,
-                "image_size": 32,
-                "num_channels": 3,
-                "layer_norm_eps": 1e-6,
-            },
+            "vision_config": {**_SIGLIP, "num_channels": 3, "layer_norm_eps": 1e-6},
         }
     if family == "paligemma":
         # A 32 x 32 image in 8-pixel patches: 16 image tokens before the prompt.
@@ -199,16 +188,7 @@ def tiny_config(family: str, tok) -> dict:
                 "num_image_tokens": 16,
                 "max_position_embeddings": 2048,
             },
-            "vision_config": {
-                "model_type": "siglip_vision_model",
-                "hidden_size": 32,
-                "num_hidden_layers": 2,
-                "intermediate_size": 64,
-                "num_attention_heads": 2,
-                "patch_size": 8,
-                "image_size": 32,
-                "projection_dim": 64,
-            },
+            "vision_config": {**_SIGLIP, "projection_dim": 64},
         }
     vision = {
         "model_type": "qwen2_vl" if family == "qwen2" else "qwen2_5_vl",
