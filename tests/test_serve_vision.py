@@ -16,7 +16,7 @@ import pytest
 
 from mlxlab.serve import image_fetch
 from mlxlab.vision import images, prompt
-from tests.helpers.images import data_url, encoded, jpeg_with_exif
+from tests.helpers.images import anthropic_user, data_url, encoded, jpeg_with_exif
 from tests.helpers.serve import BASE_URL, make_adapter, make_client, named_events, sse_events
 
 
@@ -227,21 +227,7 @@ def test_history_images_reach_a_text_model_as_labels_but_shown_ones_are_refused(
         "/v1/messages": {
             "model": "x",
             "max_tokens": 4,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image",
-                            "source": {
-                                "type": "base64",
-                                "media_type": "image/png",
-                                "data": base64.b64encode(PNG0).decode(),
-                            },
-                        }
-                    ],
-                }
-            ],
+            "messages": [anthropic_user(PNG0)],
         },
         "/v1/responses": {
             "input": [
@@ -455,39 +441,14 @@ def test_the_sdks_send_an_image(vlm):
         model="x",
         max_tokens=6,
         extra_body={"temperature": 0},
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is it?"},
-                    {
-                        "type": "image",
-                        "source": {
-                            "type": "base64",
-                            "media_type": "image/png",
-                            "data": base64.b64encode(PNG2).decode(),
-                        },
-                    },
-                ],
-            }
-        ],
+        messages=[anthropic_user(PNG2, text="What is it?")],
     )
     assert msg.content[0].text == out.choices[0].message.content
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(
             model="x",
             max_tokens=2,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image",
-                            "source": {"type": "base64", "media_type": "image/gif", "data": "AAAA"},
-                        }
-                    ],
-                }
-            ],
+            messages=[anthropic_user("AAAA", "image/gif")],
         )
 
 

@@ -4,7 +4,6 @@ local HTTP server; and `python -m mlxlab generate image=FILE` against the served
 
 from __future__ import annotations
 
-import base64
 import signal
 import subprocess
 import threading
@@ -17,7 +16,7 @@ import pytest
 
 from mlxlab.vision import prompt
 from tests.helpers.cli import run_cli
-from tests.helpers.images import data_url, encoded
+from tests.helpers.images import anthropic_user, data_url, encoded
 from tests.helpers.serve import free_port
 from tests.test_serve_e2e import start_server, wait_ready
 
@@ -107,43 +106,14 @@ def test_the_sdks_send_an_image_over_http(served):
         model="x",
         max_tokens=8,
         extra_body={"temperature": 0},
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is it?"},
-                    {
-                        "type": "image",
-                        "source": {
-                            "type": "base64",
-                            "media_type": "image/png",
-                            "data": base64.b64encode(PNG).decode(),
-                        },
-                    },
-                ],
-            }
-        ],
+        messages=[anthropic_user(PNG, text="What is it?")],
     )
     assert msg.content[0].text == content
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(
             model="x",
             max_tokens=2,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image",
-                            "source": {
-                                "type": "base64",
-                                "media_type": "image/png",
-                                "data": base64.b64encode(PNG[:-40]).decode(),
-                            },
-                        }
-                    ],
-                }
-            ],
+            messages=[anthropic_user(PNG[:-40])],
         )
     assert "truncated or corrupt" in str(e.value)
 

@@ -60,3 +60,15 @@ def gif_two_frames() -> bytes:
     out = io.BytesIO()
     frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:], duration=100)
     return out.getvalue()
+
+
+def anthropic_user(data: bytes | str, media_type: str = "image/png", text: str | None = None):
+    """An Anthropic Messages user turn with one base64 image (bytes are encoded; a str is sent
+    as it is, for bad-data cases), after `text` when given."""
+    import base64
+
+    if isinstance(data, bytes):
+        data = base64.b64encode(data).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+    parts = [{"type": "text", "text": text}] if text is not None else []
+    return {"role": "user", "content": [*parts, image]}
