@@ -350,10 +350,9 @@ def label_matches(
     return out
 
 
-def label_f1(ref: RefScore, gold_spans: list[tuple[int, int]], gold_labels: list[str]) -> float:
-    """Mean over gold chunks of `token_f1` against the label of the predicted chunk that overlaps
-    it most (0 where none does, or the answer did not validate)."""
-    pairs = label_matches(ref, gold_spans, gold_labels)
+def label_f1(pairs: list[list]) -> float:
+    """Mean over gold chunks (`label_matches`' pairs) of `token_f1` against the label of the
+    predicted chunk that overlaps it most (0 where none does, or the answer did not validate)."""
     if not pairs:
         return 0.0
     return sum(token_f1(p, g) for p, g in pairs if p is not None) / len(pairs)
@@ -438,7 +437,7 @@ def score_case(
             f1 = 2 * p * r / (p + r) if p + r else 0.0
         exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
         pairs = label_matches(ref, gold_spans, [g["label"] for g in ordered])
-        lf1 = label_f1(ref, gold_spans, [g["label"] for g in ordered])
+        lf1 = label_f1(pairs)
     return CaseScore(
         wf,
         schema,
