@@ -659,8 +659,22 @@ def generate_all(
     batch_size = 1 uses mlx-lm's `generate` one prompt at a time. `processors(i)`, when given,
     returns prompt i's logits processors (fresh ones: a constraint holds its sequence's state),
     made when its group starts; the groups then run on mlx-lm's `BatchGenerator` with a list
-    per row.
+    per row. The model decodes in eval mode (no dropout) and is put back as it was.
     """
+    was_training = model.training
+    model.eval()
+    try:
+        return _decode_groups(
+            model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler
+        )
+    finally:
+        model.train(was_training)
+
+
+def _decode_groups(
+    model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler
+) -> list[str]:
+    """generate_all's loop: length-sorted groups of `batch_size` prompts."""
     from mlx_lm import batch_generate, generate
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -810,8 +824,8 @@ def evaluate(
     overlap: int = 2,
     train_labels: set[str] | None = None,
 ) -> list[dict]:
-    """Greedy-decode each case (model in eval mode; a case longer than `budget` prompt tokens in
-    windows, their answers merged by `merge_windows`) and score it; one dict per case.
+    """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
+    tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
     `constrained` decodes each window under its `answer_schema`; `train_labels` (normalised
     training-set labels) adds the share of predicted labels that are one of them."""
     from mlxlab.data.chunk import conversation_uuid, shown
@@ -830,20 +844,9 @@ def evaluate(
         def processors(i):
             return [grammar.constrain(grammars[i], tokenizer, width)]
 
-    was_training = model.training
-    model.eval()
-    try:
-        texts = generate_all(
-            model,
-            tokenizer,
-            [w.prompt for w in windows],
-            max_tokens,
-            batch_size,
-            progress,
-            processors,
-        )
-    finally:
-        model.train(was_training)
+    texts = generate_all(
+        model, tokenizer, [w.prompt for w in windows], max_tokens, batch_size, progress, processors
+    )
     rows = []
     for i, case in enumerate(cases):
         mine = [k for k, w in enumerate(windows) if w.case == i]

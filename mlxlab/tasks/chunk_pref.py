@@ -164,20 +164,15 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
     ]
     t0 = time.perf_counter()
     mx.random.seed(cfg.seed)
-    was_training = model.training
-    model.eval()
-    try:
-        texts = generate_all(
-            model,
-            tokenizer,
-            prompts,
-            cfg.eval.max_tokens,
-            batch_size,
-            lambda done, total: log.info(f"[pairs] {done}/{total} answers sampled"),
-            sampler=make_sampler(temp=cfg.temperature),
-        )
-    finally:
-        model.train(was_training)
+    texts = generate_all(
+        model,
+        tokenizer,
+        prompts,
+        cfg.eval.max_tokens,
+        batch_size,
+        lambda done, total: log.info(f"[pairs] {done}/{total} answers sampled"),
+        sampler=make_sampler(temp=cfg.temperature),
+    )
     pairs, kinds = [], {"sampled": 0, "moved": 0}
     right = 0
     for (case, msgs, gold), text in zip(picked, texts, strict=True):
