@@ -667,13 +667,7 @@ class Pipeline:
         rows = self.world.gather_values([mx.get_peak_memory() / 1e9, wait, sent / 1e6])
         self.window_wait = self.window_wall = 0.0
         self.window_steps, self.window_bytes = 0, self.world.bytes_sent
-        return {
-            "peak_mem_gb": max(r[0] for r in rows),
-            "peak_mem_gb_ranks": [r[0] for r in rows],
-            "bubble": sum(r[1] for r in rows) / len(rows),
-            "bubble_ranks": [r[1] for r in rows],
-            "sent_mb_ranks": [r[2] for r in rows],
-        }
+        return _rank_fields(rows)
 
     def summary_fields(self) -> dict:
         wait = self.run_wait / self.run_wall if self.run_wall else 0.0
@@ -681,11 +675,7 @@ class Pipeline:
             [mx.get_peak_memory() / 1e9, wait, self.world.bytes_sent / 1e6, self.held[0] / 1e9]
         )
         return {
-            "peak_mem_gb": max(r[0] for r in rows),
-            "peak_mem_gb_ranks": [r[0] for r in rows],
-            "bubble": sum(r[1] for r in rows) / len(rows),
-            "bubble_ranks": [r[1] for r in rows],
-            "sent_mb_ranks": [r[2] for r in rows],
+            **_rank_fields(rows),
             "weights_gb_ranks": [r[3] for r in rows],
             "weights_gb_model": self.held[1] / 1e9,
         }
@@ -794,3 +784,14 @@ def _with_arrays(tree, arrays: dict):
     """`tree` (the optimizer state) with the arrays at the names in `arrays` replaced."""
     flat = [(k, arrays.get(k, v)) for k, v in tree_flatten(tree)]
     return tree_unflatten(flat)
+
+
+def _rank_fields(rows: list[list[float]]) -> dict:
+    """Per-rank [peak GB, waiting share, MB sent, ...] as the step and summary fields."""
+    return {
+        "peak_mem_gb": max(r[0] for r in rows),
+        "peak_mem_gb_ranks": [r[0] for r in rows],
+        "bubble": sum(r[1] for r in rows) / len(rows),
+        "bubble_ranks": [r[1] for r in rows],
+        "sent_mb_ranks": [r[2] for r in rows],
+    }
