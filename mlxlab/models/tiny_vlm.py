@@ -79,6 +79,17 @@ _SIGLIP = {
     "patch_size": 8,
     "image_size": 32,
 }
+# Its image processing (preprocessor_config.json): 32 x 32, scaled to [-1, 1].
+_SIGLIP_PROCESSING = {
+    "size": {"height": 32, "width": 32},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+}
 _QWEN_TOKENS = {
     "image_token": "<|image_pad|>",
     "video_token": "<|video_pad|>",
@@ -282,16 +293,9 @@ def save(out_dir: str | Path, family: str, seed: int = 0) -> Path:
     tok.save_pretrained(str(out))
     if family == "gemma3":
         processor = {
+            **_SIGLIP_PROCESSING,
             "image_processor_type": "Gemma3ImageProcessor",
             "processor_class": "Gemma3Processor",
-            "size": {"height": 32, "width": 32},
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_resize": True,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "do_convert_rgb": True,
             "resample": 2,
             "do_pan_and_scan": False,
         }
@@ -302,17 +306,10 @@ def save(out_dir: str | Path, family: str, seed: int = 0) -> Path:
         return out
     if family == "paligemma":
         processor = {
+            **_SIGLIP_PROCESSING,
             "image_processor_type": "SiglipImageProcessor",
             "processor_class": "PaliGemmaProcessor",
-            "size": {"height": 32, "width": 32},
             "image_seq_length": 16,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_resize": True,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "do_convert_rgb": True,
             "resample": 3,
         }
         (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
