@@ -401,8 +401,9 @@ class EvalSettings:
     batch_size: int = 8
     """Cases decoded together (mlx-lm's batch generation); 1 decodes one at a time."""
     constrained: bool = False
-    """Also decode every case under the answer's JSON schema (its start/end uuids limited to that
-    conversation's messages; mlxlab/grammar.py) and report those scores next to the unconstrained
+    """Also decode every case under the answer's grammar (the answer's JSON, its chunks covering
+    that conversation's messages in order: the model picks where chunks end and their labels;
+    mlxlab/eval/chunk.py `answer_grammar`) and report those scores next to the unconstrained
     ones, which stay the headline. Doubles the evaluation time."""
     max_prompt_tokens: int = 0
     """A conversation whose prompt is longer is read in windows of consecutive messages of at

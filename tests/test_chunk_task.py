@@ -543,13 +543,58 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
         lora_io.resolve_dir(run_dir)
 
 
-def test_answer_schema_accepts_the_gold_answer():
-    import jsonschema
+def _allows(grammar, tokenizer, text: str) -> bool:
+    """Whether `grammar` allows `text` as a whole answer (its tokens, then end of sequence)."""
+    from mlxlab import grammar as G
 
-    schema = ev.answer_schema(U)
-    jsonschema.validate({"chunks": GOLD}, schema)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"chunks": [{**GOLD[0], "end_message_uuid": "eeeeeeee-4444"}]}, schema)
+    c = G.constrain(grammar, tokenizer, len(tokenizer._tokenizer))
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        if not c.allowed()[t] or not c.matcher.consume_token(t):
+            return False
+    return bool(c.allowed()[min(tokenizer.eos_token_ids)])
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer(tiny_dir):
+    from mlx_lm import load
+
+    return load(str(tiny_dir("gemma3")))[1]
+
+
+def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
+    """The constrained decode's grammar: the gold answer (and any cover in order) is allowed;
+    a gap, an overlap, a short or generic-length label, a foreign uuid, a cover that stops
+    before the last message or another layout are not."""
+    from mlxlab import grammar as G
+
+    grammar = G.lark(ev.answer_grammar(U), "answer")
+    ok = [
+        GOLD,
+        [{"label": "One topic throughout", "start_message_uuid": U[0], "end_message_uuid": U[3]}],
+        [
+            {"label": f"Topic number {i}", "start_message_uuid": u, "end_message_uuid": u}
+            for i, u in enumerate(U)
+        ],
+    ]
+    for chunks in ok:
+        assert _allows(grammar, gemma_tokenizer, data.answer(chunks)), chunks
+    a, b = GOLD
+    bad = [
+        [a],  # stops before the last message
+        [a, {**b, "start_message_uuid": U[3]}],  # a gap
+        [a, {**b, "start_message_uuid": U[1]}],  # an overlap
+        [{**a, "start_message_uuid": U[1]}, b],  # not from the first message
+        [a, {**b, "end_message_uuid": "eeeeeeee-4444-4000-8000-000000000000"}],
+        [{**a, "label": "Assert"}, b],  # one word
+        [{**a, "label": " ".join(["word"] * 13)}, b],  # 13 words
+        [{**a, "label": "The  assert"}, b],  # two spaces
+    ]
+    for chunks in bad:
+        assert not _allows(grammar, gemma_tokenizer, data.answer(chunks)), chunks
+    assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}))  # keys reordered
+    assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}, indent=1))
+    empty = G.lark(ev.answer_grammar([]), "no messages")
+    assert _allows(empty, gemma_tokenizer, '{"chunks": []}')
     assert ev.constrained_path(Path("x/eval_base.jsonl")).name == "eval_base.constrained.jsonl"
 
 
@@ -588,10 +633,14 @@ def test_constrained_eval_parses_and_uses_only_the_conversations_uuids(
         answer = json.loads(row["output"])  # the whole text, no extraction needed
         assert row["extraction"] == "raw" and list(answer) == ["chunks"] and row["schema"] == 1.0
         assert 1 <= len(answer["chunks"]) <= len(uuids)
+        at = 0  # the chunks cover the messages in order
         for chunk in answer["chunks"]:
             assert tuple(chunk) == data.KEYS  # the label first, as the instructions show
-            assert chunk["start_message_uuid"] in uuids and chunk["end_message_uuid"] in uuids
-            assert isinstance(chunk["label"], str) and 1 <= len(chunk["label"]) <= ev.LABEL_CHARS
+            assert chunk["start_message_uuid"] == uuids[at]
+            at = uuids.index(chunk["end_message_uuid"], at) + 1
+            assert 2 <= len(chunk["label"].split(" ")) <= 12
+        assert at == len(uuids)
+        assert row["ref"] == 100.0 and row["wellformed"] == 100.0 and row["repairs"] == 0
 
 
 def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tmp_path):

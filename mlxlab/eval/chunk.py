@@ -21,9 +21,10 @@ labels, the share of predicted labels that are verbatim training labels.
 (`plan_windows`) and merges their answers into one cover (`merge_windows`); the merged answer is
 what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
 chunk` and the chunk task's base/tuned evaluations call); with
-`constrained=true` it decodes the split a second time under `answer_schema` (mlxlab/grammar.py:
-the JSON shape of the answer, its uuids limited to the conversation's own), still batched, and
-reports those scores as a second row next to the unconstrained ones.
+`constrained=true` it decodes the split a second time under `answer_grammar` (mlxlab/grammar.py:
+the answer's JSON whose chunks cover the conversation's messages in order, so only where chunks
+end and their labels are the model's choice), still batched, and reports those scores as a
+second row next to the unconstrained ones.
 
 Two scorers, both with the weights above: `strict` (this module's `score_case`: the
 well-formedness above; a gap or overlap zeroes the anchors) and `ref` (`score_ref`: the
@@ -578,37 +579,41 @@ def _norm_label(text) -> str:
     return " ".join(text.lower().split()) if isinstance(text, str) else ""
 
 
-LABEL_CHARS = 80  # a label's most characters under the schema (gold titles are 2-12 words)
+# A label word as the grammar allows it: no quote, backslash, control character or space.
+LABEL_WORD = r'[^"\\\x00-\x1f\x7f ]{1,24}'
 
 
-def answer_schema(uuids: list[str]) -> dict:
-    """The answer's JSON schema for one conversation: {"chunks": [{label, start_message_uuid,
-    end_message_uuid}, ...]}, 1 to len(uuids) chunks, each uuid one of `uuids`, keys in the
-    order the instructions show (mlxlab/data/chunk.py `KEYS`), nothing else. Contiguity and
-    coverage are not in it (the scorer still judges those)."""
+def answer_grammar(uuids: list[str]) -> str:
+    """The answer's grammar for one conversation (Lark, for `mlxlab.grammar.lark`): the JSON the
+    instructions ask for, `{"chunks": [{"label": ..., "start_message_uuid": ...,
+    "end_message_uuid": ...}, ...]}` in the training answers' layout (mlxlab/data/chunk.py
+    `answer`), whose chunks cover `uuids` in order: the first starts at the first message, each
+    next one at the message after the one before it ends, the last ends at the last message;
+    each label is 2-12 words. Every answer it allows validates without a repair under both
+    scorers, and a chunk that ends before the last message is followed by another: the model
+    chooses where chunks end and what they are called, nothing else. Without messages the only
+    answer is an empty chunk list."""
     from mlxlab.data.chunk import KEYS
 
-    anchor = {"type": "string", "enum": list(dict.fromkeys(uuids))}
-    label = {"type": "string", "minLength": 1, "maxLength": LABEL_CHARS}
-    chunk = {
-        "type": "object",
-        "properties": {k: label if k == "label" else anchor for k in KEYS},
-        "required": list(KEYS),
-        "additionalProperties": False,
-    }
-    return {
-        "type": "object",
-        "properties": {
-            "chunks": {
-                "type": "array",
-                "items": chunk,
-                "minItems": 1,
-                "maxItems": max(len(set(uuids)), 1),
-            }
-        },
-        "required": ["chunks"],
-        "additionalProperties": False,
-    }
+    assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
+
+    def lit(text: str) -> str:  # a Lark string literal matching `text`
+        return json.dumps(text)
+
+    if not uuids:
+        return f"start: {lit(json.dumps({'chunks': []}))}"
+    n = len(uuids)
+    quoted = [lit(json.dumps(u)) for u in uuids]
+    opening, closing = lit('{"chunks": ['), lit("]}")
+    label, start, end = (lit(f'{", " if k != "label" else "{"}"{k}": ') for k in KEYS)
+    word = LABEL_WORD
+    rules = [f"start: {opening} c0 {closing}", f'LABEL: /"{word}( {word}){{1,11}}"/']
+    for i in range(n):
+        rules.append(f"c{i}: {label} LABEL {start} {quoted[i]} {end} e{i}")
+        ends = [f"{quoted[j]} {lit('}, ')} c{j + 1}" for j in range(i, n - 1)]
+        ends.append(f"{quoted[n - 1]} {lit('}')}")
+        rules.append(f"e{i}: " + " | ".join(ends))
+    return "\n".join(rules)
 
 
 def n_vocab(model, tokenizer) -> int:
@@ -826,7 +831,7 @@ def evaluate(
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
-    `constrained` decodes each window under its `answer_schema`; `train_labels` (normalised
+    `constrained` decodes each window under its `answer_grammar`; `train_labels` (normalised
     training-set labels) adds the share of predicted labels that are one of them."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
@@ -837,8 +842,7 @@ def evaluate(
 
         width = n_vocab(model, tokenizer)
         grammars = [
-            grammar.json_schema(answer_schema(w.uuids), f"case {w.case} answer schema")
-            for w in windows
+            grammar.lark(answer_grammar(w.uuids), f"case {w.case} answer grammar") for w in windows
         ]
 
         def processors(i):

@@ -40,7 +40,7 @@ class ChunkTaskConfig:
     eval_base: bool = True
     """Also evaluate the base model (before LoRA is attached)."""
     eval_base_constrained: bool = True
-    """With eval.constrained, also decode the base model under the answer schema (false saves
+    """With eval.constrained, also decode the base model under the answer grammar (false saves
     that pass: the base model writes to max_tokens unconstrained, the slowest decode of a run)."""
     report: str | None = None
     """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
@@ -275,7 +275,8 @@ def report(
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
         f"batch {task.eval.batch_size}"
         + (
-            "; also decoded under the answer's JSON schema (rows marked constrained)"
+            "; also decoded under the answer's grammar, its chunks covering the conversation in "
+            "order (rows marked constrained)"
             if task.eval.constrained
             else ""
         ),

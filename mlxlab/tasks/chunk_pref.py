@@ -403,7 +403,11 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         f"{fmt_minutes(pairs['seconds'])}",
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
         f"batch {task.eval.batch_size}"
-        + ("; also under the answer's JSON schema" if task.eval.constrained else ""),
+        + (
+            "; also under the answer's grammar (chunks covering the conversation)"
+            if task.eval.constrained
+            else ""
+        ),
         f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
         f"mlx {getattr(mx, '__version__', '?')}",
         "",
