@@ -405,6 +405,11 @@ class EvalSettings:
     that conversation's messages in order: the model picks where chunks end and their labels;
     mlxlab/eval/chunk.py `answer_grammar`) and report those scores next to the unconstrained
     ones, which stay the headline. Doubles the evaluation time."""
+    cover: bool = True
+    """Under `constrained`, the chunks must reach the conversation's (or window's) last message:
+    every answer is a cover the scorers accept without a repair, and a chunk that ends early is
+    followed by another. false lets the answer close after any chunk (a trailing gap, repaired
+    by the scorers at a cost)."""
     max_prompt_tokens: int = 0
     """A conversation whose prompt is longer is read in windows of consecutive messages of at
     most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: in a

@@ -593,6 +593,12 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
         assert not _allows(grammar, gemma_tokenizer, data.answer(chunks)), chunks
     assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}))  # keys reordered
     assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}, indent=1))
+    # without `cover` the answer may also close early; order and contiguity still hold
+    early = G.lark(ev.answer_grammar(U, cover=False), "answer, may close early")
+    assert _allows(early, gemma_tokenizer, data.answer([a]))
+    assert all(_allows(early, gemma_tokenizer, data.answer(chunks)) for chunks in ok)
+    for chunks in bad[1:]:
+        assert not _allows(early, gemma_tokenizer, data.answer(chunks)), chunks
     empty = G.lark(ev.answer_grammar([]), "no messages")
     assert _allows(empty, gemma_tokenizer, '{"chunks": []}')
     assert ev.constrained_path(Path("x/eval_base.jsonl")).name == "eval_base.constrained.jsonl"
@@ -641,6 +647,25 @@ def test_constrained_eval_parses_and_uses_only_the_conversations_uuids(
             assert 2 <= len(chunk["label"].split(" ")) <= 12
         assert at == len(uuids)
         assert row["ref"] == 100.0 and row["wellformed"] == 100.0 and row["repairs"] == 0
+
+
+def test_constrained_eval_without_cover_keeps_order_and_may_stop_early(tiny_dir, tmp_path):
+    """eval.cover=false: contiguous chunks from the first message, closed wherever the model
+    closes them (the scorers repair a trailing gap)."""
+    from mlxlab.config import EvalSettings
+
+    model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
+    settings = EvalSettings(max_tokens=1024, batch_size=2, constrained=True, cover=False)
+    settings.max_prompt_tokens = 8192
+    ev.evaluate_model(model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny")
+    rows = [json.loads(x) for x in (tmp_path / "r.constrained.jsonl").read_text().splitlines()]
+    for row, record in zip(rows, records, strict=True):
+        uuids = [m["uuid"] for m in data.shown(record["messages"])]
+        at = 0
+        for chunk in json.loads(row["output"])["chunks"]:
+            assert chunk["start_message_uuid"] == uuids[at]
+            at = uuids.index(chunk["end_message_uuid"], at) + 1
+        assert row["ref"] >= 82.5 and ("trailing gap covered" in row["notes"]) == (at < len(uuids))
 
 
 def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tmp_path):

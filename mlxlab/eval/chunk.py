@@ -583,16 +583,18 @@ def _norm_label(text) -> str:
 LABEL_WORD = r'[^"\\\x00-\x1f\x7f ]{1,24}'
 
 
-def answer_grammar(uuids: list[str]) -> str:
+def answer_grammar(uuids: list[str], cover: bool = True) -> str:
     """The answer's grammar for one conversation (Lark, for `mlxlab.grammar.lark`): the JSON the
     instructions ask for, `{"chunks": [{"label": ..., "start_message_uuid": ...,
     "end_message_uuid": ...}, ...]}` in the training answers' layout (mlxlab/data/chunk.py
-    `answer`), whose chunks cover `uuids` in order: the first starts at the first message, each
-    next one at the message after the one before it ends, the last ends at the last message;
-    each label is 2-12 words. Every answer it allows validates without a repair under both
-    scorers, and a chunk that ends before the last message is followed by another: the model
-    chooses where chunks end and what they are called, nothing else. Without messages the only
-    answer is an empty chunk list."""
+    `answer`), whose chunks follow `uuids` in order: the first starts at the first message, each
+    next one at the message after the one before it ends; each label is 2-12 words. With
+    `cover` the last chunk ends at the last message, so every answer it allows validates without
+    a repair under both scorers and a chunk that ends earlier is followed by another; without,
+    the answer may close after any chunk (a trailing gap, which both scorers repair at a cost),
+    so the model's wish to stop is not turned into one more chunk. Either way the model chooses
+    where chunks end and what they are called, nothing else. Without messages the only answer is
+    an empty chunk list."""
     from mlxlab.data.chunk import KEYS
 
     assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
@@ -611,7 +613,8 @@ def answer_grammar(uuids: list[str]) -> str:
     for i in range(n):
         rules.append(f"c{i}: {label} LABEL {start} {quoted[i]} {end} e{i}")
         ends = [f"{quoted[j]} {lit('}, ')} c{j + 1}" for j in range(i, n - 1)]
-        ends.append(f"{quoted[n - 1]} {lit('}')}")
+        last = range(n - 1, n) if cover else range(i, n)  # where the answer may close
+        ends += [f"{quoted[j]} {lit('}')}" for j in last]
         rules.append(f"e{i}: " + " | ".join(ends))
     return "\n".join(rules)
 
@@ -828,10 +831,11 @@ def evaluate(
     budget: int = AUTO_PROMPT_TOKENS,
     overlap: int = 2,
     train_labels: set[str] | None = None,
+    cover: bool = True,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
-    `constrained` decodes each window under its `answer_grammar`; `train_labels` (normalised
+    `constrained` decodes each window under its `answer_grammar` (`cover`: chunks to its last message); `train_labels` (normalised
     training-set labels) adds the share of predicted labels that are one of them."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
@@ -842,7 +846,8 @@ def evaluate(
 
         width = n_vocab(model, tokenizer)
         grammars = [
-            grammar.lark(answer_grammar(w.uuids), f"case {w.case} answer grammar") for w in windows
+            grammar.lark(answer_grammar(w.uuids, cover), f"case {w.case} answer grammar")
+            for w in windows
         ]
 
         def processors(i):
@@ -912,7 +917,7 @@ def evaluate_model(
 ) -> dict:
     """Evaluate `records` (read_split) with `settings` (EvalSettings: max_tokens, batch_size,
     constrained), write per-case JSONL to `out`; return the summary (+ seconds, results path).
-    With `settings.constrained` the split is decoded again under the answer schema, written to
+    With `settings.constrained` the split is decoded again under the answer grammar, written to
     `constrained_path(out)`, and its summary is the summary's "constrained" entry."""
     from mlxlab.errors import UserError
     from mlxlab.fsutil import atomic_write_text
@@ -934,6 +939,7 @@ def evaluate_model(
             max_prompt_tokens(model, settings),
             getattr(settings, "window_overlap", 2),
             train_labels,
+            getattr(settings, "cover", True),
         )
         if getattr(settings, "label_model", ""):
             try:
