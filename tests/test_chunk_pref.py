@@ -141,3 +141,27 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
     text = report.read_text()
     assert "| sft | 3 |" in text and "| sft + dpo | 3 |" in text and str(sft) in text
     assert Path(summary["adapter"]).is_dir()
+
+
+def test_sft_evaluation_is_reused_only_with_the_same_decode(tmp_path):
+    """SFT alone is copied from the SFT run only when its evaluation settings match; a run from
+    before eval.cover decoded its constrained row under a JSON schema, so that is not reused."""
+    import yaml
+
+    from mlxlab.config import EvalSettings, to_dict
+    from mlxlab.tasks.chunk_pref import ChunkPrefConfig, ChunkPrefTask
+
+    settings = EvalSettings(constrained=True)
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "eval_tuned.json").write_text(json.dumps({"ref": 90.0}))
+    (sft / "eval_tuned.jsonl").write_text("{}\n")
+    task = ChunkPrefTask(ChunkPrefConfig(eval=settings))
+    task.sft = sft
+    old = {k: v for k, v in to_dict(settings).items() if k != "cover"}
+    for saved, reused in ((old, False), (to_dict(settings), True)):
+        (sft / "config.yaml").write_text(yaml.safe_dump({"task": {"eval": saved}}))
+        run = tmp_path / f"run-{reused}"
+        run.mkdir()
+        assert task._reuse_sft_eval(run) is reused
+        assert (run / "eval_sft.jsonl").is_file() is reused

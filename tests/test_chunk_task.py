@@ -116,6 +116,8 @@ def test_windows_cover_in_order_within_budget_and_overlap():
         assert sum(costs[a : b + 1]) <= 10 or a == b  # an over-long message is a window alone
     assert data.windows([1, 1, 1], budget=10, overlap=2) == [(0, 2)]
     assert data.windows([5, 5, 5], budget=5, overlap=3) == [(0, 0), (1, 1), (2, 2)]
+    # a cap on messages per window (eval's WINDOW_MESSAGES) holds beside the token budget
+    assert data.windows([1] * 7, budget=100, overlap=1, max_messages=3) == [(0, 2), (2, 4), (4, 6)]
     long = {"uuid": "x", "sender": "assistant", "text": "word " * 500}
     cut = data.fit(long, data.char_cost, 300)
     assert data.char_cost(cut) <= 300 and cut["text"].endswith(data.TRUNCATED)
@@ -575,6 +577,9 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
             {"label": f"Topic number {i}", "start_message_uuid": u, "end_message_uuid": u}
             for i, u in enumerate(U)
         ],
+        [{**GOLD[0], "label": "Two words"}, {**GOLD[1], "label": " ".join(["word"] * 12)}],
+        # json.dumps escapes what the training answers escape: a dash, quotes
+        [{**GOLD[0], "label": 'Mapping Types \u2014 "dict"'}, GOLD[1]],
     ]
     for chunks in ok:
         assert _allows(grammar, gemma_tokenizer, data.answer(chunks)), chunks
@@ -599,6 +604,16 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
     assert all(_allows(early, gemma_tokenizer, data.answer(chunks)) for chunks in ok)
     for chunks in bad[1:]:
         assert not _allows(early, gemma_tokenizer, data.answer(chunks)), chunks
+    odd = ['say "hi"', "back\\slash", "caf\u00e9 \u65e5\u672c"]  # uuids from anyone's JSON
+    chunks = [{"label": "Odd uuids here", "start_message_uuid": odd[0], "end_message_uuid": odd[2]}]
+    assert _allows(
+        G.lark(ev.answer_grammar(odd), "odd uuids"), gemma_tokenizer, data.answer(chunks)
+    )
+    many = [f"m{i:04d}" for i in range(ev.WINDOW_MESSAGES)]  # the largest window's grammar
+    whole = [{"label": "All of it", "start_message_uuid": many[0], "end_message_uuid": many[-1]}]
+    for cover in (True, False):
+        big = G.lark(ev.answer_grammar(many, cover), "the most messages a window holds")
+        assert _allows(big, gemma_tokenizer, data.answer(whole))
     empty = G.lark(ev.answer_grammar([]), "no messages")
     assert _allows(empty, gemma_tokenizer, '{"chunks": []}')
     assert ev.constrained_path(Path("x/eval_base.jsonl")).name == "eval_base.constrained.jsonl"
@@ -620,8 +635,8 @@ def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
 def test_constrained_eval_parses_and_uses_only_the_conversations_uuids(
     tiny_dir, tmp_path, batch_size
 ):
-    """A random tiny model writes garbage unconstrained; under the answer schema every output is
-    the answer's JSON with this conversation's uuids, on the batched and the one-by-one path."""
+    """A random tiny model writes garbage unconstrained; under the answer grammar every output is
+    a cover of this conversation's messages, on the batched and the one-by-one path."""
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, batch_size)
     free = ev.evaluate(model, tokenizer, records, max_tokens=48, batch_size=batch_size, budget=8192)
     assert all(r["extraction"] == "none" and r["schema"] == 0.0 for r in free)
@@ -659,6 +674,7 @@ def test_constrained_eval_without_cover_keeps_order_and_may_stop_early(tiny_dir,
     settings.max_prompt_tokens = 8192
     ev.evaluate_model(model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny")
     rows = [json.loads(x) for x in (tmp_path / "r.constrained.jsonl").read_text().splitlines()]
+    stopped_early = 0
     for row, record in zip(rows, records, strict=True):
         uuids = [m["uuid"] for m in data.shown(record["messages"])]
         at = 0
@@ -666,6 +682,8 @@ def test_constrained_eval_without_cover_keeps_order_and_may_stop_early(tiny_dir,
             assert chunk["start_message_uuid"] == uuids[at]
             at = uuids.index(chunk["end_message_uuid"], at) + 1
         assert row["ref"] >= 82.5 and ("trailing gap covered" in row["notes"]) == (at < len(uuids))
+        stopped_early += at < len(uuids)
+    assert stopped_early  # the random model closes early somewhere: `cover` reached evaluate
 
 
 def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tmp_path):

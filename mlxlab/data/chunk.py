@@ -72,15 +72,19 @@ def prompt(case: dict, messages: list[dict] | None = None) -> str:
     return f"{INSTRUCTIONS}\n\n{header(case)}\n\n" + "\n---\n".join(message_block(m) for m in msgs)
 
 
-def windows(costs: list[int], budget: int, overlap: int) -> list[tuple[int, int]]:
+def windows(
+    costs: list[int], budget: int, overlap: int, max_messages: int = 0
+) -> list[tuple[int, int]]:
     """[(first, last)] message index ranges that cover all messages in order, each costing at most
-    `budget` (a message over the budget alone is its own window; `fit` cuts its text); each after
-    the first reaches past the previous one's end and shares its last `overlap` messages (fewer
-    where they would not fit with the next one)."""
+    `budget` (a message over the budget alone is its own window; `fit` cuts its text) and, when
+    `max_messages` is set, holding at most that many messages; each after the first reaches past
+    the previous one's end and shares its last `overlap` messages (fewer where they would not fit
+    with the next one)."""
+    cap = max_messages or len(costs)
     out, start, n = [], 0, len(costs)
     while start < n:
         end, total = start, costs[start]
-        while end + 1 < n and total + costs[end + 1] <= budget:
+        while end + 1 < n and total + costs[end + 1] <= budget and end + 1 - start < cap:
             end += 1
             total += costs[end]
         out.append((start, end))
@@ -88,7 +92,7 @@ def windows(costs: list[int], budget: int, overlap: int) -> list[tuple[int, int]
             break
         # the next window reaches past this one's end, sharing up to `overlap` messages
         start = max(end + 1 - overlap, start + 1)
-        while start <= end and sum(costs[start : end + 2]) > budget:
+        while start <= end and (sum(costs[start : end + 2]) > budget or end + 2 - start > cap):
             start += 1
     return out
 
@@ -108,14 +112,17 @@ def fit(message: dict, cost, budget: int) -> dict:
     return {**message, "text": text[:lo] + TRUNCATED}
 
 
-def window_cases(case: dict, cost, budget: int, overlap: int) -> list[tuple[int, int, list[dict]]]:
+def window_cases(
+    case: dict, cost, budget: int, overlap: int, max_messages: int = 0
+) -> list[tuple[int, int, list[dict]]]:
     """[(first, last, messages)] for the shown messages of `case`: the windows within `budget`
-    (cost(message) = its block's share of the prompt), over-long messages cut to fit."""
+    (cost(message) = its block's share of the prompt) and `max_messages`, over-long messages cut
+    to fit."""
     msgs = shown(case["messages"])
     costs = [cost(m) for m in msgs]
     return [
         (a, b, [fit(m, cost, budget) for m in msgs[a : b + 1]])
-        for a, b in windows(costs, budget, overlap)
+        for a, b in windows(costs, budget, overlap, max_messages)
     ]
 
 

@@ -496,7 +496,7 @@ def _fmt(value, digits: int = 1) -> str:
 
 def table(summaries: dict[str, dict]) -> str:
     """A markdown table, one row per evaluated model; a summary's "constrained" entry (the same
-    model decoded under the answer schema) is the row below it, "<name>, constrained"."""
+    model decoded under the answer grammar) is the row below it, "<name>, constrained"."""
     head = (
         "| model | cases | ref | strict | boundary F1 | F1 multi-topic | exact chunks | label F1 "
         "| label similarity | memorized labels | schema | anchors | labels |"
@@ -579,8 +579,13 @@ def _norm_label(text) -> str:
     return " ".join(text.lower().split()) if isinstance(text, str) else ""
 
 
-# A label word as the grammar allows it: no quote, backslash, control character or space.
-LABEL_WORD = r'[^"\\\x00-\x1f\x7f ]{1,24}'
+# A label word as the grammar allows it: characters other than a quote, backslash, control
+# character or space, or a JSON escape (training answers are json.dumps': "\u2014" for a dash).
+LABEL_WORD = r'(?:[^"\\\x00-\x1f\x7f ]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4}){1,40}'
+# Most messages in one window (past what the default 8192-token budget holds; it keeps a
+# constrained window's grammar inside llguidance's parser limit of 2000 items per row, which its
+# chain of end rules reaches at about 660 messages)
+WINDOW_MESSAGES = 500
 
 
 def answer_grammar(uuids: list[str], cover: bool = True) -> str:
@@ -604,17 +609,20 @@ def answer_grammar(uuids: list[str], cover: bool = True) -> str:
 
     if not uuids:
         return f"start: {lit(json.dumps({'chunks': []}))}"
+    assert len(set(uuids)) == len(uuids), "a conversation's shown uuids are distinct"
     n = len(uuids)
     quoted = [lit(json.dumps(u)) for u in uuids]
     opening, closing = lit('{"chunks": ['), lit("]}")
     label, start, end = (lit(f'{", " if k != "label" else "{"}"{k}": ') for k in KEYS)
     word = LABEL_WORD
     rules = [f"start: {opening} c0 {closing}", f'LABEL: /"{word}( {word}){{1,11}}"/']
+    # c{i}: a chunk that starts at message i; e{i}: its end, at message i or a later one (one
+    # rule per message, not per pair, so the grammar grows linearly with the window)
     for i in range(n):
         rules.append(f"c{i}: {label} LABEL {start} {quoted[i]} {end} e{i}")
-        ends = [f"{quoted[j]} {lit('}, ')} c{j + 1}" for j in range(i, n - 1)]
-        last = range(n - 1, n) if cover else range(i, n)  # where the answer may close
-        ends += [f"{quoted[j]} {lit('}')}" for j in last]
+        ends = [f"{quoted[i]} {lit('}, ')} c{i + 1}", f"e{i + 1}"] if i < n - 1 else []
+        if i == n - 1 or not cover:
+            ends.append(f"{quoted[i]} {lit('}')}")  # the answer may close here
         rules.append(f"e{i}: " + " | ".join(ends))
     return "\n".join(rules)
 
@@ -746,7 +754,8 @@ class Window:
 
 def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> list[Window]:
     """Each case as one prompt if it fits `budget` tokens, else as overlapping windows of
-    consecutive messages (mlxlab/data/chunk.py `window_cases`), each within the budget."""
+    consecutive messages (mlxlab/data/chunk.py `window_cases`), each within the budget and
+    `WINDOW_MESSAGES`."""
     from mlxlab.data import chunk as data
 
     def encode(text: str) -> list[int]:
@@ -757,7 +766,7 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
     out = []
     for i, case in enumerate(cases):
         whole = encode(data.prompt(case))
-        if len(whole) <= budget:
+        if len(whole) <= budget and len(data.shown(case["messages"])) <= WINDOW_MESSAGES:
             msgs = data.shown(case["messages"])
             out.append(Window(i, 0, len(msgs) - 1, [m["uuid"] for m in msgs], whole))
             continue
@@ -768,7 +777,7 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
                 tokenizer.encode(data.message_block(m) + "\n---\n", add_special_tokens=False)
             )
 
-        for a, b, msgs in data.window_cases(case, cost, max(room, 16), overlap):
+        for a, b, msgs in data.window_cases(case, cost, max(room, 16), overlap, WINDOW_MESSAGES):
             out.append(Window(i, a, b, [m["uuid"] for m in msgs], encode(data.prompt(case, msgs))))
     return out
 
@@ -780,9 +789,10 @@ def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conv
     has one message of context before it) to the middle of its overlap with the one after; the
     chunk starts a window's answer (validated as `score_ref` does) puts inside what it owns are
     the merged boundaries, with its labels (without overlap, a chunk starting with the window is
-    a new one only under a different label). A window whose answer does not parse or validate owns one chunk labelled
-    None (not a string: the merged answer's schema and labels scores count it against the case),
-    and the window after it starts a chunk where it takes over. Message 0 always starts one."""
+    a new one only under a different label). A window whose answer does not parse or validate
+    owns one chunk labelled None (not a string: the merged answer's schema and labels scores
+    count it against the case), and the window after it starts a chunk where it takes over.
+    Message 0 always starts one."""
     cuts = [0]
     for prev, cur in zip(windows, windows[1:], strict=False):
         cuts.append(min(max((cur.first + prev.last + 2) // 2, cur.first), prev.last + 1))
@@ -835,8 +845,9 @@ def evaluate(
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
-    `constrained` decodes each window under its `answer_grammar` (`cover`: chunks to its last message); `train_labels` (normalised
-    training-set labels) adds the share of predicted labels that are one of them."""
+    `constrained` decodes each window under its `answer_grammar` (with `cover`: chunks up to its
+    last message); `train_labels` (normalised training-set labels) adds the share of predicted
+    labels that are one of them."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     windows = plan_windows(cases, tokenizer, budget, overlap)

@@ -4,17 +4,20 @@
     python -m mlxlab eval chunk adapter=outputs/chunk_seg4/<run>    # a run dir means its final adapter
     python -m mlxlab eval chunk data=data/chunk split=valid cases=8 batch_size=1 out=valid.jsonl
     python -m mlxlab eval chunk constrained=true    # also decoded under the answer's grammar
+    python -m mlxlab eval chunk constrained=true cover=false   # ... which may close before the end
     python -m mlxlab eval chunk data=my_chats.json adapter=RUN   # your own exported chats
 
 `data=` is a dataset directory (its `<split>.cases.json`) or a JSON file of cases, `[{id, name,
 uuid?, messages: [{uuid, sender, text}], chunks?}]`: without gold `chunks` only `ref` and
 `strict` are scored. A conversation longer than `max_prompt_tokens` is read in overlapping windows
-of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; per-case results (output, scores, repairs) go to `out` as JSONL and the
-summary table to stdout (with `constrained=true` a second row, "<model>, constrained", from a
-second decode of the split under the answer's grammar; its cases go next to `out`, named
-`<stem>.constrained.jsonl`). Without `data=`: with an adapter from a chunk-task run, the dataset that run
-trained on (and, unless max_prompt_tokens is set, windows as long as its training prompts); else
-the chunk dataset built with its defaults (what `train +exp=chunk_seg4` builds).
+of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; per-case results
+(output, scores, repairs) go to `out` as JSONL and the summary table to stdout (with
+`constrained=true` a second row, "<model>, constrained", from a second decode of the split under
+the answer's grammar: its chunks follow the messages in order and, with `cover=true`, reach the
+last one; its cases go next to `out`, named `<stem>.constrained.jsonl`). Without `data=`: with an
+adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
+set, windows as long as its training prompts); else the chunk dataset built with its defaults
+(what `train +exp=chunk_seg4` builds).
 """
 
 from __future__ import annotations

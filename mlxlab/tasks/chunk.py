@@ -275,8 +275,9 @@ def report(
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
         f"batch {task.eval.batch_size}"
         + (
-            "; also decoded under the answer's grammar, its chunks covering the conversation in "
-            "order (rows marked constrained)"
+            "; also decoded under the answer's grammar (rows marked constrained: its chunks in "
+            + ("order to the last message" if task.eval.cover else "order, closed anywhere")
+            + ")"
             if task.eval.constrained
             else ""
         ),

@@ -309,6 +309,8 @@ class ChunkPrefTask(ChunkTask):
             saved = yaml.safe_load((self.sft / "config.yaml").read_text())["task"]["eval"]
         except (OSError, KeyError, TypeError, yaml.YAMLError):
             return False
+        if self.cfg.eval.constrained and "cover" not in saved:
+            return False  # before eval.cover, the constrained decode was under a JSON schema
         # settings added since the SFT run: their defaults; label_model only adds a score (a run
         # without it shows none for SFT alone), so it does not stop the reuse
         saved = {
@@ -404,7 +406,8 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
         f"batch {task.eval.batch_size}"
         + (
-            "; also under the answer's grammar (chunks covering the conversation)"
+            "; also under the answer's grammar (chunks in order"
+            + (" to the last message)" if task.eval.cover else ", closed anywhere)")
             if task.eval.constrained
             else ""
         ),
