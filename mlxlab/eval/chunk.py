@@ -627,6 +627,17 @@ def answer_grammar(uuids: list[str], cover: bool = True) -> str:
     return "\n".join(rules)
 
 
+def constrained_note(settings) -> str:
+    """How the constrained rows were decoded, for the reports ("" without `constrained`)."""
+    if not getattr(settings, "constrained", False):
+        return ""
+    order = "to the last message" if getattr(settings, "cover", True) else "closed anywhere"
+    return (
+        "; also decoded under the answer's grammar (rows marked constrained: its chunks in "
+        f"order, {order})"
+    )
+
+
 def n_vocab(model, tokenizer) -> int:
     """The width of the model's logits (embedding rows; may exceed the tokenizer's vocabulary)."""
     return int(getattr(getattr(model, "args", None), "vocab_size", 0) or len(tokenizer._tokenizer))
@@ -766,8 +777,8 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
     out = []
     for i, case in enumerate(cases):
         whole = encode(data.prompt(case))
-        if len(whole) <= budget and len(data.shown(case["messages"])) <= WINDOW_MESSAGES:
-            msgs = data.shown(case["messages"])
+        msgs = data.shown(case["messages"])
+        if len(whole) <= budget and len(msgs) <= WINDOW_MESSAGES:
             out.append(Window(i, 0, len(msgs) - 1, [m["uuid"] for m in msgs], whole))
             continue
         room = budget - len(encode(data.prompt(case, [])))

@@ -404,13 +404,7 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         f"{pairs['pairs_moved']} gold answers with a boundary moved by one message; sampled in "
         f"{fmt_minutes(pairs['seconds'])}",
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
-        f"batch {task.eval.batch_size}"
-        + (
-            "; also under the answer's grammar (chunks in order"
-            + (" to the last message)" if task.eval.cover else ", closed anywhere)")
-            if task.eval.constrained
-            else ""
-        ),
+        f"batch {task.eval.batch_size}" + ev.constrained_note(task.eval),
         f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
         f"mlx {getattr(mx, '__version__', '?')}",
         "",
