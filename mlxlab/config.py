@@ -349,8 +349,18 @@ class ChunkDataConfig:
     overflows stops at load time instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
+    boundary_weight: float = 1.0
+    """Loss weight, in the training split's answers, of the tokens that place each chunk: the
+    first characters of every uuid the answer writes (which message) and the character after each
+    chunk (another chunk, or the end). Most answer tokens are a label or the rest of a copied
+    uuid; these few decide where a topic ends. 1: unweighted (the records carry no
+    `loss_weights`; validation and test records never do)."""
 
     def __post_init__(self):
+        if not 0 < self.boundary_weight < float("inf"):
+            raise UserError(
+                f"boundary_weight must be a positive number, got {self.boundary_weight}"
+            )
         for key in ("train", "valid", "test"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")

@@ -717,3 +717,24 @@ def test_multi_topic_f1_leaves_out_one_topic_cases():
     assert s["boundary_f1"] == pytest.approx(0.5) and s["boundary_f1_multi"] == 0.25
     assert s["multi_cases"] == 2 and "boundary_f1_multi" not in ev.summarize([one])
     assert "| F1 multi-topic |" in ev.table({"m": {**s, "schema": 1, "anchors": 1, "labels": 1}})
+
+
+def test_boundary_weight_marks_where_each_chunk_is_placed(tmp_path):
+    cfg = ChunkDataConfig(seed=1, train=12, valid=2, test=2, boundary_weight=4.0)
+    case = next(c for c in data.build(cfg)["train"] if len(c["chunks"]) >= 2)
+    record = data.chat(case, boundary_weight=4.0)
+    text = record["messages"][1]["content"]
+    marked = [text[a:b] for a, b, w in record["loss_weights"]]
+    assert {w for *_, w in record["loss_weights"]} == {4.0}
+    expected = []
+    for i, c in enumerate(case["chunks"]):
+        expected += [c["start_message_uuid"][:4], c["end_message_uuid"][:4]]
+        expected.append("]" if i == len(case["chunks"]) - 1 else ",")
+    assert marked == expected
+    assert "loss_weights" not in data.chat(case)  # weight 1: unweighted
+    out = data.write_dataset(tmp_path / "d", cfg)
+    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").open()] for s in ("train", "valid")}
+    assert all("loss_weights" in r for r in rows["train"])
+    assert not any("loss_weights" in r for r in rows["valid"])  # validation loss stays plain
+    with pytest.raises(UserError, match="boundary_weight"):
+        ChunkDataConfig(boundary_weight=0)

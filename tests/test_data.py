@@ -139,3 +139,46 @@ def test_sampler_resumes_mid_epoch():
     assert all(np.array_equal(seq[i], np.array(s3.next().inputs)) for i in range(4, 10))
     with pytest.raises(UserError, match="fewer than batch_size"):
         B.BatchSampler(exs[:2], 3, seed=0)
+
+
+def test_loss_weights_weigh_the_tokens_of_their_spans(tmp_path, tokenizer):
+    record = {
+        **CHAT,
+        "messages": [*CHAT["messages"][:-1], {"role": "assistant", "content": "Four, I think."}],
+    }
+    plain = D.tokenize(record, tokenizer, mask_prompt=True)
+    assert plain.weights is None
+    weighted = D.tokenize({**record, "loss_weights": [[0, 4, 3.0]]}, tokenizer, mask_prompt=True)
+    assert weighted.ids == plain.ids and weighted.offset == plain.offset
+    heavy = [
+        tokenizer.decode([t])
+        for t, w in zip(weighted.ids, weighted.weights, strict=True)
+        if w == 3.0
+    ]
+    assert "".join(heavy).strip() == "Four"  # the span's tokens, and only them
+    assert all(w == 1.0 for w in weighted.weights[: weighted.offset])
+    # the batch carries them at the target positions; the mean loss is over their sum
+    batch = B.collate([weighted, plain])
+    n = batch.ntoks
+    w = np.array(batch.weights)[:n]
+    assert n == 2 * (len(plain.ids) - plain.offset) and w[: n // 2].max() == 3.0
+    assert batch.units == float(w.sum()) > n and set(w[n // 2 :]) == {1.0}
+    # the file check names bad spans with their line
+    bad = [
+        {**record, "loss_weights": [[0, 99, 2.0]]},
+        {**record, "loss_weights": [[0, 2]]},
+        {**record, "loss_weights": [[0, 2, -1]]},
+        {"text": "hi", "loss_weights": [[0, 1, 2.0]]},
+        {"messages": CHAT["messages"][:-1], "loss_weights": [[0, 1, 2.0]]},
+    ]
+    with pytest.raises(UserError) as err:
+        D.read_records(_write(tmp_path / "w.jsonl", [record, *bad]))
+    msg = str(err.value)
+    for line, text in [
+        (2, "not within the 14-char response"),
+        (3, "[start, end, weight]"),
+        (4, "finite number >= 0"),
+        (5, "needs a response"),
+        (6, "assistant's response"),
+    ]:
+        assert text in next(x for x in msg.splitlines() if f"w.jsonl:{line}:" in x)

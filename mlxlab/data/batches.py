@@ -3,7 +3,7 @@
 A batch carries the flat positions of the trained targets, so the loss computes logits only
 there. Both the padded length and the number of positions are rounded up to multiples of 32,
 which keeps the set of shapes small (and compiled graphs reusable); padding positions have
-weight 0.
+weight 0, the others 1 or their example's loss weight (mlxlab/data/datasets.py `loss_weights`).
 
 Packing (data.pack=true): several examples share a row, up to max_seq_length tokens, placed by
 first-fit decreasing; `segments` numbers each position's example in its row (0: padding), and
@@ -28,12 +28,13 @@ class Batch:
     positions: object  # mx.array [N] int32: flat indices into B*T of trained targets
     labels: object  # mx.array [N] int32: the target token at each position
     weights: object  # mx.array [N] float32: 1 for real positions, 0 for padding
-    ntoks: int  # trained tokens (sum of weights)
+    ntoks: int  # trained tokens (padding excluded)
     lengths: tuple = ()  # real input length of each example (not row), for the FLOP count
     segments: object = None  # packed rows: mx.array [B, T] int32, example number (0: padding)
     ref: object = None  # preference pairs (rows 2k, 2k+1: chosen, rejected of pair k): the
     # reference model's summed response log-prob per row, mx.array [B] float32 (DPO)
     pairs: bool = False  # rows are (chosen, rejected) pairs
+    weight: float = 0.0  # sum of `weights` (ntoks unless examples carry loss weights); 0: ntoks
 
     def arrays(self) -> tuple:
         """What the losses take: (inputs, positions, labels, weights[, segments][, ref])."""
@@ -45,8 +46,10 @@ class Batch:
     @property
     def units(self) -> int:
         """What a batch's mean loss is over: pairs for a preference batch, else trained tokens
-        (how accumulation and validation weight batches)."""
-        return self.inputs.shape[0] // 2 if self.pairs else self.ntoks
+        by their loss weights (how accumulation and validation weight batches)."""
+        if self.pairs:
+            return self.inputs.shape[0] // 2
+        return self.weight or self.ntoks
 
     @property
     def padding(self) -> float:
@@ -71,7 +74,7 @@ def collate_rows(rows: list[list[Example]], packed: bool = True, width: int = 0)
     width = width or _round_up(max(sum(len(e.ids) - 1 for e in row) for row in rows))
     inputs = np.zeros((len(rows), width), np.int32)
     segments = np.zeros((len(rows), width), np.int32)
-    positions, labels = [], []
+    positions, labels, weights = [], [], []
     for r, row in enumerate(rows):
         start = 0
         for k, ex in enumerate(row):
@@ -83,13 +86,17 @@ def collate_rows(rows: list[list[Example]], packed: bool = True, width: int = 0)
             t = np.arange(max(ex.offset, 1) - 1, n)
             positions.append(r * width + start + t)
             labels.append(ids[t + 1])
+            weights.append(
+                np.ones(len(t), np.float32)
+                if ex.weights is None
+                else np.asarray(ex.weights, np.float32)[t + 1]
+            )
             start += n
     positions = np.concatenate(positions).astype(np.int32)
     labels = np.concatenate(labels).astype(np.int32)
     n = len(positions)
     padded = _round_up(n)
-    weights = np.zeros(padded, np.float32)
-    weights[:n] = 1.0
+    weights = np.pad(np.concatenate(weights), (0, padded - n))
     positions = np.pad(positions, (0, padded - n))
     labels = np.pad(labels, (0, padded - n))
     lengths = tuple(len(e.ids) - 1 for row in rows for e in row)
@@ -101,6 +108,7 @@ def collate_rows(rows: list[list[Example]], packed: bool = True, width: int = 0)
         n,
         lengths,
         mx.array(segments) if packed else None,
+        weight=float(weights.sum()),
     )
 
 

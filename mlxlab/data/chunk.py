@@ -453,15 +453,44 @@ def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
     return out
 
 
-def chat(case: dict, messages: list[dict] | None = None, chunks: list[dict] | None = None):
-    """A chat-format training example: the prompt (for a window: its messages) and the gold."""
+def chat(
+    case: dict,
+    messages: list[dict] | None = None,
+    chunks: list[dict] | None = None,
+    boundary_weight: float = 1.0,
+):
+    """A chat-format training example: the prompt (for a window: its messages) and the gold;
+    with `boundary_weight` != 1, its `loss_weights` (`boundary_spans`)."""
     gold = case["chunks"] if chunks is None else chunks
-    return {
+    text = answer(gold)
+    record = {
         "messages": [
             {"role": "user", "content": prompt(case, messages)},
-            {"role": "assistant", "content": answer(gold)},
+            {"role": "assistant", "content": text},
         ]
     }
+    if boundary_weight != 1:
+        record["loss_weights"] = [[a, b, boundary_weight] for a, b in boundary_spans(text, gold)]
+    return record
+
+
+DECISION_CHARS = 4  # a uuid's first characters: enough to tell a window's messages apart
+
+
+def boundary_spans(text: str, chunks: list[dict]) -> list[tuple[int, int]]:
+    """Character spans of `text` (`answer(chunks)`) that place the chunks: the first
+    `DECISION_CHARS` of each uuid value, in order, and the character after each chunk's object
+    (`,`: another chunk follows; `]`: the list ends)."""
+    spans, at = [], 0
+    for c in chunks:
+        for key in ("start_message_uuid", "end_message_uuid"):
+            value = json.dumps(c[key])
+            at = text.index(f'"{key}": {value}', at) + len(f'"{key}": ')
+            spans.append((at + 1, at + 1 + min(DECISION_CHARS, len(value) - 2)))
+            at += len(value)
+        at = text.index("}", at) + 1
+        spans.append((at, at + 1))
+    return [(a, b) for a, b in spans if b > a]
 
 
 def char_cost(m: dict) -> int:
@@ -478,9 +507,11 @@ def training_windows(case: dict, cfg: ChunkDataConfig) -> list[tuple[list[dict],
     ]
 
 
-def training_examples(case: dict, cfg: ChunkDataConfig) -> list[dict]:
-    """The chat examples of one case (`training_windows`), the windows evaluation reads it in."""
-    return [chat(case, msgs, gold) for msgs, gold in training_windows(case, cfg)]
+def training_examples(case: dict, cfg: ChunkDataConfig, weighted: bool = False) -> list[dict]:
+    """The chat examples of one case (`training_windows`), the windows evaluation reads it in;
+    `weighted`: with `cfg.boundary_weight` on the tokens that place its chunks."""
+    weight = cfg.boundary_weight if weighted else 1.0
+    return [chat(case, msgs, gold, weight) for msgs, gold in training_windows(case, cfg)]
 
 
 def moved_boundary(gold: list[dict], uuids: list[str], rng: random.Random) -> list[dict] | None:
@@ -620,7 +651,7 @@ def write_dataset(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
             (tmp / f"{split}.cases.json").write_text(json.dumps(cases, indent=1) + "\n")
             with (tmp / f"{split}.jsonl").open("w") as f:
                 for case in cases:
-                    for ex in training_examples(case, cfg):
+                    for ex in training_examples(case, cfg, split == "train"):
                         f.write(json.dumps(ex) + "\n")
             per_split[split] = stats(cases)
         (tmp / "build.json").write_text(

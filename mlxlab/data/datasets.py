@@ -7,6 +7,12 @@
 Each example becomes token ids and an `offset`: tokens before it are prompt and get no loss
 when `mask_prompt` is on. Templates are applied exactly as mlx-lm's ChatDataset and
 CompletionsDataset do, so the two train on the same tokens.
+
+A chat or completions record may also carry `"loss_weights": [[start, end, weight], ...]`:
+character spans of the response (the last message's content, or the completion) whose tokens
+weigh `weight` in the loss instead of 1 (the loss is the weighted mean over response tokens; a
+token overlapping several spans takes the last one's weight). mlx-lm ignores the key, so such a
+file trains there unweighted. Used by the chunk task for the tokens that place a boundary.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ FORMATS = ("chat", "completions", "text")
 class Example:
     ids: list[int]
     offset: int  # first token that is trained on (0: all but the first)
+    weights: list[float] | None = None  # per token of `ids`: its loss weight (None: all 1)
 
 
 @dataclass
@@ -72,7 +79,65 @@ def _check_record(record, fmt: str) -> str | None:
             return "'prompt' and 'completion' must be strings"
     elif not isinstance(record["text"], str) or not record["text"]:
         return "'text' must be a non-empty string"
+    if record.get("loss_weights") is None:
+        return None
+    if fmt == "text":
+        return "'loss_weights' needs a response: use chat or completions records"
+    return _check_loss_weights(record, fmt)
+
+
+def _response(record: dict, fmt: str) -> str:
+    """The trained response's text: the completion, or the last message's content."""
+    if fmt == "completions":
+        return record["completion"]
+    content = record["messages"][-1].get("content")
+    return content if isinstance(content, str) else ""
+
+
+def _check_loss_weights(record: dict, fmt: str) -> str | None:
+    spans = record["loss_weights"]
+    if fmt == "chat" and record["messages"][-1].get("role") != "assistant":
+        return "'loss_weights' needs the last message to be the assistant's response"
+    if not isinstance(spans, list):
+        return "'loss_weights' must be a list of [start, end, weight]"
+    n = len(_response(record, fmt))
+    for i, span in enumerate(spans):
+        ok = (
+            isinstance(span, list)
+            and len(span) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in span[:2])
+            and isinstance(span[2], int | float)
+            and not isinstance(span[2], bool)
+        )
+        if not ok:
+            return f"loss_weights[{i}] must be [start, end, weight] (two integers, a number)"
+        start, end, weight = span
+        if not 0 <= start < end <= n:
+            return f"loss_weights[{i}]: [{start}, {end}) is not within the {n}-char response"
+        if not 0 <= weight < float("inf"):
+            return f"loss_weights[{i}]: weight {weight} must be a finite number >= 0"
     return None
+
+
+def token_weights(tokenizer, ids: list[int], offset: int, text: str, spans) -> list[float]:
+    """Per token of `ids`: the weight of the last span in `spans` ([start, end, weight] over the
+    response `text`) that the token's characters overlap, else 1. The response tokens
+    (ids[offset:]) must decode to `text` first (then the template's end-of-turn tokens)."""
+    resp = ids[offset:]
+    if not tokenizer.decode(resp).startswith(text):
+        raise UserError("loss_weights: the response's tokens do not decode to its text")
+    weights = [1.0] * len(ids)
+    until = max(end for _, end, _ in spans)
+    before = 0  # characters decoded before token k
+    for k in range(len(resp)):
+        if before >= until:
+            break
+        after = len(tokenizer.decode(resp[: k + 1]))
+        for start, end, weight in spans:
+            if start < after and before < end:
+                weights[offset + k] = float(weight)
+        before = after
+    return weights
 
 
 def validate_jsonl(path: Path) -> str:
@@ -180,6 +245,10 @@ def tokenize(record: dict, tokenizer, mask_prompt: bool) -> Example:
                 messages[:-1], tools=tools, add_generation_prompt=add_gen, return_dict=False
             )
         )
+    spans = record.get("loss_weights")
+    if spans and offset:
+        text = _response(record, fmt)
+        return Example(ids, offset, token_weights(tokenizer, ids, offset, text, spans))
     return Example(ids, offset)
 
 
@@ -193,6 +262,8 @@ def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
                 too_long.append(f"example {i + 1} has {len(ex.ids)} tokens")
                 continue
             ex.ids = ex.ids[: cfg.max_seq_length]
+            if ex.weights is not None:
+                ex.weights = ex.weights[: cfg.max_seq_length]
             truncated += 1
         if ex.offset >= len(ex.ids):
             dropped += 1  # all prompt (or the response was cut away): nothing to learn from

@@ -70,8 +70,8 @@ class DataParallel:
 
     # --- a step ------------------------------------------------------------------------------
 
-    def total_units(self, units: int) -> int:
-        return int(self.world.sum_values([units], "summing the batch's size")[0])
+    def total_units(self, units: float) -> float:
+        return float(self.world.sum_values([units], "summing the batch's size")[0])
 
     def grads(self, model, grad_fn, batches):
         # Dropout: fold the rank into the step's seeded stream, so shares draw their own masks.
