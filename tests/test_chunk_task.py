@@ -30,9 +30,15 @@ GOLD = [
 
 
 def test_builder_is_deterministic_and_keeps_topics_apart():
+    from mlxlab.data.chunk_topics import load_topics
+
     cfg = ChunkDataConfig(seed=1, train=40, valid=5, test=10)
     a, b = data.build(cfg), data.build(cfg)
     assert a == b
+    # and from one process to the next: no object addresses in the text (a signature's
+    # `<object object at 0x...>` default once made every build differ)
+    texts = [s.text for t in load_topics() for s in t.sections]
+    assert not [t for t in texts if re.search(r" at 0x[0-9a-fA-F]{6,}", t)]
     topics = {split: {t for case in rows for t in case["topics"]} for split, rows in a.items()}
     assert not topics["train"] & topics["test"] and not topics["train"] & topics["valid"]
     labels = {

@@ -182,7 +182,9 @@ def _member_section(modname: str, key: str, value) -> Section | None:
     if len(doc) < 60:
         return None
     try:
-        sig = str(inspect.signature(value))
+        # a default's repr may hold its address (`<object object at 0x7f...>`): drop it, or the
+        # same build differs from one process to the next
+        sig = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(value)))
     except (TypeError, ValueError):
         sig = ""
     kind = "class" if inspect.isclass(value) else "function"
