@@ -737,10 +737,18 @@ def test_boundary_weight_marks_where_each_chunk_is_placed(tmp_path):
         expected += [c["start_message_uuid"][:4], c["end_message_uuid"][:4]]
         expected.append("]" if i == len(case["chunks"]) - 1 else ",")
     assert marked == expected
+    starts = [a for a, _, _ in record["loss_weights"]]
+    assert starts == sorted(set(starts))  # in order, each its own place:
+    for k, (a, _, _) in enumerate(record["loss_weights"]):
+        assert text[a - 1] == ("}" if k % 3 == 2 else '"')  # a uuid's start, the char after `}`
+        if k % 3 != 2:
+            assert text[:a].endswith('_uuid": "')
     assert "loss_weights" not in data.chat(case)  # weight 1: unweighted
     out = data.write_dataset(tmp_path / "d", cfg)
-    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").open()] for s in ("train", "valid")}
-    assert all("loss_weights" in r for r in rows["train"])
-    assert not any("loss_weights" in r for r in rows["valid"])  # validation loss stays plain
+    splits = ("train", "valid", "test")
+    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").open()] for s in splits}
+    assert all({w for *_, w in r["loss_weights"]} == {4.0} for r in rows["train"])
+    # validation loss stays plain, and so does the test split
+    assert not any("loss_weights" in r for s in ("valid", "test") for r in rows[s])
     with pytest.raises(UserError, match="boundary_weight"):
         ChunkDataConfig(boundary_weight=0)

@@ -150,19 +150,52 @@ def test_loss_weights_weigh_the_tokens_of_their_spans(tmp_path, tokenizer):
     assert plain.weights is None
     weighted = D.tokenize({**record, "loss_weights": [[0, 4, 3.0]]}, tokenizer, mask_prompt=True)
     assert weighted.ids == plain.ids and weighted.offset == plain.offset
-    heavy = [
-        tokenizer.decode([t])
-        for t, w in zip(weighted.ids, weighted.weights, strict=True)
-        if w == 3.0
-    ]
+    pairs = zip(weighted.ids, weighted.weights, strict=True)
+    heavy = [tokenizer.decode([t]) for t, w in pairs if w == 3.0]
     assert "".join(heavy).strip() == "Four"  # the span's tokens, and only them
     assert all(w == 1.0 for w in weighted.weights[: weighted.offset])
-    # the batch carries them at the target positions; the mean loss is over their sum
+    # the batch carries each target's own weight (target t+1 at position t); the mean loss is
+    # over their sum; packed rows keep each example's weights in place, in either order
     batch = B.collate([weighted, plain])
     n = batch.ntoks
     w = np.array(batch.weights)[:n]
-    assert n == 2 * (len(plain.ids) - plain.offset) and w[: n // 2].max() == 3.0
-    assert batch.units == float(w.sum()) > n and set(w[n // 2 :]) == {1.0}
+    np.testing.assert_array_equal(w[: n // 2], weighted.weights[weighted.offset :])
+    assert n == 2 * (len(plain.ids) - plain.offset) and w[0] == 3.0 and set(w[n // 2 :]) == {1.0}
+    assert batch.units == float(w.sum()) > n and B.collate([plain]).weight is None
+    for row in ([weighted, plain], [plain, weighted]):
+        packed = B.collate_rows([row])
+        np.testing.assert_array_equal(
+            np.array(packed.weights)[:n],
+            np.concatenate(
+                [
+                    np.ones(len(e.ids) - e.offset) if e.weights is None else e.weights[e.offset :]
+                    for e in row
+                ]
+            ),
+        )
+    _, mask = B.dense_targets(batch)
+    assert float(np.array(mask).sum()) == batch.units  # the full-logits loss weighs the same
+    # without prompt masking the prompt trains at weight 1 and the span keeps its weight
+    unmasked = D.tokenize({**record, "loss_weights": [[0, 4, 3.0]]}, tokenizer, mask_prompt=False)
+    assert unmasked.offset == 0 and unmasked.weights == weighted.weights
+    # a template that trims the content: the spans shift with the leading whitespace it drops
+    padded = {
+        **record,
+        "messages": [
+            *CHAT["messages"][:-1],
+            {"role": "assistant", "content": "  Four, I think.\n"},
+        ],
+        "loss_weights": [[2, 6, 3.0]],
+    }
+    assert D.tokenize(padded, tokenizer, mask_prompt=True).weights == weighted.weights
+    # truncation cuts the weights with the ids; an example whose every target weighs 0 is dropped
+    zero = {**record, "loss_weights": [[0, 14, 0.0]]}
+    path = _write(tmp_path / "t.jsonl", [{**record, "loss_weights": [[0, 4, 3.0]]}, zero])
+    split = D.load_split(path, tokenizer, DataConfig(max_seq_length=len(plain.ids) - 2))
+    (cut,) = split.examples
+    assert cut.weights == weighted.weights[: len(plain.ids) - 2] and len(cut.weights) == len(
+        cut.ids
+    )
     # the file check names bad spans with their line
     bad = [
         {**record, "loss_weights": [[0, 99, 2.0]]},
@@ -170,6 +203,8 @@ def test_loss_weights_weigh_the_tokens_of_their_spans(tmp_path, tokenizer):
         {**record, "loss_weights": [[0, 2, -1]]},
         {"text": "hi", "loss_weights": [[0, 1, 2.0]]},
         {"messages": CHAT["messages"][:-1], "loss_weights": [[0, 1, 2.0]]},
+        {**record, "loss_weights": [[0, 2, 1e39]]},
+        {**record, "loss_weights": "0-2"},
     ]
     with pytest.raises(UserError) as err:
         D.read_records(_write(tmp_path / "w.jsonl", [record, *bad]))
@@ -177,8 +212,27 @@ def test_loss_weights_weigh_the_tokens_of_their_spans(tmp_path, tokenizer):
     for line, text in [
         (2, "not within the 14-char response"),
         (3, "[start, end, weight]"),
-        (4, "finite number >= 0"),
+        (4, "must be in [0, 1e+06]"),
         (5, "needs a response"),
         (6, "assistant's response"),
+        (7, "must be in [0, 1e+06]"),
+        (8, "must be a list"),
     ]:
         assert text in next(x for x in msg.splitlines() if f"w.jsonl:{line}:" in x)
+    # a saved datasets directory is checked the same way (its numbers come back as floats)
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{**record, "loss_weights": [[0, 99, 2.0]]}]).save_to_disk(saved)
+    with pytest.raises(UserError, match="row 0: loss_weights"):
+        D.read_records(saved)
+    good = tmp_path / "good"
+    datasets.Dataset.from_list([{**record, "loss_weights": [[0, 4, 3]]}]).save_to_disk(good)
+    (row,) = D.read_records(good)
+    assert D.tokenize(row, tokenizer, mask_prompt=True).weights == weighted.weights
+    # a response whose tokens do not spell it out (a blank one, which the template trims away)
+    # names the example
+    mangled = {**record, "loss_weights": [[0, 2, 3.0]]}
+    mangled["messages"] = [*CHAT["messages"][:-1], {"role": "assistant", "content": "   "}]
+    with pytest.raises(UserError, match=r"example 1: loss_weights"):
+        D.load_split(_write(tmp_path / "m.jsonl", [mangled]), tokenizer, DataConfig())

@@ -27,14 +27,14 @@ class Batch:
     inputs: object  # mx.array [B, T] int32: tokens[:, :-1], zero-padded
     positions: object  # mx.array [N] int32: flat indices into B*T of trained targets
     labels: object  # mx.array [N] int32: the target token at each position
-    weights: object  # mx.array [N] float32: 1 for real positions, 0 for padding
+    weights: object  # mx.array [N] float32: 0 for padding, else 1 or the example's loss weight
     ntoks: int  # trained tokens (padding excluded)
     lengths: tuple = ()  # real input length of each example (not row), for the FLOP count
     segments: object = None  # packed rows: mx.array [B, T] int32, example number (0: padding)
     ref: object = None  # preference pairs (rows 2k, 2k+1: chosen, rejected of pair k): the
     # reference model's summed response log-prob per row, mx.array [B] float32 (DPO)
     pairs: bool = False  # rows are (chosen, rejected) pairs
-    weight: float = 0.0  # sum of `weights` (ntoks unless examples carry loss weights); 0: ntoks
+    weight: float | None = None  # sum of `weights` (None: ntoks, every weight 1)
 
     def arrays(self) -> tuple:
         """What the losses take: (inputs, positions, labels, weights[, segments][, ref])."""
@@ -44,12 +44,12 @@ class Batch:
         return base if self.ref is None else (*base, self.ref)
 
     @property
-    def units(self) -> int:
+    def units(self) -> float:
         """What a batch's mean loss is over: pairs for a preference batch, else trained tokens
         by their loss weights (how accumulation and validation weight batches)."""
         if self.pairs:
             return self.inputs.shape[0] // 2
-        return self.weight or self.ntoks
+        return self.ntoks if self.weight is None else self.weight
 
     @property
     def padding(self) -> float:
@@ -108,7 +108,9 @@ def collate_rows(rows: list[list[Example]], packed: bool = True, width: int = 0)
         n,
         lengths,
         mx.array(segments) if packed else None,
-        weight=float(weights.sum()),
+        weight=float(weights.sum())
+        if any(e.weights is not None for r in rows for e in r)
+        else None,
     )
 
 
@@ -137,7 +139,8 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def dense_targets(batch: Batch):
-    """(targets [B, T], mask [B, T]) equivalent to a batch's positions, for full-logits losses."""
+    """(targets [B, T], mask [B, T]) equivalent to a batch's positions and weights, for
+    full-logits losses."""
     import mlx.core as mx
 
     b, t = batch.inputs.shape
@@ -146,7 +149,7 @@ def dense_targets(batch: Batch):
     mask = np.zeros(b * t, np.float32)
     pos = np.array(batch.positions)[:n]
     targets[pos] = np.array(batch.labels)[:n]
-    mask[pos] = 1.0
+    mask[pos] = np.array(batch.weights)[:n]
     return mx.array(targets.reshape(b, t)), mx.array(mask.reshape(b, t))
 
 

@@ -100,42 +100,57 @@ def _check_loss_weights(record: dict, fmt: str) -> str | None:
         return "'loss_weights' needs the last message to be the assistant's response"
     if not isinstance(spans, list):
         return "'loss_weights' must be a list of [start, end, weight]"
+    if fmt == "chat" and not isinstance(record["messages"][-1].get("content"), str):
+        return "'loss_weights' needs the response's content to be a string"
     n = len(_response(record, fmt))
+
+    def number(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
     for i, span in enumerate(spans):
         ok = (
-            isinstance(span, list)
+            isinstance(span, list | tuple)
             and len(span) == 3
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in span[:2])
-            and isinstance(span[2], int | float)
-            and not isinstance(span[2], bool)
+            and all(number(x) and float(x).is_integer() for x in span[:2])
+            and number(span[2])
         )
         if not ok:
             return f"loss_weights[{i}] must be [start, end, weight] (two integers, a number)"
         start, end, weight = span
         if not 0 <= start < end <= n:
             return f"loss_weights[{i}]: [{start}, {end}) is not within the {n}-char response"
-        if not 0 <= weight < float("inf"):
-            return f"loss_weights[{i}]: weight {weight} must be a finite number >= 0"
+        if not 0 <= weight <= MAX_LOSS_WEIGHT:
+            return f"loss_weights[{i}]: weight {weight} must be in [0, {MAX_LOSS_WEIGHT:g}]"
     return None
 
 
-def token_weights(tokenizer, ids: list[int], offset: int, text: str, spans) -> list[float]:
+MAX_LOSS_WEIGHT = 1e6  # float32 sums of weighted losses stay finite
+
+
+def token_weights(tokenizer, ids: list[int], response: int, text: str, spans) -> list[float]:
     """Per token of `ids`: the weight of the last span in `spans` ([start, end, weight] over the
     response `text`) that the token's characters overlap, else 1. The response tokens
-    (ids[offset:]) must decode to `text` first (then the template's end-of-turn tokens)."""
-    resp = ids[offset:]
-    if not tokenizer.decode(resp).startswith(text):
-        raise UserError("loss_weights: the response's tokens do not decode to its text")
+    (ids[response:]) must decode to `text` first (then the template's end-of-turn tokens), or to
+    it without its leading and trailing whitespace (templates that trim the content; the spans
+    then shift with it). Each token's characters come from decoding the prefix up to it, so a
+    character a byte-fallback tokenizer splits over tokens counts from its last one."""
+    resp = ids[response:]
+    decoded = tokenizer.decode(resp)
+    shift = 0
+    if not decoded.startswith(text):
+        if not (text.strip() and decoded.startswith(text.strip())):
+            raise UserError("loss_weights: the response's tokens do not decode to its text")
+        shift = len(text) - len(text.lstrip())
     weights = [1.0] * len(ids)
-    until = max(end for _, end, _ in spans)
+    until = max(int(end) for _, end, _ in spans) - shift
     before = 0  # characters decoded before token k
     for k in range(len(resp)):
         if before >= until:
             break
         after = len(tokenizer.decode(resp[: k + 1]))
         for start, end, weight in spans:
-            if start < after and before < end:
-                weights[offset + k] = float(weight)
+            if start - shift < after and before < end - shift:
+                weights[response + k] = float(weight)
         before = after
     return weights
 
@@ -200,12 +215,15 @@ def read_records(path: str | Path) -> list[dict]:
             raise UserError(f"{path} is not a saved datasets directory ({e})") from e
         if isinstance(ds, datasets.DatasetDict):
             raise UserError(f"{path} holds splits {list(ds)}; point at one split's directory")
-        records = list(ds)
-        bad = next((i for i, r in enumerate(records) if _format_of(r) is None), None)
-        if bad is not None:
-            raise UserError(
-                f"{path}: row {bad} has none of 'messages', 'prompt'+'completion', 'text'"
-            )
+        records = [{k: v for k, v in r.items() if v is not None} for r in ds]
+        for i, r in enumerate(records):
+            fmt = _format_of(r)
+            if fmt is None:
+                raise UserError(
+                    f"{path}: row {i} has none of 'messages', 'prompt'+'completion', 'text'"
+                )
+            if r.get("loss_weights") is not None and (problem := _check_record(r, fmt)):
+                raise UserError(f"{path}: row {i}: {problem}")
         return records
     if not path.is_file():
         raise UserError(f"no such data file: {path}")
@@ -237,26 +255,30 @@ def tokenize(record: dict, tokenizer, mask_prompt: bool) -> Example:
         ]
     tools = record.get("tools")
     ids = list(tokenizer.apply_chat_template(messages, tools=tools, return_dict=False))
-    offset = 0
-    if mask_prompt:
-        add_gen = messages[-1].get("role") == "assistant"
-        offset = len(
-            tokenizer.apply_chat_template(
-                messages[:-1], tools=tools, add_generation_prompt=add_gen, return_dict=False
-            )
-        )
     spans = record.get("loss_weights")
-    if spans and offset:
-        text = _response(record, fmt)
-        return Example(ids, offset, token_weights(tokenizer, ids, offset, text, spans))
-    return Example(ids, offset)
+    if not (mask_prompt or spans):
+        return Example(ids, 0)
+    add_gen = messages[-1].get("role") == "assistant"
+    response = len(
+        tokenizer.apply_chat_template(
+            messages[:-1], tools=tools, add_generation_prompt=add_gen, return_dict=False
+        )
+    )
+    offset = response if mask_prompt else 0
+    if not spans:
+        return Example(ids, offset)
+    text = _response(record, fmt)
+    return Example(ids, offset, token_weights(tokenizer, ids, response, text, spans))
 
 
 def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
     """Read, tokenize and length-check one split."""
     examples, truncated, dropped, too_long = [], 0, 0, []
     for i, record in enumerate(read_records(path)):
-        ex = tokenize(record, tokenizer, cfg.mask_prompt)
+        try:
+            ex = tokenize(record, tokenizer, cfg.mask_prompt)
+        except UserError as e:
+            raise UserError(f"{path}: example {i + 1}: {e}") from e
         if len(ex.ids) > cfg.max_seq_length:
             if cfg.on_too_long == "error":
                 too_long.append(f"example {i + 1} has {len(ex.ids)} tokens")
@@ -265,8 +287,10 @@ def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
             if ex.weights is not None:
                 ex.weights = ex.weights[: cfg.max_seq_length]
             truncated += 1
-        if ex.offset >= len(ex.ids):
-            dropped += 1  # all prompt (or the response was cut away): nothing to learn from
+        if ex.offset >= len(ex.ids) or (
+            ex.weights is not None and not any(ex.weights[max(ex.offset, 1) :])
+        ):
+            dropped += 1  # all prompt (or the response was cut away, or weighs 0): nothing to learn
             continue
         examples.append(ex)
     if too_long:
@@ -281,8 +305,8 @@ def load_split(path: str | Path, tokenizer, cfg: DataConfig) -> TokenizedSet:
         )
     if dropped:
         log.warning(
-            f"warning: {dropped} examples in {path} have no response tokens within "
-            f"max_seq_length={cfg.max_seq_length} and were skipped"
+            f"warning: {dropped} examples in {path} have no response tokens (or only ones "
+            f"of loss weight 0) within max_seq_length={cfg.max_seq_length} and were skipped"
         )
     if not examples:
         raise UserError(f"{path}: no example has a response token left to train on")

@@ -1,4 +1,5 @@
-"""Losses returning (loss, ntoks): mean cross-entropy over trained tokens, and their count.
+"""Losses returning (loss, ntoks): mean cross-entropy over trained tokens, and their count
+(with examples' loss weights: the weighted mean, and the weights' sum).
 
 `response_ce` projects only the trained positions to the vocabulary. Gemma's 262k-entry
 vocabulary makes full logits the largest tensor in training ([B, L, 262144] float32 is 4.3 GB
@@ -62,7 +63,8 @@ def token_ce(logits: mx.array, labels: mx.array) -> mx.array:
 
 
 def head_ce(model, h: mx.array, positions, labels, weights, chunk: int = 0):
-    """(mean CE, ntoks) at `positions` (flat indices into h's B*T) from final-normed states h.
+    """(mean CE by `weights`, their sum) at `positions` (flat indices into h's B*T) from
+    final-normed states h.
 
     `chunk` > 0 runs the head over that many positions at a time, each chunk under
     `mx.checkpoint`: its logits ([chunk, vocabulary]) are recomputed in the backward instead of

@@ -613,7 +613,7 @@ class Pipeline:
 
     # --- the trainer's hooks -----------------------------------------------------------------
 
-    def total_units(self, units: int) -> int:
+    def total_units(self, units: float) -> float:
         return units  # every rank sees the whole batches
 
     def grads(self, model, grad_fn, batches):

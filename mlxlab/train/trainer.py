@@ -124,7 +124,8 @@ def train_step(
     """One optimizer step over `batches` (gradient accumulation); returns (loss, grad norm,
     the objective's metrics or None).
 
-    Micro-batch gradients are weighted by their token counts, so an SFT step equals one over
+    Micro-batch gradients are weighted by their token counts (their examples' loss weights
+    summed, where they carry some), so an SFT step equals one over
     the concatenated batch; a preference objective's by their pairs, exact for DPO and IPO (means
     over pairs), while ORPO's NLL term is each micro-batch's own token mean. A non-finite loss or
     gradient raises before any update. With `dist`, `batches` are this rank's shares and sizes,
@@ -168,7 +169,8 @@ def clip_or_norm(acc, grad_clip: float | None):
 
 
 def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce, dist=None) -> float:
-    """Mean loss over the validation batches (dropout off), weighted by trained tokens (by pairs
+    """Mean loss over the validation batches (dropout off), weighted by trained tokens (their
+    loss weights summed, where examples carry some; by pairs
     for a preference objective's `loss_fn`, which then takes the batch's reference log-probs).
     With `dist`, over the world (a data-parallel rank sees its shares, some possibly empty)."""
     model.eval()
@@ -183,7 +185,7 @@ def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce, 
     model.train()
     if dist is not None:
         weighted, total = dist.sum_values([weighted, total])
-    return weighted / max(total, 1)
+    return weighted / total if total > 0 else 0.0
 
 
 # --- checkpoints ------------------------------------------------------------------------------
