@@ -308,6 +308,10 @@ class BackwardConfig:
             raise UserError("backward.plan=auto needs backward.memory_target_gb")
 
 
+MAX_LOSS_WEIGHT = 1e6  # a loss weight's bound (`loss_weights`, boundary_weight): float32
+# sums of weighted losses stay finite
+
+
 @dataclass
 class ChunkDataConfig:
     """How the chunk-task dataset is built: user/assistant conversations over documentation topics
@@ -357,9 +361,9 @@ class ChunkDataConfig:
     `loss_weights`; validation and test records never do)."""
 
     def __post_init__(self):
-        if not 0 < self.boundary_weight < float("inf"):
+        if not 0 < self.boundary_weight <= MAX_LOSS_WEIGHT:
             raise UserError(
-                f"boundary_weight must be a positive number, got {self.boundary_weight}"
+                f"boundary_weight must be in (0, {MAX_LOSS_WEIGHT:g}], got {self.boundary_weight}"
             )
         for key in ("train", "valid", "test"):
             if getattr(self, key) < 1:

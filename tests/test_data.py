@@ -26,6 +26,16 @@ def _write(path, rows):
     return path
 
 
+def _line_errors(path, expected: list[tuple[int, str]]) -> str:
+    """read_records' error for `path`, checked to name each (line, text) of `expected`."""
+    with pytest.raises(UserError) as err:
+        D.read_records(path)
+    msg = str(err.value)
+    for line, text in expected:
+        assert text in next(x for x in msg.splitlines() if f"{path.name}:{line}:" in x)
+    return msg
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_dir):
     from mlx_lm.utils import load_tokenizer
@@ -64,18 +74,16 @@ def test_bad_lines_are_reported_with_file_and_line(tmp_path):
             {"prompt": 3, "completion": "x"},
         ],
     )
-    with pytest.raises(UserError) as err:
-        D.read_records(path)
-    msg = str(err.value)
-    for line, text in [
-        (2, "invalid JSON"),
-        (3, "expected an object"),
-        (4, "non-empty list"),
-        (5, "messages[0] must be an object with a 'role'"),
-        (6, "must be strings"),
-    ]:
-        row = next(x for x in msg.splitlines() if f"train.jsonl:{line}:" in x)
-        assert text in row
+    msg = _line_errors(
+        path,
+        [
+            (2, "invalid JSON"),
+            (3, "expected an object"),
+            (4, "non-empty list"),
+            (5, "messages[0] must be an object with a 'role'"),
+            (6, "must be strings"),
+        ],
+    )
     assert "mixes formats" in msg
 
 
@@ -206,19 +214,18 @@ def test_loss_weights_weigh_the_tokens_of_their_spans(tmp_path, tokenizer):
         {**record, "loss_weights": [[0, 2, 1e39]]},
         {**record, "loss_weights": "0-2"},
     ]
-    with pytest.raises(UserError) as err:
-        D.read_records(_write(tmp_path / "w.jsonl", [record, *bad]))
-    msg = str(err.value)
-    for line, text in [
-        (2, "not within the 14-char response"),
-        (3, "[start, end, weight]"),
-        (4, "must be in [0, 1e+06]"),
-        (5, "needs a response"),
-        (6, "assistant's response"),
-        (7, "must be in [0, 1e+06]"),
-        (8, "must be a list"),
-    ]:
-        assert text in next(x for x in msg.splitlines() if f"w.jsonl:{line}:" in x)
+    _line_errors(
+        _write(tmp_path / "w.jsonl", [record, *bad]),
+        [
+            (2, "not within the 14-char response"),
+            (3, "[start, end, weight]"),
+            (4, "must be in [0, 1e+06]"),
+            (5, "needs a response"),
+            (6, "assistant's response"),
+            (7, "must be in [0, 1e+06]"),
+            (8, "must be a list"),
+        ],
+    )
     # a saved datasets directory is checked the same way (its numbers come back as floats)
     import datasets
 

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxlab.config import DataConfig
+from mlxlab.config import MAX_LOSS_WEIGHT, DataConfig
 from mlxlab.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,6 @@ def _check_loss_weights(record: dict, fmt: str) -> str | None:
         if not 0 <= weight <= MAX_LOSS_WEIGHT:
             return f"loss_weights[{i}]: weight {weight} must be in [0, {MAX_LOSS_WEIGHT:g}]"
     return None
-
-
-MAX_LOSS_WEIGHT = 1e6  # float32 sums of weighted losses stay finite
 
 
 def token_weights(tokenizer, ids: list[int], response: int, text: str, spans) -> list[float]:
