@@ -359,6 +359,11 @@ class ChunkDataConfig:
     chunk (another chunk, or the end). Most answer tokens are a label or the rest of a copied
     uuid; these few decide where a topic ends. 1: unweighted (the records carry no
     `loss_weights`; validation and test records never do)."""
+    turn_topics: bool = False
+    """Answers (all splits' records) open with `"turns": [[uuid prefix, topic], ...]`, each user
+    message's first 8 uuid characters and the topic it asks about, before `"chunks"`: the model
+    names each question's topic where it reads it, and a chunk starts where the name changes
+    (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the prompt is unchanged."""
 
     def __post_init__(self):
         if not 0 < self.boundary_weight <= MAX_LOSS_WEIGHT:

@@ -625,6 +625,50 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
     assert ev.constrained_path(Path("x/eval_base.jsonl")).name == "eval_base.constrained.jsonl"
 
 
+def test_turn_topics_answer_and_grammar(gemma_tokenizer):
+    """turn_topics: the answer opens with each user message's uuid prefix and its chunk's topic
+    (in order, through a window's clipped gold too); the grammar allows that opening only with
+    the window's user uuids, in order, each exactly once, and still the plain answer."""
+    from mlxlab import grammar as G
+
+    msgs = [
+        {"uuid": u, "sender": s, "text": "x"}
+        for u, s in zip(U, ["user", "assistant"] * 2, strict=True)
+    ]
+    gold = [{**GOLD[0], "topic": "assert"}, {**GOLD[1], "topic": "augmented assignment"}]
+    turns = data.turns(msgs, gold)
+    assert turns == [["aaaaaaaa", "assert"], ["cccccccc", "augmented assignment"]]
+    text = data.answer(gold, turns)
+    assert json.loads(text) == {"turns": turns, "chunks": json.loads(data.answer(gold))["chunks"]}
+    assert ev.score_ref(text, U).ref == ev.score_ref(data.answer(gold), U).ref == 100
+    # no `topic` (a user's gold): the label names it; a window's clipped gold keeps the topic
+    assert data.turns(msgs, GOLD)[1] == ["cccccccc", GOLD[1]["label"]]
+    clipped = data.clip(gold, U, 1, 3)
+    assert data.turns(msgs[1:], clipped) == [["cccccccc", "augmented assignment"]]
+    users = [U[0], U[2]]
+    grammar = G.lark(ev.answer_grammar(U, True, users), "answer with turns")
+    assert _allows(grammar, gemma_tokenizer, text)
+    assert _allows(grammar, gemma_tokenizer, data.answer(gold))
+    for wrong in (turns[:1], turns[::-1], [turns[0], turns[0], turns[1]], [[U[1][:8], "x"]]):
+        assert not _allows(grammar, gemma_tokenizer, data.answer(gold, wrong)), wrong
+    assert not _allows(grammar, gemma_tokenizer, data.answer(gold, [turns[0], [U[2][:8], ""]]))
+    plain = G.lark(ev.answer_grammar(U), "answer")
+    assert not _allows(plain, gemma_tokenizer, text)
+    none = G.lark(ev.answer_grammar(U, True, []), "no user turns")
+    assert _allows(none, gemma_tokenizer, data.answer(gold, []))
+    # the dataset writes them on every split when asked, and only then
+    cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, turn_topics=True)
+    case = data.build(cfg)["test"][0]
+    ex = data.training_examples(case, cfg)[0]
+    answer = json.loads(ex["messages"][1]["content"])
+    assert [t[0] for t in answer["turns"]] == [
+        m["uuid"][:8] for m in case["messages"] if m["sender"] == "user"
+    ][: len(answer["turns"])]
+    assert (
+        "turns" not in data.training_examples(case, ChunkDataConfig())[0]["messages"][1]["content"]
+    )
+
+
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
     """n short test conversations (one or two topics, two pairs) and the tiny Gemma 3."""
     from mlx_lm.utils import load

@@ -43,6 +43,9 @@ INSTRUCTIONS = (
 # The answer's keys in the order the model writes them: the label first, so the topic is named
 # before the model picks the message where it ends (JSON readers, and both scorers, ignore order).
 KEYS = ("label", "start_message_uuid", "end_message_uuid")
+# With ChunkDataConfig.turn_topics the answer opens with a "turns" list: each user message's
+# uuid prefix (this many characters) and the topic it is on, before the chunks (`answer`).
+TURN_CHARS = 8
 TRUNCATED = "\n[...]"
 
 # --- the prompt -------------------------------------------------------------------------------
@@ -138,7 +141,7 @@ def clip(chunks: list[dict], uuids: list[str], first: int, last: int) -> list[di
             {
                 "start_message_uuid": uuids[max(s, first)],
                 "end_message_uuid": uuids[min(e, last)],
-                "label": c["label"],
+                **{k: c[k] for k in ("label", "topic") if k in c},
             }
         )
     return out
@@ -405,7 +408,12 @@ def make_conversation(
                 ids.append(mid)
         if ids:
             chunks.append(
-                {"start_message_uuid": ids[0], "end_message_uuid": ids[-1], "label": label(topic)}
+                {
+                    "start_message_uuid": ids[0],
+                    "end_message_uuid": ids[-1],
+                    "label": label(topic),
+                    "topic": topic.name,
+                }
             )
     if len(messages) < 4:  # a one-pair conversation: add a short exchange on the same topic
         for sender, text in zip(("user", "assistant"), rng.choice(THANKS), strict=True):
@@ -458,11 +466,14 @@ def chat(
     messages: list[dict] | None = None,
     chunks: list[dict] | None = None,
     boundary_weight: float = 1.0,
+    turn_topics: bool = False,
 ):
-    """A chat-format training example: the prompt (for a window: its messages) and the gold;
-    with `boundary_weight` != 1, its `loss_weights` (`boundary_spans`)."""
+    """A chat-format training example: the prompt (for a window: its messages) and the gold
+    (with `turn_topics`, opened by its `turns`); with `boundary_weight` != 1, its `loss_weights`
+    (`boundary_spans`)."""
     gold = case["chunks"] if chunks is None else chunks
-    text = answer(gold)
+    msgs = case["messages"] if messages is None else messages
+    text = answer(gold, turns(msgs, gold) if turn_topics else None)
     record = {
         "messages": [
             {"role": "user", "content": prompt(case, messages)},
@@ -511,7 +522,10 @@ def training_examples(case: dict, cfg: ChunkDataConfig, weighted: bool = False) 
     """The chat examples of one case (`training_windows`), the windows evaluation reads it in;
     `weighted`: with `cfg.boundary_weight` on the tokens that place its chunks."""
     weight = cfg.boundary_weight if weighted else 1.0
-    return [chat(case, msgs, gold, weight) for msgs, gold in training_windows(case, cfg)]
+    return [
+        chat(case, msgs, gold, weight, cfg.turn_topics)
+        for msgs, gold in training_windows(case, cfg)
+    ]
 
 
 def moved_boundary(gold: list[dict], uuids: list[str], rng: random.Random) -> list[dict] | None:
@@ -536,9 +550,32 @@ def moved_boundary(gold: list[dict], uuids: list[str], rng: random.Random) -> li
     ]
 
 
-def answer(chunks: list[dict]) -> str:
-    """The answer's JSON text, keys in `KEYS` order (what training teaches the model to write)."""
-    return json.dumps({"chunks": [{k: c[k] for k in KEYS} for c in chunks]})
+def turns(messages: list[dict], chunks: list[dict]) -> list[list[str]]:
+    """[[uuid prefix, topic], ...]: each shown user message of `messages` in order, its uuid's
+    first `TURN_CHARS` characters and the topic of the gold chunk that holds it (the chunk's
+    `topic`, what a user calls it: "numpy.argsort", "json"; else its label). The answer writes
+    these before its chunks, so the model names each question's topic where it reads it, and a
+    chunk starts where the name changes."""
+    msgs = shown(messages)
+    index = {m["uuid"]: i for i, m in enumerate(msgs)}
+    spans = [
+        (index[c["start_message_uuid"]], index[c["end_message_uuid"]], c.get("topic") or c["label"])
+        for c in chunks
+    ]
+    out = []
+    for i, m in enumerate(msgs):
+        if m["sender"] == "user":
+            topic = next(t for s, e, t in spans if s <= i <= e)
+            out.append([m["uuid"][:TURN_CHARS], topic])
+    return out
+
+
+def answer(chunks: list[dict], turns: list[list[str]] | None = None) -> str:
+    """The answer's JSON text, keys in `KEYS` order (what training teaches the model to write);
+    with `turns`, opened by `{"turns": [[uuid prefix, topic], ...]` (`turns`; both scorers read
+    only "chunks")."""
+    body = {"chunks": [{k: c[k] for k in KEYS} for c in chunks]}
+    return json.dumps(body if turns is None else {"turns": turns, **body})
 
 
 BINS = {

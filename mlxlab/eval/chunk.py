@@ -582,13 +582,15 @@ def _norm_label(text) -> str:
 # A label word as the grammar allows it: characters other than a quote, backslash, control
 # character or space, or a JSON escape (training answers are json.dumps': "\u2014" for a dash).
 LABEL_WORD = r'(?:[^"\\\x00-\x1f\x7f ]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4}){1,40}'
+# A turn's topic character: the same, spaces allowed
+TOPIC_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})'
 # Most messages in one window (past what the default 8192-token budget holds; it keeps a
 # constrained window's grammar inside llguidance's parser limit of 2000 items per row, which its
 # chain of end rules reaches at about 660 messages)
 WINDOW_MESSAGES = 500
 
 
-def answer_grammar(uuids: list[str], cover: bool = True) -> str:
+def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None = None) -> str:
     """The answer's grammar for one conversation (Lark, for `mlxlab.grammar.lark`): the JSON the
     instructions ask for, `{"chunks": [{"label": ..., "start_message_uuid": ...,
     "end_message_uuid": ...}, ...]}` in the training answers' layout (mlxlab/data/chunk.py
@@ -599,8 +601,10 @@ def answer_grammar(uuids: list[str], cover: bool = True) -> str:
     the answer may close after any chunk (a trailing gap, which both scorers repair at a cost),
     so the model's wish to stop is not turned into one more chunk. Either way the model chooses
     where chunks end and what they are called, nothing else. Without messages the only answer is
-    an empty chunk list."""
-    from mlxlab.data.chunk import KEYS
+    an empty chunk list. With `users` (the uuids of the user messages among `uuids`, in order)
+    the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
+    those messages' uuid prefix in order, with a topic the model names (1-60 characters)."""
+    from mlxlab.data.chunk import KEYS, TURN_CHARS
 
     assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
 
@@ -616,6 +620,13 @@ def answer_grammar(uuids: list[str], cover: bool = True) -> str:
     label, start, end = (lit(f'{", " if k != "label" else "{"}"{k}": ') for k in KEYS)
     word = LABEL_WORD
     rules = [f"start: {opening} c0 {closing}", f'LABEL: /"{word}( {word}){{1,11}}"/']
+    if users is not None:
+        turns = f" {lit(', ')} ".join(
+            f"{lit('[' + json.dumps(u[:TURN_CHARS]) + ', ')} TOPIC {lit(']')}" for u in users
+        )
+        turns_open, turns_close = lit('{"turns": ['), lit('], "chunks": [')
+        rules[0] += f" | {turns_open} {turns} {turns_close} c0 {closing}"
+        rules.append(f'TOPIC: /"{TOPIC_CHAR}{{1,60}}"/')
     # c{i}: a chunk that starts at message i; e{i}: its end, at message i or a later one (one
     # rule per message, not per pair, so the grammar grows linearly with the window)
     for i in range(n):
@@ -761,6 +772,7 @@ class Window:
     last: int
     uuids: list[str]
     prompt: list[int]
+    users: list[str] = field(default_factory=list)  # its user messages' uuids, in order
 
 
 def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> list[Window]:
@@ -779,7 +791,7 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
         whole = encode(data.prompt(case))
         msgs = data.shown(case["messages"])
         if len(whole) <= budget and len(msgs) <= WINDOW_MESSAGES:
-            out.append(Window(i, 0, len(msgs) - 1, [m["uuid"] for m in msgs], whole))
+            out.append(Window(i, 0, len(msgs) - 1, [m["uuid"] for m in msgs], whole, users(msgs)))
             continue
         room = budget - len(encode(data.prompt(case, [])))
 
@@ -789,8 +801,13 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
             )
 
         for a, b, msgs in data.window_cases(case, cost, max(room, 16), overlap, WINDOW_MESSAGES):
-            out.append(Window(i, a, b, [m["uuid"] for m in msgs], encode(data.prompt(case, msgs))))
+            prompt = encode(data.prompt(case, msgs))
+            out.append(Window(i, a, b, [m["uuid"] for m in msgs], prompt, users(msgs)))
     return out
+
+
+def users(msgs: list[dict]) -> list[str]:
+    return [m["uuid"] for m in msgs if m.get("sender") == "user"]
 
 
 def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
@@ -868,7 +885,7 @@ def evaluate(
 
         width = n_vocab(model, tokenizer)
         grammars = [
-            grammar.lark(answer_grammar(w.uuids, cover), f"case {w.case} answer grammar")
+            grammar.lark(answer_grammar(w.uuids, cover, w.users), f"case {w.case} answer grammar")
             for w in windows
         ]
 
