@@ -272,6 +272,16 @@ def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
     assert len(windows) >= total // budget
     assert all(len(w.prompt) <= budget for w in windows)
     assert windows[0].first == 0 and windows[-1].last == len(uuids) - 1
+    senders = {m["uuid"]: m["sender"] for m in case["messages"]}
+    assert all(w.users == [u for u in w.uuids if senders[u] == "user"] for w in windows)
+    # the answer's room caps the messages a window holds (a short conversation too)
+    assert ev.window_messages(512) == 25 and ev.window_messages(1) == 8
+    assert ev.window_messages(10**6) == ev.WINDOW_MESSAGES
+    capped = ev.plan_windows([case], tokenizer, budget, overlap=2, max_messages=8)
+    assert len(capped) > len(windows) and all(len(w.uuids) <= 8 for w in capped)
+    assert capped[-1].last == len(uuids) - 1
+    short = {**case, "messages": case["messages"][:12]}
+    assert [len(w.uuids) for w in ev.plan_windows([short], tokenizer, budget, 2, 8)] == [8, 6]
     perfect = [
         json.dumps({"chunks": data.clip(case["chunks"], uuids, w.first, w.last)}) for w in windows
     ]

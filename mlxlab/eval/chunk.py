@@ -18,7 +18,8 @@ first message), the rate of gold chunks reproduced exactly, label F1 (`label_f1`
 embedding model, label similarity by meaning (`label_similarity`); with the training split's
 labels, the share of predicted labels that are verbatim training labels.
 `evaluate` reads a case longer than the prompt budget in windows of consecutive messages
-(`plan_windows`) and merges their answers into one cover (`merge_windows`); the merged answer is
+(`plan_windows`; at most `window_messages` of them, so the answer fits `max_tokens`) and merges
+their answers into one cover (`merge_windows`); the merged answer is
 what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
 chunk` and the chunk task's base/tuned evaluations call); with
 `constrained=true` it decodes the split a second time under `answer_grammar` (mlxlab/grammar.py:
@@ -588,6 +589,10 @@ TOPIC_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})'
 # constrained window's grammar inside llguidance's parser limit of 2000 items per row, which its
 # chain of end rules reaches at about 660 messages)
 WINDOW_MESSAGES = 500
+# A window's answer tokens per message it holds (`window_messages`): a `turns` entry takes about
+# 14 Gemma 3 tokens a user message, 7 a message; the rest is room for its chunks (about 100
+# tokens each: a label and two uuids), so a 512-token answer reads at most 25 messages
+ANSWER_TOKENS_PER_MESSAGE = 20
 
 
 def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None = None) -> str:
@@ -775,10 +780,19 @@ class Window:
     users: list[str] = field(default_factory=list)  # its user messages' uuids, in order
 
 
-def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> list[Window]:
-    """Each case as one prompt if it fits `budget` tokens, else as overlapping windows of
-    consecutive messages (mlxlab/data/chunk.py `window_cases`), each within the budget and
+def window_messages(max_tokens: int) -> int:
+    """Most messages in one window when an answer may take `max_tokens`: room for a `turns`
+    entry per user message and the chunks (`ANSWER_TOKENS_PER_MESSAGE` each), at least 8, at most
     `WINDOW_MESSAGES`."""
+    return min(WINDOW_MESSAGES, max(8, max_tokens // ANSWER_TOKENS_PER_MESSAGE))
+
+
+def plan_windows(
+    cases: list[dict], tokenizer, budget: int, overlap: int, max_messages: int = WINDOW_MESSAGES
+) -> list[Window]:
+    """Each case as one prompt if it fits `budget` tokens and `max_messages`, else as
+    overlapping windows of consecutive messages (mlxlab/data/chunk.py `window_cases`), each
+    within both."""
     from mlxlab.data import chunk as data
 
     def encode(text: str) -> list[int]:
@@ -790,7 +804,7 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
     for i, case in enumerate(cases):
         whole = encode(data.prompt(case))
         msgs = data.shown(case["messages"])
-        if len(whole) <= budget and len(msgs) <= WINDOW_MESSAGES:
+        if len(whole) <= budget and len(msgs) <= max_messages:
             out.append(Window(i, 0, len(msgs) - 1, [m["uuid"] for m in msgs], whole, users(msgs)))
             continue
         room = budget - len(encode(data.prompt(case, [])))
@@ -800,7 +814,7 @@ def plan_windows(cases: list[dict], tokenizer, budget: int, overlap: int) -> lis
                 tokenizer.encode(data.message_block(m) + "\n---\n", add_special_tokens=False)
             )
 
-        for a, b, msgs in data.window_cases(case, cost, max(room, 16), overlap, WINDOW_MESSAGES):
+        for a, b, msgs in data.window_cases(case, cost, max(room, 16), overlap, max_messages):
             prompt = encode(data.prompt(case, msgs))
             out.append(Window(i, a, b, [m["uuid"] for m in msgs], prompt, users(msgs)))
     return out
@@ -878,7 +892,7 @@ def evaluate(
     labels that are one of them."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
-    windows = plan_windows(cases, tokenizer, budget, overlap)
+    windows = plan_windows(cases, tokenizer, budget, overlap, window_messages(max_tokens))
     processors = None
     if constrained:
         from mlxlab import grammar
