@@ -550,6 +550,12 @@ def moved_boundary(gold: list[dict], uuids: list[str], rng: random.Random) -> li
     ]
 
 
+def asks(m: dict) -> bool:
+    """Whether a message is a user turn the answer's `turns` list names: any sender but the
+    assistant (exports call the user `user` or `human`)."""
+    return m.get("sender") != "assistant"
+
+
 def turns(messages: list[dict], chunks: list[dict]) -> list[list[str]]:
     """[[uuid prefix, topic], ...]: each shown user message of `messages` in order, its uuid's
     first `TURN_CHARS` characters and the topic of the gold chunk that holds it (the chunk's
@@ -564,7 +570,7 @@ def turns(messages: list[dict], chunks: list[dict]) -> list[list[str]]:
     ]
     out = []
     for i, m in enumerate(msgs):
-        if m["sender"] == "user":
+        if asks(m):
             topic = next(t for s, e, t in spans if s <= i <= e)
             out.append([m["uuid"][:TURN_CHARS], topic])
     return out

@@ -821,7 +821,9 @@ def plan_windows(
 
 
 def users(msgs: list[dict]) -> list[str]:
-    return [m["uuid"] for m in msgs if m.get("sender") == "user"]
+    from mlxlab.data.chunk import asks
+
+    return [m["uuid"] for m in msgs if asks(m)]
 
 
 def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
