@@ -349,7 +349,7 @@ class ChunkDataConfig:
     conversation in windows too, in tokens (EvalSettings.max_prompt_tokens: by default the
     longest training prompt). Characters per token vary with the text (code and uuids take more
     tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
-    2,000 Gemma 3 tokens with the answer, and it sets on_too_long=error, so a setting that
+    2,117 Gemma 3 tokens with the answer (turns and all), and it sets on_too_long=error, so a setting that
     overflows stops at load time instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
@@ -416,7 +416,7 @@ class EvalSettings:
     cases: int = 0
     """Evaluate the first N cases only; 0 means all."""
     max_tokens: int = 256
-    """Most tokens generated per case."""
+    """Most tokens generated per prompt (a case, or one window of a long one)."""
     batch_size: int = 8
     """Cases decoded together (mlx-lm's batch generation); 1 decodes one at a time."""
     constrained: bool = False
@@ -437,6 +437,11 @@ class EvalSettings:
     what the model's context leaves after max_tokens, at most 8192."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
+    turns: bool | None = None
+    """The answers open with a `turns` list (an adapter trained with the chunk data's
+    `turn_topics`): a window then also holds at most max_tokens // 20 messages (8..400), room for
+    a turns entry per user message and the chunks, and the answer grammar allows that opening.
+    None: as the adapter's chunk-task run trained (its dataset's build.json), else false."""
     label_model: str = ""
     """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) that
     also scores the labels against gold by meaning: the cosine similarity of each gold chunk's

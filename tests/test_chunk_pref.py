@@ -71,7 +71,8 @@ def test_config_errors(tmp_path):
 
 
 @pytest.mark.slow  # end to end: an SFT task run, then DPO on top of it (pairs, training, eval)
-def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
+@pytest.mark.parametrize("turns", [False, True])
+def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
     from pathlib import Path
 
     from mlxlab.cli import compose
@@ -100,6 +101,7 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
                 "task.data.valid=1",
                 "task.data.test=3",
                 "task.data.train_topic_weights=[0,1]",
+                f"task.data.turn_topics={str(turns).lower()}",
                 "batch_size=2",
                 f"out_dir={sft}",
             ],
@@ -129,8 +131,14 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
     assert len(lines) == pairs["pairs"]
     for line in lines:
         p = json.loads(line)
-        gold = json.loads(p["chosen"])["chunks"]
+        chosen = json.loads(p["chosen"])
+        gold = chosen["chunks"]
         assert list(gold[0]) == list(data.KEYS) and p["rejected"] != p["chosen"]
+        # the answers keep the SFT data's layout: with turns, the moved boundary's own turns
+        assert ("turns" in chosen) == turns
+        if turns and p["rejected"].startswith('{"turns"'):
+            rejected = json.loads(p["rejected"])
+            assert [t[0] for t in rejected["turns"]] == [t[0] for t in chosen["turns"]]
         assert p["messages"][0]["content"].startswith(data.INSTRUCTIONS)
     # SFT alone is the SFT run's own evaluation (same data, same settings), not a new one
     assert (run / "eval_sft.jsonl").read_bytes() == (sft / "eval_tuned.jsonl").read_bytes()

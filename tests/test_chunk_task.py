@@ -276,7 +276,7 @@ def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
     assert all(w.users == [u for u in w.uuids if senders[u] == "user"] for w in windows)
     # the answer's room caps the messages a window holds (a short conversation too)
     assert ev.window_messages(512) == 25 and ev.window_messages(1) == 8
-    assert ev.window_messages(10**6) == ev.WINDOW_MESSAGES
+    assert ev.window_messages(10**6) == ev.TURNS_WINDOW_MESSAGES
     capped = ev.plan_windows([case], tokenizer, budget, overlap=2, max_messages=8)
     assert len(capped) > len(windows) and all(len(w.uuids) <= 8 for w in capped)
     assert capped[-1].last == len(uuids) - 1
@@ -630,12 +630,16 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
     for cover in (True, False):
         big = G.lark(ev.answer_grammar(many, cover), "the most messages a window holds")
         assert _allows(big, gemma_tokenizer, data.answer(whole))
+    most = many[: ev.TURNS_WINDOW_MESSAGES]  # a turns window of user messages only
+    every = [{"label": "All of it", "start_message_uuid": most[0], "end_message_uuid": most[-1]}]
+    big = G.lark(ev.answer_grammar(most, True, most), "the most turns a window holds")
+    assert _allows(big, gemma_tokenizer, data.answer(every, [[u[:8], "x"] for u in most]))
     empty = G.lark(ev.answer_grammar([]), "no messages")
     assert _allows(empty, gemma_tokenizer, '{"chunks": []}')
     assert ev.constrained_path(Path("x/eval_base.jsonl")).name == "eval_base.constrained.jsonl"
 
 
-def test_turn_topics_answer_and_grammar(gemma_tokenizer):
+def test_turn_topics_answer_and_grammar(gemma_tokenizer, tmp_path):
     """turn_topics: the answer opens with each user message's uuid prefix and its chunk's topic
     (in order, through a window's clipped gold too); the grammar allows that opening only with
     the window's user uuids, in order, each exactly once, and still the plain answer."""
@@ -666,14 +670,34 @@ def test_turn_topics_answer_and_grammar(gemma_tokenizer):
     assert not _allows(plain, gemma_tokenizer, text)
     none = G.lark(ev.answer_grammar(U, True, []), "no user turns")
     assert _allows(none, gemma_tokenizer, data.answer(gold, []))
+    # topics as json.dumps writes them (quotes, backslashes, non-ASCII), up to 120 characters
+    for topic in ['say "hi"', "back\\slash", "caf\u00e9 \u2014 \u65e5\u672c", "t" * 120]:
+        odd = [turns[0], [turns[1][0], topic]]
+        assert _allows(grammar, gemma_tokenizer, data.answer(gold, odd)), topic
+    assert not _allows(
+        grammar, gemma_tokenizer, data.answer(gold, [turns[0], [U[2][:8], "t" * 121]])
+    )
+    # any sender but the assistant asks (an export's `human`); a message outside the gold fails
+    human = [{**m, "sender": "human"} if m["sender"] == "user" else m for m in msgs]
+    assert data.turns(human, gold) == turns and ev.users(human) == users
+    with pytest.raises(UserError, match="in no gold chunk"):
+        data.turns(msgs, gold[:1])
+    # loss weights still find the chunks' decision characters behind the turns
+    rec = data.chat({"messages": msgs, "chunks": gold, "uuid": "c"}, None, None, 5.0, True)
+    text = rec["messages"][1]["content"]
+    assert text.startswith('{"turns"')
+    spans = [text[a:b] for a, b, _ in rec["loss_weights"]]
+    assert spans == ["aaaa", "bbbb", ",", "cccc", "dddd", "]"]
     # the dataset writes them on every split when asked, and only then
     cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, turn_topics=True)
     case = data.build(cfg)["test"][0]
     ex = data.training_examples(case, cfg)[0]
     answer = json.loads(ex["messages"][1]["content"])
-    assert [t[0] for t in answer["turns"]] == [
-        m["uuid"][:8] for m in case["messages"] if m["sender"] == "user"
-    ][: len(answer["turns"])]
+    asked = [m["uuid"][:8] for m in case["messages"] if m["sender"] == "user"]
+    shown_in_prompt = [u for u in asked if u in ex["messages"][0]["content"]]
+    assert [t[0] for t in answer["turns"]] == shown_in_prompt and shown_in_prompt
+    assert ev.data_turns(data.write_dataset(tmp_path / "d", cfg))
+    assert not ev.data_turns(tmp_path) and not ev.data_turns(tmp_path / "missing")
     assert (
         "turns" not in data.training_examples(case, ChunkDataConfig())[0]["messages"][1]["content"]
     )

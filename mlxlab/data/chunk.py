@@ -7,7 +7,8 @@ thing, follow up, change the subject, now and then come back to an earlier one, 
 assistant answers at length with real documentation text (mlxlab/data/chunk_topics.py: CPython's
 reference topics, the standard library's module docs, NumPy's docstrings; markdown lists and
 code). The gold answer has one chunk per stretch on one topic, labelled from that topic's name
-and own summary (`label`). Topics are split between train / valid / test, so nothing in evaluation was seen in
+and own summary (`label`); with `turn_topics` it opens with each user message's uuid prefix and
+topic (`turns`). Topics are split between train / valid / test, so nothing in evaluation was seen in
 training. The number of topics per conversation is skewed toward one or two (`topic_weights`),
 conversations run from 4 to `max_messages` messages, and everything is deterministic for a seed.
 
@@ -356,7 +357,8 @@ def _mid(rng: random.Random) -> str:
 def make_conversation(
     topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig, cid: str, weights=None
 ) -> dict:
-    """One case: {id, name, uuid, messages: [{uuid, sender, text}], chunks (gold), topics};
+    """One case: {id, name, uuid, messages: [{uuid, sender, text}], chunks (gold: start and end
+    message uuids, label, and `topic`, the topic's name as a user says it), topics};
     `weights`: the odds of 1, 2, ... topics (default `cfg.topic_weights`)."""
     weights = weights or cfg.topic_weights
     k = rng.choices(range(1, len(weights) + 1), weights=weights)[0]
@@ -489,7 +491,8 @@ DECISION_CHARS = 4  # a uuid's first characters: enough to tell a window's messa
 
 
 def boundary_spans(text: str, chunks: list[dict]) -> list[tuple[int, int]]:
-    """Character spans of `text` (`answer(chunks)`) that place the chunks: the first
+    """Character spans of `text` (`answer(chunks)`, with or without turns) that place the
+    chunks: the first
     `DECISION_CHARS` of each uuid value, in order, and the character after each chunk's object
     (`,`: another chunk follows; `]`: the list ends)."""
     spans, at = [], 0
@@ -571,7 +574,9 @@ def turns(messages: list[dict], chunks: list[dict]) -> list[list[str]]:
     out = []
     for i, m in enumerate(msgs):
         if asks(m):
-            topic = next(t for s, e, t in spans if s <= i <= e)
+            topic = next((t for s, e, t in spans if s <= i <= e), None)
+            if topic is None:
+                raise UserError(f"message {m['uuid']} is in no gold chunk: turns need a cover")
             out.append([m["uuid"][:TURN_CHARS], topic])
     return out
 

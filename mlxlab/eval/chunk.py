@@ -18,7 +18,8 @@ first message), the rate of gold chunks reproduced exactly, label F1 (`label_f1`
 embedding model, label similarity by meaning (`label_similarity`); with the training split's
 labels, the share of predicted labels that are verbatim training labels.
 `evaluate` reads a case longer than the prompt budget in windows of consecutive messages
-(`plan_windows`; at most `window_messages` of them, so the answer fits `max_tokens`) and merges
+(`plan_windows`; for an adapter that writes `turns`, at most `window_messages` messages, so its
+answer has room within `max_tokens`) and merges
 their answers into one cover (`merge_windows`); the merged answer is
 what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
 chunk` and the chunk task's base/tuned evaluations call); with
@@ -589,10 +590,15 @@ TOPIC_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})'
 # constrained window's grammar inside llguidance's parser limit of 2000 items per row, which its
 # chain of end rules reaches at about 660 messages)
 WINDOW_MESSAGES = 500
-# A window's answer tokens per message it holds (`window_messages`): a `turns` entry takes about
-# 14 Gemma 3 tokens a user message, 7 a message; the rest is room for its chunks (about 100
-# tokens each: a label and two uuids), so a 512-token answer reads at most 25 messages
+# A `turns` answer's tokens per message of its window (`window_messages`): a turns entry takes
+# about 14 Gemma 3 tokens a user message, 7 a message; the rest is room for its chunks (about
+# 100 tokens each: a label and two uuids). A heuristic, not a bound: a 512-token answer reads at
+# most 25 messages, which fits up to 3 chunks there; a window of many short topics (the
+# training split has 13 messages in 5 chunks, 620 tokens) can still outgrow it.
 ANSWER_TOKENS_PER_MESSAGE = 20
+# and at most this many (the grammar's turns opening takes 4 items a user message in its start
+# rule, so a window of all-user messages stays inside llguidance's 2000 items a row)
+TURNS_WINDOW_MESSAGES = 400
 
 
 def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None = None) -> str:
@@ -608,7 +614,7 @@ def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None
     where chunks end and what they are called, nothing else. Without messages the only answer is
     an empty chunk list. With `users` (the uuids of the user messages among `uuids`, in order)
     the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
-    those messages' uuid prefix in order, with a topic the model names (1-60 characters)."""
+    those messages' uuid prefix in order, with a topic the model names (1-120 characters)."""
     from mlxlab.data.chunk import KEYS, TURN_CHARS
 
     assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
@@ -631,7 +637,7 @@ def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None
         )
         turns_open, turns_close = lit('{"turns": ['), lit('], "chunks": [')
         rules[0] += f" | {turns_open} {turns} {turns_close} c0 {closing}"
-        rules.append(f'TOPIC: /"{TOPIC_CHAR}{{1,60}}"/')
+        rules.append(f'TOPIC: /"{TOPIC_CHAR}{{1,120}}"/')
     # c{i}: a chunk that starts at message i; e{i}: its end, at message i or a later one (one
     # rule per message, not per pair, so the grammar grows linearly with the window)
     for i in range(n):
@@ -781,10 +787,20 @@ class Window:
 
 
 def window_messages(max_tokens: int) -> int:
-    """Most messages in one window when an answer may take `max_tokens`: room for a `turns`
-    entry per user message and the chunks (`ANSWER_TOKENS_PER_MESSAGE` each), at least 8, at most
-    `WINDOW_MESSAGES`."""
-    return min(WINDOW_MESSAGES, max(8, max_tokens // ANSWER_TOKENS_PER_MESSAGE))
+    """Most messages in one window when a `turns` answer may take `max_tokens`: about
+    `ANSWER_TOKENS_PER_MESSAGE` each (a turns entry per user message and the chunks), at least 8,
+    at most `TURNS_WINDOW_MESSAGES`."""
+    return min(TURNS_WINDOW_MESSAGES, max(8, max_tokens // ANSWER_TOKENS_PER_MESSAGE))
+
+
+def data_turns(data) -> bool:
+    """Whether a chunk dataset directory's answers open with `turns` (its build.json's
+    `turn_topics`; false without one)."""
+    try:
+        build = json.loads((Path(data) / "build.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    return bool(isinstance(build, dict) and build.get("turn_topics"))
 
 
 def plan_windows(
@@ -886,22 +902,28 @@ def evaluate(
     overlap: int = 2,
     train_labels: set[str] | None = None,
     cover: bool = True,
+    turns: bool = False,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
     `constrained` decodes each window under its `answer_grammar` (with `cover`: chunks up to its
     last message); `train_labels` (normalised training-set labels) adds the share of predicted
-    labels that are one of them."""
+    labels that are one of them. `turns`: the answers open with a turns list (a `turn_topics`
+    adapter): windows of at most `window_messages` messages, a grammar that allows the opening."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
-    windows = plan_windows(cases, tokenizer, budget, overlap, window_messages(max_tokens))
+    cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
+    windows = plan_windows(cases, tokenizer, budget, overlap, cap)
     processors = None
     if constrained:
         from mlxlab import grammar
 
         width = n_vocab(model, tokenizer)
         grammars = [
-            grammar.lark(answer_grammar(w.uuids, cover, w.users), f"case {w.case} answer grammar")
+            grammar.lark(
+                answer_grammar(w.uuids, cover, w.users if turns else None),
+                f"case {w.case} answer grammar",
+            )
             for w in windows
         ]
 
@@ -995,6 +1017,7 @@ def evaluate_model(
             getattr(settings, "window_overlap", 2),
             train_labels,
             getattr(settings, "cover", True),
+            bool(getattr(settings, "turns", False)),
         )
         if getattr(settings, "label_model", ""):
             try:

@@ -57,6 +57,11 @@ def run(cfg: EvalConfig) -> dict:
         if trained:
             cfg.max_prompt_tokens = trained
             log.info(f"max_prompt_tokens={trained}: the windows the adapter was trained on")
+    if cfg.turns is None:  # answers as the adapter's run trained them
+        trained_data = run_data(run_dir) if run_dir is not None else None
+        cfg.turns = trained_data is not None and ev.data_turns(trained_data)
+        if cfg.turns:
+            log.info("turns=true: the adapter was trained to open its answers with turns")
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
     summary = ev.evaluate_model(
         model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
