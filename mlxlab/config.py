@@ -349,7 +349,8 @@ class ChunkDataConfig:
     conversation in windows too, in tokens (EvalSettings.max_prompt_tokens: by default the
     longest training prompt). Characters per token vary with the text (code and uuids take more
     tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
-    2,117 Gemma 3 tokens with the answer (turns and all), and it sets on_too_long=error, so a setting that
+    2,000 Gemma 3 tokens with the answer (2,117 with `turn_topics`, which then needs
+    max_seq_length 2176), and it sets on_too_long=error, so a setting that
     overflows stops at load time instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
@@ -441,7 +442,9 @@ class EvalSettings:
     """The answers open with a `turns` list (an adapter trained with the chunk data's
     `turn_topics`): a window then also holds at most max_tokens // 20 messages (8..400), room for
     a turns entry per user message and the chunks, and the answer grammar allows that opening.
-    None: as the adapter's chunk-task run trained (its dataset's build.json), else false."""
+    None: as the dataset the model is judged against was built (its build.json `turn_topics`):
+    in a chunk-task run the run's own data, for the base and the tuned model alike (same windows);
+    in `eval chunk`, the adapter's run's data, and false without an adapter from a run."""
     label_model: str = ""
     """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) that
     also scores the labels against gold by meaning: the cosine similarity of each gold chunk's

@@ -107,6 +107,15 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
             ],
         )
     )
+    # `eval chunk adapter=<sft run>` reads the answers in the layout the run trained on
+    from mlxlab.eval import cli as eval_cli
+
+    ecfg = compose(
+        "eval",
+        ["model=tiny-gemma3", f"adapter={sft}", "cases=1", "max_tokens=4", f"out={tmp_path / 'e'}"],
+    )
+    eval_cli.run(ecfg)
+    assert ecfg.turns is turns
     report = tmp_path / "exp" / "README.md"
     summary = cli.run(
         compose(
@@ -129,6 +138,9 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
     assert pairs["pairs_moved"] == 3 and pairs["pairs"] == pairs["pairs_sampled"] + 3
     lines = (run / "data" / "train.jsonl").read_text().splitlines()
     assert len(lines) == pairs["pairs"]
+    if turns:  # every moved answer (at least) is a whole answer with its own turns
+        laid_out = [json.loads(p)["rejected"].startswith('{"turns": [[') for p in lines]
+        assert sum(laid_out) >= pairs["pairs_moved"]
     for line in lines:
         p = json.loads(line)
         chosen = json.loads(p["chosen"])
@@ -143,6 +155,7 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
     # SFT alone is the SFT run's own evaluation (same data, same settings), not a new one
     assert (run / "eval_sft.jsonl").read_bytes() == (sft / "eval_tuned.jsonl").read_bytes()
     assert set(summary["eval"]) == {"sft", "sft + dpo"}
+    assert summary["eval"]["sft + dpo"]["turns"] is turns
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in steps if "loss" in r)
     assert first["reward_margin"] == 0.0  # DPO's reference is the SFT adapter it starts from

@@ -16,7 +16,8 @@ of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; pe
 the answer's grammar: its chunks follow the messages in order and, with `cover=true`, reach the
 last one; its cases go next to `out`, named `<stem>.constrained.jsonl`). Without `data=`: with an
 adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
-set, windows as long as its training prompts); else the chunk dataset built with its defaults
+set, windows as long as its training prompts; unless turns is set, its answers' layout: with or
+without the `turn_topics` opening); else the chunk dataset built with its defaults
 (what `train +exp=chunk_seg4` builds).
 """
 

@@ -159,6 +159,7 @@ class ChunkTask(Hooks):
             training_labels(data_dir),
         )
         summary["max_prompt_tokens"] = settings.max_prompt_tokens
+        summary["turns"] = bool(settings.turns)
         summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
         atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
         return summary
