@@ -474,8 +474,7 @@ def chat(
     (with `turn_topics`, opened by its `turns`); with `boundary_weight` != 1, its `loss_weights`
     (`boundary_spans`)."""
     gold = case["chunks"] if chunks is None else chunks
-    msgs = case["messages"] if messages is None else messages
-    text = answer(gold, turns(msgs, gold) if turn_topics else None)
+    text = gold_answer(case["messages"] if messages is None else messages, gold, turn_topics)
     record = {
         "messages": [
             {"role": "user", "content": prompt(case, messages)},
@@ -492,9 +491,8 @@ DECISION_CHARS = 4  # a uuid's first characters: enough to tell a window's messa
 
 def boundary_spans(text: str, chunks: list[dict]) -> list[tuple[int, int]]:
     """Character spans of `text` (`answer(chunks)`, with or without turns) that place the
-    chunks: the first
-    `DECISION_CHARS` of each uuid value, in order, and the character after each chunk's object
-    (`,`: another chunk follows; `]`: the list ends)."""
+    chunks: the first `DECISION_CHARS` of each uuid value, in order, and the character after each
+    chunk's object (`,`: another chunk follows; `]`: the list ends)."""
     spans, at = [], 0
     for c in chunks:
         for key in ("start_message_uuid", "end_message_uuid"):
@@ -587,6 +585,12 @@ def answer(chunks: list[dict], turns: list[list[str]] | None = None) -> str:
     only "chunks")."""
     body = {"chunks": [{k: c[k] for k in KEYS} for c in chunks]}
     return json.dumps(body if turns is None else {"turns": turns, **body})
+
+
+def gold_answer(messages: list[dict], chunks: list[dict], turn_topics: bool = False) -> str:
+    """The answer to `chunks` over `messages` as the data writes it: opened by their `turns`
+    with `turn_topics`, else the chunks alone."""
+    return answer(chunks, turns(messages, chunks) if turn_topics else None)
 
 
 BINS = {

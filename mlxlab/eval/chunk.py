@@ -19,9 +19,8 @@ embedding model, label similarity by meaning (`label_similarity`); with the trai
 labels, the share of predicted labels that are verbatim training labels.
 `evaluate` reads a case longer than the prompt budget in windows of consecutive messages
 (`plan_windows`; for an adapter that writes `turns`, at most `window_messages` messages, so its
-answer has room within `max_tokens`) and merges
-their answers into one cover (`merge_windows`); the merged answer is
-what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
+answer has room within `max_tokens`) and merges their answers into one cover (`merge_windows`);
+the merged answer is what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
 chunk` and the chunk task's base/tuned evaluations call); with
 `constrained=true` it decodes the split a second time under `answer_grammar` (mlxlab/grammar.py:
 the answer's JSON whose chunks cover the conversation's messages in order, so only where chunks

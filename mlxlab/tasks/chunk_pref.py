@@ -174,15 +174,12 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
         sampler=make_sampler(temp=cfg.temperature),
     )
 
-    def answer(msgs: list[dict], chunks: list[dict]) -> str:  # as the SFT data writes them
-        return data.answer(chunks, data.turns(msgs, chunks) if dcfg.turn_topics else None)
-
     pairs, kinds = [], {"sampled": 0, "moved": 0}
     right = 0
     for (case, msgs, gold), text in zip(picked, texts, strict=True):
         uuids = [m["uuid"] for m in msgs]
         user = [{"role": "user", "content": data.prompt(case, msgs)}]
-        chosen = answer(msgs, gold)
+        chosen = data.gold_answer(msgs, gold, dcfg.turn_topics)  # as the SFT data writes it
         if is_right(text, uuids, gold, data.conversation_uuid(case)):
             right += 1
         elif text.strip():
@@ -196,7 +193,7 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
                 {
                     "messages": user,
                     "chosen": chosen,
-                    "rejected": answer(msgs, moved),
+                    "rejected": data.gold_answer(msgs, moved, dcfg.turn_topics),
                     "kind": "moved",
                 }
             )
