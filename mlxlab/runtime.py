@@ -235,8 +235,8 @@ def _mapped_blas_libraries() -> list[str]:
 
 def measure_matmul_gflops(n: int = 1024, repeats: int = 20) -> float:
     """float32 n x n matmul throughput on the default device, best of `repeats`. Twenty tries
-    (0.3 s on a 2-core CPU): with five, a moment of contention at start-up measured 105 instead
-    of ~200 GFLOPS here, and a training log divided by it showed an MFU above 100%."""
+    (0.3 s on the 2-core CPU): with five, a moment of contention at start-up measured 105 instead
+    of ~200 GFLOPS there, and a training log divided by it showed an MFU above 100%."""
     import mlx.core as mx
 
     a = mx.random.normal((n, n), dtype=mx.float32)
