@@ -296,8 +296,26 @@ def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
     assert failed == 1 and starts[0] == 0 and sorted(set(starts)) == starts
     own = (windows[2].last + windows[3].first + 2) // 2  # where window 3 takes over
     after = (windows[3].last + windows[4].first + 2) // 2  # and window 4
-    assert labels[own] is None and [s for s in starts if own < s < after] == []
+    assert [s for s in starts if own < s < after] == []  # the failed window's one chunk
     assert after in starts and labels[after] is not None  # window 4 starts its own chunk
+    # with no label to read, it takes the label window 4 has where window 4 takes over: the
+    # nearest words about those messages (never None, which would count against the schema)
+    gold_at = [c["label"] for c in case["chunks"] if index[c["start_message_uuid"]] <= after]
+    assert labels[own] == labels[after] == gold_at[-1]
+    # an answer whose chunk has a label but no anchor that resolves keeps its label
+    lost = json.dumps({"chunks": [{"label": "Socket timeouts", "start_message_uuid": "x" * 36}]})
+    starts, labels, failed = ev.merge_windows(
+        windows, [*perfect[:3], lost, *perfect[4:]], len(uuids), case["uuid"]
+    )
+    assert failed == 1 and labels[own] == "Socket timeouts"
+    # an end anchor past saving does not lose the chunk's start and label
+    chunks = json.loads(perfect[3])["chunks"]
+    chunks[-1]["end_message_uuid"] = "not-a-uuid"
+    starts2, labels2, failed = ev.merge_windows(
+        windows, [*perfect[:3], json.dumps({"chunks": chunks}), *perfect[4:]], len(uuids),
+        case["uuid"],
+    )  # fmt: skip
+    assert failed == 0 and starts2 == [index[c["start_message_uuid"]] for c in case["chunks"]]
 
 
 def _window(first: int, last: int, uuids: list[str]):

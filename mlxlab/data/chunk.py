@@ -6,8 +6,8 @@ A conversation is what an exported chat looks like: a title, a uuid, and alterna
 thing, follow up, change the subject, now and then come back to an earlier one, say thanks); the
 assistant answers at length with real documentation text (mlxlab/data/chunk_topics.py: CPython's
 reference topics, the standard library's module docs, NumPy's docstrings; markdown lists and
-code). The gold answer has one chunk per stretch on one topic, labelled from that topic's name
-and own summary (`label`); with `turn_topics` it opens with each user message's uuid prefix and
+code). The gold answer has one chunk per stretch on one topic, labelled in the topic's own words
+(its title or the summary its documentation opens with, no fixed head; `label`); with `turn_topics` it opens with each user message's uuid prefix and
 topic (`turns`). Topics are split between train / valid / test, so nothing in evaluation was seen in
 training. The number of topics per conversation is skewed toward one or two (`topic_weights`),
 conversations run from 4 to `max_messages` messages, and everything is deterministic for a seed.
@@ -28,6 +28,7 @@ import random
 import re
 import uuid
 from collections import Counter
+from functools import lru_cache
 from pathlib import Path
 
 from mlxlab.config import ChunkDataConfig
@@ -278,25 +279,49 @@ BOILERPLATE = re.compile(
 )
 
 
-def label(topic: Topic) -> str:
-    """The gold label, 2 to `LABEL_WORDS` words: a module's or NumPy function's name and its own
-    one-line summary (a module's without "This module provides ..."), cut at a word that can end
-    a phrase (not "of", "the", ...) and before a parenthesis it cannot close; a reference topic's
-    title ("The assert statement in Python")."""
-    if topic.kind == "ref":
-        return f"{topic.name[0].upper()}{topic.name[1:]} in Python"
-    if topic.kind == "numpy":
-        head, summary = f"NumPy {topic.name.split('.', 1)[1]}:", topic.summary
-    else:
-        head, summary = f"Python {topic.name} module:", BOILERPLATE.sub("", topic.summary)
-        summary = summary[:1].upper() + summary[1:]
-    text = " ".join((head + " " + summary).split()[:LABEL_WORDS])
+def _phrase(text: str, limit: int) -> list[str]:
+    """`text`'s first `limit` words, cut before a parenthesis they leave open and after a word that
+    can end a phrase (not "of", "the", ...), at least 2 words kept, the first capitalized."""
+    text = " ".join(text.split()[:limit])
     if text.count("(") > text.count(")"):  # cut before the parenthesis left open
         text = text[: text.rindex("(")]
     words = text.split()
     while len(words) > 2 and words[-1].lower().strip(",;:-") in TRAILING:
         words.pop()
-    words[-1] = words[-1].rstrip(",;:-")
+    if words:
+        words[-1] = words[-1].rstrip(",;:-")
+        words[0] = words[0][:1].upper() + words[0][1:]
+    return words
+
+
+def _own_words(topic: Topic) -> str:
+    """What a topic's documentation calls it: a reference topic's title, else the one-line summary
+    its documentation opens with (a module's without "This module provides ...", links dropped)."""
+    if topic.kind == "ref":
+        return topic.name
+    summary = BOILERPLATE.sub("", topic.summary) if topic.kind == "module" else topic.summary
+    return re.sub(r"<https?://[^>]*>", "", summary)
+
+
+@lru_cache(maxsize=1)
+def _shared_phrases() -> frozenset[str]:
+    """The label phrases two or more topics would get (NumPy's aliases, np.zeros and np.ones)."""
+    from mlxlab.data.chunk_topics import load_topics
+
+    counts = Counter(" ".join(_phrase(_own_words(t), LABEL_WORDS)) for t in load_topics())
+    return frozenset(p for p, n in counts.items() if n > 1)
+
+
+def label(topic: Topic) -> str:
+    """The gold label, 2 to `LABEL_WORDS` words, in the chunk's own words (`_own_words`: "The
+    assert statement", "Compute the variance along the specified axis"), cut as `_phrase` cuts.
+    No fixed head names the kind of topic: labels headed "Python X module:" taught the model a
+    template that it filled with invented module names off the training domain
+    (experiments/chunk_seg4/README.md). Where topics would share a phrase, or a phrase is under 2
+    words, the name follows in parentheses: "Calculate the absolute value element-wise (abs)"."""
+    words = _phrase(_own_words(topic), LABEL_WORDS)
+    if len(words) < 2 or " ".join(words) in _shared_phrases():
+        words = [*_phrase(" ".join(words), LABEL_WORDS - 1), f"({topic.name.rsplit('.', 1)[-1]})"]
     return " ".join(words)
 
 

@@ -841,40 +841,67 @@ def users(msgs: list[dict]) -> list[str]:
     return [m["uuid"] for m in msgs if asks(m)]
 
 
+def window_chunks(text: str, uuids: list[str], conversation_uuid):
+    """(starts, labels) of one window's answer: `starts` = [(start, label)], sorted, for each
+    chunk whose start anchor resolves as `validate_ref` resolves it (of a range whose end also
+    resolves, the lower end), so a chunk whose end alone is past saving still says where a topic
+    starts and what it is called; `labels` = every chunk's label that is a string, in order.
+    A label that is not a string is None."""
+    obj = extract_json_ref(text)
+    chunks = obj.get("chunks") if isinstance(obj, dict) else None
+    chunks = [c for c in chunks if isinstance(c, dict)] if isinstance(chunks, list) else []
+    index = {u: i for i, u in enumerate(uuids)}
+    starts = []
+    for c in chunks:
+        lab = c.get("label") if isinstance(c.get("label"), str) else None
+        s, _ = _resolve_ref(c.get("start_message_uuid"), uuids, index, conversation_uuid, False)
+        e, _ = _resolve_ref(c.get("end_message_uuid"), uuids, index, conversation_uuid, True)
+        if s is not None:
+            starts.append((s if e is None else min(s, e), lab))
+    labels = [c["label"] for c in chunks if isinstance(c.get("label"), str)]
+    return sorted(starts, key=lambda x: x[0]), labels
+
+
 def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
     """(chunk starts, label per start, failed windows): one cover of messages 0..n_messages-1
     from the windows' answers. Each window owns the messages from the middle of its overlap with
     the one before (the earlier window keeps the first half, rounded up, so every owned message
     has one message of context before it) to the middle of its overlap with the one after; the
-    chunk starts a window's answer (validated as `score_ref` does) puts inside what it owns are
-    the merged boundaries, with its labels (without overlap, a chunk starting with the window is
-    a new one only under a different label). A window whose answer does not parse or validate
-    owns one chunk labelled None (not a string: the merged answer's schema and labels scores
-    count it against the case), and the window after it starts a chunk where it takes over.
+    chunk starts a window's answer puts inside what it owns are the merged boundaries, with their
+    labels (`window_chunks`: a chunk counts when its start anchor resolves, even if its end does
+    not; without overlap, a chunk starting with the window is a new one only under a different
+    label). A window with no such chunk has failed: it owns one chunk, labelled with the first
+    label its answer has (an answer with no readable label: the label of the chunk the next
+    window that answered has at its own start, the nearest words about those messages; None
+    when no window answered), and the window after it starts a chunk where it takes over.
     Message 0 always starts one."""
     cuts = [0]
     for prev, cur in zip(windows, windows[1:], strict=False):
         cuts.append(min(max((cur.first + prev.last + 2) // 2, cur.first), prev.last + 1))
     cuts.append(n_messages)
     labels: dict[int, str | None] = {}
+    unlabelled: list[int] = []  # failed windows' chunks waiting for a neighbour's label
     failed, prev_failed = 0, False
     for k, (w, text) in enumerate(zip(windows, texts, strict=True)):
         if cuts[k] >= cuts[k + 1]:
             continue  # owns nothing
-        r = score_ref(text, w.uuids, conversation_uuid)
-        if not r.spans:
+        starts, own_labels = window_chunks(text, w.uuids, conversation_uuid)
+        starts = [(s + w.first, lab) for s, lab in starts]
+        if not starts:
             failed += 1
-            labels[cuts[k]] = None
+            labels[cuts[k]] = own_labels[0] if own_labels else None
+            if not own_labels:
+                unlabelled.append(cuts[k])
             prev_failed = True
             continue
-        spans = sorted(
-            ((s + w.first, e + w.first), lab if isinstance(lab, str) else None)
-            for (s, e), lab in zip(r.spans, r.labels_text, strict=True)
-        )
-        covering = [lab for (s, e), lab in spans if s <= cuts[k] <= e]
-        if cuts[k] not in [s for (s, _), _ in spans] and (prev_failed or k == 0):
-            labels[cuts[k]] = covering[0] if covering else spans[0][1]
-        for (s, _), lab in spans:
+        before = [lab for s, lab in starts if s <= cuts[k]]
+        covering = before[-1] if before else starts[0][1]
+        for x in unlabelled:
+            labels[x] = covering
+        unlabelled = []
+        if cuts[k] not in [s for s, _ in starts] and (prev_failed or k == 0):
+            labels[cuts[k]] = covering
+        for s, lab in starts:
             if not cuts[k] <= s < cuts[k + 1] or s in labels:
                 continue
             if k and s == w.first and not prev_failed:
