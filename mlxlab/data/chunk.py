@@ -280,11 +280,20 @@ BOILERPLATE = re.compile(
 
 
 def _phrase(text: str, limit: int) -> list[str]:
-    """`text`'s first `limit` words, cut before a parenthesis they leave open and after a word that
-    can end a phrase (not "of", "the", ...), at least 2 words kept, the first capitalized."""
-    text = " ".join(text.split()[:limit])
-    if text.count("(") > text.count(")"):  # cut before the parenthesis left open
-        text = text[: text.rindex("(")]
+    """`text`'s first `limit` words, cut before a parenthesis they leave open (a closing one
+    without its opening dropped) and after a word that can end a phrase (not "of", "the", ...;
+    2 words kept where there are 2), the first capitalized."""
+    out: list[str] = []
+    opened: list[int] = []  # where each parenthesis still open was
+    for ch in " ".join(text.split()[:limit]):
+        if ch == ")" and not opened:
+            continue  # "a) ..." in a list's item
+        if ch == "(":
+            opened.append(len(out))
+        elif ch == ")":
+            opened.pop()
+        out.append(ch)
+    text = "".join(out[: opened[0]] if opened else out)
     words = text.split()
     while len(words) > 2 and words[-1].lower().strip(",;:-") in TRAILING:
         words.pop()
@@ -321,7 +330,8 @@ def label(topic: Topic) -> str:
     words, the name follows in parentheses: "Calculate the absolute value element-wise (abs)"."""
     words = _phrase(_own_words(topic), LABEL_WORDS)
     if len(words) < 2 or " ".join(words) in _shared_phrases():
-        words = [*_phrase(" ".join(words), LABEL_WORDS - 1), f"({topic.name.rsplit('.', 1)[-1]})"]
+        name = topic.name.rsplit(".", 1)[-1]
+        words = [*_phrase(" ".join(words) or name, LABEL_WORDS - 1), f"({name})"]
     return " ".join(words)
 
 

@@ -842,24 +842,25 @@ def users(msgs: list[dict]) -> list[str]:
 
 
 def window_chunks(text: str, uuids: list[str], conversation_uuid):
-    """(starts, labels) of one window's answer: `starts` = [(start, label)], sorted, for each
-    chunk whose start anchor resolves as `validate_ref` resolves it (of a range whose end also
-    resolves, the lower end), so a chunk whose end alone is past saving still says where a topic
-    starts and what it is called; `labels` = every chunk's label that is a string, in order.
-    A label that is not a string is None."""
+    """(starts, labels) of one window's answer: `starts` = [(start, label)], sorted, one per
+    message (the first chunk the answer starts there), for each chunk whose start anchor resolves
+    as `validate_ref` resolves it (of a range whose end also resolves, the lower end), so a chunk
+    whose end alone is past saving still says where a topic starts and what it is called;
+    `labels` = every chunk's label that is a string, in order. A label that is not a string is
+    None."""
     obj = extract_json_ref(text)
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
     chunks = [c for c in chunks if isinstance(c, dict)] if isinstance(chunks, list) else []
     index = {u: i for i, u in enumerate(uuids)}
-    starts = []
+    starts: dict[int, str | None] = {}
     for c in chunks:
         lab = c.get("label") if isinstance(c.get("label"), str) else None
         s, _ = _resolve_ref(c.get("start_message_uuid"), uuids, index, conversation_uuid, False)
         e, _ = _resolve_ref(c.get("end_message_uuid"), uuids, index, conversation_uuid, True)
         if s is not None:
-            starts.append((s if e is None else min(s, e), lab))
+            starts.setdefault(s if e is None else min(s, e), lab)
     labels = [c["label"] for c in chunks if isinstance(c.get("label"), str)]
-    return sorted(starts, key=lambda x: x[0]), labels
+    return sorted(starts.items()), labels
 
 
 def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
@@ -869,18 +870,26 @@ def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conv
     has one message of context before it) to the middle of its overlap with the one after; the
     chunk starts a window's answer puts inside what it owns are the merged boundaries, with their
     labels (`window_chunks`: a chunk counts when its start anchor resolves, even if its end does
-    not; without overlap, a chunk starting with the window is a new one only under a different
-    label). A window with no such chunk has failed: it owns one chunk, labelled with the first
-    label its answer has (an answer with no readable label: the label of the chunk the next
-    window that answered has at its own start, the nearest words about those messages; None
-    when no window answered), and the window after it starts a chunk where it takes over.
-    Message 0 always starts one."""
+    not). A window with no such chunk has failed (counted). One whose answer still has a label
+    owns one chunk under it, and the window after it starts a chunk where it takes over. One with
+    no label to read starts nothing: the chunk the next window that answers has where it takes
+    over (its string label) reaches back to where the unread stretch began; with no window after
+    it that answers, the chunk before it runs on. A chunk opened at a window's edge (its takeover
+    point, message 0, the start of an unread stretch; or, without overlap, a chunk starting with
+    the window) is a new one only under a label other than the chunk's it would continue.
+    Message 0 always starts one (labelled None when no window answered)."""
     cuts = [0]
     for prev, cur in zip(windows, windows[1:], strict=False):
         cuts.append(min(max((cur.first + prev.last + 2) // 2, cur.first), prev.last + 1))
     cuts.append(n_messages)
     labels: dict[int, str | None] = {}
-    unlabelled: list[int] = []  # failed windows' chunks waiting for a neighbour's label
+
+    def open_chunk(at: int, lab) -> None:  # unless it continues the chunk before, same label
+        prior = [x for x in labels if x < at]
+        if not prior or _norm_label(labels[max(prior)]) != _norm_label(lab):
+            labels[at] = lab
+
+    unread = None  # where a stretch of failed windows with no label began
     failed, prev_failed = 0, False
     for k, (w, text) in enumerate(zip(windows, texts, strict=True)):
         if cuts[k] >= cuts[k + 1]:
@@ -889,29 +898,32 @@ def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conv
         starts = [(s + w.first, lab) for s, lab in starts]
         if not starts:
             failed += 1
-            labels[cuts[k]] = own_labels[0] if own_labels else None
-            if not own_labels:
-                unlabelled.append(cuts[k])
             prev_failed = True
+            if own_labels:
+                open_chunk(cuts[k] if unread is None else unread, own_labels[0])
+                unread = None
+            elif unread is None:
+                unread = cuts[k]
             continue
-        before = [lab for s, lab in starts if s <= cuts[k]]
-        covering = before[-1] if before else starts[0][1]
-        for x in unlabelled:
-            labels[x] = covering
-        unlabelled = []
-        if cuts[k] not in [s for s, _ in starts] and (prev_failed or k == 0):
-            labels[cuts[k]] = covering
+        at = [lab for s, lab in starts if s <= cuts[k]]
+        covering = at[-1] if at else starts[0][1]
+        if covering is None:
+            covering = next((lab for _, lab in starts if isinstance(lab, str)), None)
+        reached = unread is not None  # the chunk at the takeover point starts back there
+        if reached:
+            open_chunk(unread, covering)
+            unread = None
+        elif cuts[k] not in [s for s, _ in starts] and (prev_failed or k == 0):
+            open_chunk(cuts[k], covering)
         for s, lab in starts:
-            if not cuts[k] <= s < cuts[k + 1] or s in labels:
+            if not cuts[k] <= s < cuts[k + 1] or s in labels or (reached and s == cuts[k]):
                 continue
             if k and s == w.first and not prev_failed:
-                # no overlap with the window before: a chunk that starts with the window is a
-                # new one only if its label differs from the chunk it would continue
-                before = labels[max(x for x in labels if x < s)]
-                if _norm_label(lab) == _norm_label(before):
-                    continue
-            labels[s] = lab
+                open_chunk(s, lab)  # no overlap with the window before
+            else:
+                labels[s] = lab
         prev_failed = False
+    labels.setdefault(0, None)
     starts = sorted(labels)
     return starts, labels, failed
 
