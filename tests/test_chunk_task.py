@@ -885,3 +885,10 @@ def test_boundary_weight_marks_where_each_chunk_is_placed(tmp_path):
     assert not any("loss_weights" in r for s in ("valid", "test") for r in rows[s])
     with pytest.raises(UserError, match="boundary_weight"):
         ChunkDataConfig(boundary_weight=0)
+
+
+def test_an_evaluations_time_counts_its_constrained_decode():
+    from mlxlab.tasks.chunk import eval_seconds
+
+    assert eval_seconds({"seconds": 476.3, "constrained": {"seconds": 536.7}}) == 1013.0
+    assert eval_seconds({"seconds": 60.0}) == 60.0

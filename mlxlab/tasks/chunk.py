@@ -232,6 +232,12 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
     ]
 
 
+def eval_seconds(summary: dict) -> float:
+    """An evaluation's decoding time: the plain decode and, where it ran, the constrained one."""
+    c = summary.get("constrained")
+    return summary["seconds"] + (c.get("seconds", 0.0) if isinstance(c, dict) else 0.0)
+
+
 def report(
     cfg: TrainConfig,
     task: ChunkTaskConfig,
@@ -304,7 +310,7 @@ def report(
         f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
         + "".join(f", {k} evaluation {v['peak_mem_gb']:.2f} GB" for k, v in evals.items()),
         f"- wall time: {fmt_minutes(wall_s)} in all; training {fmt_minutes(summary['seconds'])}"
-        + "".join(f", {k} evaluation {fmt_minutes(v['seconds'])}" for k, v in evals.items())
+        + "".join(f", {k} evaluation {fmt_minutes(eval_seconds(v))}" for k, v in evals.items())
         + (
             f" (resumed at step {summary['start_step']}: the total and training are this "
             "attempt's; evaluations read back from the run are their own attempt's)"
