@@ -7,8 +7,8 @@ thing, follow up, change the subject, now and then come back to an earlier one, 
 assistant answers at length with real documentation text (mlxlab/data/chunk_topics.py: CPython's
 reference topics, the standard library's module docs, NumPy's docstrings; markdown lists and
 code). The gold answer has one chunk per stretch on one topic, labelled in the topic's own words
-(its title or the summary its documentation opens with, no fixed head; `label`); with `turn_topics` it opens with each user message's uuid prefix and
-topic (`turns`). Topics are split between train / valid / test, so nothing in evaluation was seen in
+(its title or the summary its documentation opens with, no fixed head; `label`); with
+`turn_topics` it opens with each user message's uuid prefix and topic (`turns`). Topics are split between train / valid / test, so nothing in evaluation was seen in
 training. The number of topics per conversation is skewed toward one or two (`topic_weights`),
 conversations run from 4 to `max_messages` messages, and everything is deterministic for a seed.
 
@@ -326,7 +326,7 @@ def label(topic: Topic) -> str:
     assert statement", "Compute the variance along the specified axis"), cut as `_phrase` cuts.
     No fixed head names the kind of topic: labels headed "Python X module:" taught the model a
     template that it filled with invented module names off the training domain
-    (experiments/chunk_seg4/README.md). Where topics would share a phrase, or a phrase is under 2
+    (experiments/chunk_seg4/labels-with-heads.md). Where topics would share a phrase, or a phrase is under 2
     words, the name follows in parentheses: "Calculate the absolute value element-wise (abs)"."""
     words = _phrase(_own_words(topic), LABEL_WORDS)
     if len(words) < 2 or " ".join(words) in _shared_phrases():

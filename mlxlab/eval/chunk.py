@@ -853,13 +853,15 @@ def window_chunks(text: str, uuids: list[str], conversation_uuid):
     chunks = [c for c in chunks if isinstance(c, dict)] if isinstance(chunks, list) else []
     index = {u: i for i, u in enumerate(uuids)}
     starts: dict[int, str | None] = {}
+    labels: list[str] = []
     for c in chunks:
         lab = c.get("label") if isinstance(c.get("label"), str) else None
+        if lab is not None:
+            labels.append(lab)
         s, _ = _resolve_ref(c.get("start_message_uuid"), uuids, index, conversation_uuid, False)
         e, _ = _resolve_ref(c.get("end_message_uuid"), uuids, index, conversation_uuid, True)
         if s is not None:
             starts.setdefault(s if e is None else min(s, e), lab)
-    labels = [c["label"] for c in chunks if isinstance(c.get("label"), str)]
     return sorted(starts.items()), labels
 
 
