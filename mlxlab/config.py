@@ -341,6 +341,13 @@ class ChunkDataConfig:
     """Chance that a change of topic comes without a marker ("Different question: ...")."""
     thanks_rate: float = 0.2
     """Chance that a conversation ends with a thank-you exchange (part of the last chunk)."""
+    train_brief_rate: float = 0.0
+    """Share of the training split's conversations whose assistant answers are brief: each section
+    cut to its opening sentences (at most `brief_chars`). Such a conversation has many more
+    messages, and so more topic shifts, per window: more boundary decisions per training token.
+    Valid and test are built as without it."""
+    brief_chars: int = 320
+    """A brief answer's most characters per section (cut at a sentence end where one fits)."""
     max_message_chars: int = 12000
     """A message's text is cut to this many characters."""
     window_chars: int = 4000
@@ -383,13 +390,15 @@ class ChunkDataConfig:
                 raise UserError(f"{key} must be non-negative with a positive sum, got {weights}")
         if not 4 <= self.max_messages <= 1000 or self.median_pairs < 1:
             raise UserError("need 4 <= max_messages <= 1000 and median_pairs >= 1")
-        for key in ("return_rate", "subtle_rate", "thanks_rate"):
+        for key in ("return_rate", "subtle_rate", "thanks_rate", "train_brief_rate"):
             if not 0 <= getattr(self, key) <= 1:
                 raise UserError(f"{key} must be in [0, 1], got {getattr(self, key)}")
         if self.max_message_chars < 40 or self.window_chars < 400 or self.window_overlap < 0:
             raise UserError(
                 "need max_message_chars >= 40, window_chars >= 400 and window_overlap >= 0"
             )
+        if self.brief_chars < 40:
+            raise UserError(f"brief_chars must be >= 40, got {self.brief_chars}")
 
 
 @dataclass

@@ -369,12 +369,36 @@ def _question(topic: Topic, section, rng: random.Random, opener: bool) -> str:
     return rng.choice(FOLLOW["other"]).format(heading=subject.lower())
 
 
-def _answer(topic: Topic, sections, rng: random.Random) -> str:
-    """Markdown: a preface, then each section (numpy's under its heading in bold)."""
-    parts = [
-        f"**{s.subject}**\n\n{s.text}" if topic.kind == "numpy" and s.subject in FOLLOW else s.text
-        for s in sections
-    ]
+def brief(text: str, limit: int) -> str:
+    """`text`'s opening within `limit` characters: whole paragraphs while they fit, else the first
+    one cut after its last line or sentence end that fits (else its last word that fits); a code
+    fence left open is closed."""
+    paras = text.split("\n\n")
+    out = paras[0]
+    for p in paras[1:]:
+        if len(out) + 2 + len(p) > limit:
+            break
+        out += "\n\n" + p
+    if len(out) > limit:
+        head = out[:limit]
+        ends = [head.rfind("\n"), head.rfind(". ") + 1, head.rfind(".\n") + 1]
+        cut = max(ends)
+        if cut < limit // 4:
+            cut = head.rfind(" ") if head.rfind(" ") > 0 else limit
+        out = head[:cut].rstrip()
+    if out.count("```") % 2:
+        out += "\n```"
+    return out
+
+
+def _answer(topic: Topic, sections, rng: random.Random, limit: int = 0) -> str:
+    """Markdown: a preface, then each section (numpy's under its heading in bold); `limit` > 0:
+    each section's text `brief`."""
+    parts = []
+    for s in sections:
+        text = brief(s.text, limit) if limit > 0 else s.text
+        heading = topic.kind == "numpy" and s.subject in FOLLOW
+        parts.append(f"**{s.subject}**\n\n{text}" if heading else text)
     return rng.choice(PREFACE) + "\n\n".join(parts)
 
 
@@ -390,12 +414,20 @@ def _mid(rng: random.Random) -> str:
 
 
 def make_conversation(
-    topics: list[Topic], rng: random.Random, cfg: ChunkDataConfig, cid: str, weights=None
+    topics: list[Topic],
+    rng: random.Random,
+    cfg: ChunkDataConfig,
+    cid: str,
+    weights=None,
+    brief_rate: float = 0.0,
 ) -> dict:
     """One case: {id, name, uuid, messages: [{uuid, sender, text}], chunks (gold: start and end
     message uuids, label, and `topic`, the topic's name as a user says it), topics};
-    `weights`: the odds of 1, 2, ... topics (default `cfg.topic_weights`)."""
+    `weights`: the odds of 1, 2, ... topics (default `cfg.topic_weights`); `brief_rate`: the
+    chance that its answers are `brief` (`cfg.brief_chars` per section; no draw when 0, so a split
+    built without it is the same)."""
     weights = weights or cfg.topic_weights
+    limit = cfg.brief_chars if brief_rate > 0 and rng.random() < brief_rate else 0
     k = rng.choices(range(1, len(weights) + 1), weights=weights)[0]
     k = min(k, cfg.max_messages // 2)  # a topic takes at least one user/assistant pair
     kinds = sorted({t.kind for t in topics})
@@ -437,7 +469,7 @@ def make_conversation(
                 elif rng.random() >= cfg.subtle_rate:
                     q = rng.choice(SWITCH) + q
             cursor[i] += take
-            for sender, text in (("user", q), ("assistant", _answer(topic, secs, rng))):
+            for sender, text in (("user", q), ("assistant", _answer(topic, secs, rng, limit))):
                 mid = _mid(rng)
                 messages.append(
                     {"uuid": mid, "sender": sender, "text": text[: cfg.max_message_chars]}
@@ -490,9 +522,11 @@ def build(cfg: ChunkDataConfig | None = None) -> dict[str, list[dict]]:
     out = {}
     for split in ("train", "valid", "test"):
         rng = random.Random(f"{cfg.seed}-{split}")
-        weights = cfg.train_topic_weights if split == "train" else None
+        train = split == "train"
+        weights = cfg.train_topic_weights if train else None
+        rate = cfg.train_brief_rate if train else 0.0
         out[split] = [
-            make_conversation(parts[split], rng, cfg, f"{split}-{i:04d}", weights)
+            make_conversation(parts[split], rng, cfg, f"{split}-{i:04d}", weights, rate)
             for i in range(getattr(cfg, split))
         ]
     return out
