@@ -75,6 +75,52 @@ def test_train_topic_weights_skew_the_training_split_only():
         ChunkDataConfig(train_topic_weights=[-1, 2])
 
 
+def test_brief_answers_shorten_the_training_split_only():
+    base = ChunkDataConfig(seed=1, train=40, valid=5, test=20)
+    short = ChunkDataConfig(seed=1, train=40, valid=5, test=20, train_brief_rate=1.0)
+    a, b = data.build(base), data.build(short)
+    assert a["test"] == b["test"] and a["valid"] == b["valid"]
+
+    def longest(cases):
+        return max(len(m["text"]) for c in cases for m in c["messages"])
+
+    def per_answer(cases):
+        msgs = [m for c in cases for m in c["messages"] if m["sender"] == "assistant"]
+        return sum(len(m["text"]) for m in msgs) / len(msgs)
+
+    # at most three sections of brief_chars each, a preface and bold headings
+    assert longest(b["train"]) <= 3 * (short.brief_chars + 40) < longest(a["train"])
+    assert per_answer(b["train"]) < 0.6 * per_answer(a["train"])
+    # the gold still covers every message in order, one chunk per stretch on a topic
+    for case in b["train"]:
+        uuids = [m["uuid"] for m in case["messages"]]
+        assert case["chunks"][0]["start_message_uuid"] == uuids[0]
+        assert case["chunks"][-1]["end_message_uuid"] == uuids[-1]
+    with pytest.raises(UserError, match="train_brief_rate"):
+        ChunkDataConfig(train_brief_rate=1.5)
+    with pytest.raises(UserError, match="brief_chars"):
+        ChunkDataConfig(brief_chars=10)
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "want"),
+    [
+        ("One. Two is longer. Three.\n\nNext.", 200, "One. Two is longer. Three.\n\nNext."),
+        ("One. Two is longer. Three.\n\nNext.", 30, "One. Two is longer. Three."),
+        ("One. Two is longer. Three.\n\nNext.", 20, "One. Two is longer."),
+        (
+            "- `a : int` the first.\n- `b : str` the second, longer one.",
+            40,
+            "- `a : int` the first.",
+        ),
+        ("```python\nx = 1\ny = 2\nz = 3\n```", 20, "```python\nx = 1\n```"),
+        ("nosentenceendinsight but words go on and on", 20, "nosentenceendinsight"),
+    ],
+)
+def test_brief_cuts_at_paragraphs_lines_and_sentences(text, limit, want):
+    assert data.brief(text, limit) == want
+
+
 def test_gold_labels_are_short_phrases_from_the_topic():
     from mlxlab.data.chunk_topics import Topic, load_topics
 
