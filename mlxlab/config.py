@@ -345,10 +345,12 @@ class ChunkDataConfig:
     """Share of the training split's conversations whose assistant answers are brief: each section
     cut to its opening sentences (at most `brief_chars`). Such a conversation has many more
     messages, and so more topic shifts, per window: more boundary decisions per training token.
-    Valid and test are built as without it. chunk_seg4 at 0.5 never closed its chunk list and
-    placed no better boundaries (experiments/chunk_seg4/brief-answers.md), so it keeps 0."""
+    Valid and test are built as without it. chunk_seg4 at 0.5 closed its chunk list on 3 of 24
+    test answers and its boundaries under the grammar fell to F1 0.042 from 0.333
+    (experiments/chunk_seg4/brief-answers.md), so it keeps 0."""
     brief_chars: int = 320
-    """A brief answer's most characters per section (cut at a sentence end where one fits)."""
+    """A brief answer's most characters per section (cut at a line or sentence end where one
+    fits; a cut code block gets its closing fence on top)."""
     max_message_chars: int = 12000
     """A message's text is cut to this many characters."""
     window_chars: int = 4000
@@ -358,8 +360,9 @@ class ChunkDataConfig:
     longest training prompt). Characters per token vary with the text (code and uuids take more
     tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
     2,000 Gemma 3 tokens with the answer (2,117 with `turn_topics`, which then needs
-    max_seq_length 2176), and it sets on_too_long=error, so a setting that
-    overflows stops at load time instead of cutting an answer."""
+    max_seq_length 2176; 2,280 with train_brief_rate 0.5, which needs 2304), and it sets
+    on_too_long=error, so a setting that overflows stops at load time instead of cutting an
+    answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
     boundary_weight: float = 1.0

@@ -91,11 +91,12 @@ def test_brief_answers_shorten_the_training_split_only():
     # at most three sections of brief_chars each, a preface and bold headings
     assert longest(b["train"]) <= 3 * (short.brief_chars + 40) < longest(a["train"])
     assert per_answer(b["train"]) < 0.6 * per_answer(a["train"])
-    # the gold still covers every message in order, one chunk per stretch on a topic
+    # the gold still covers every message in order
     for case in b["train"]:
-        uuids = [m["uuid"] for m in case["messages"]]
-        assert case["chunks"][0]["start_message_uuid"] == uuids[0]
-        assert case["chunks"][-1]["end_message_uuid"] == uuids[-1]
+        at = {m["uuid"]: i for i, m in enumerate(case["messages"])}
+        spans = [(at[c["start_message_uuid"]], at[c["end_message_uuid"]]) for c in case["chunks"]]
+        assert spans[0][0] == 0 and spans[-1][1] == len(case["messages"]) - 1
+        assert all(s1 == e0 + 1 for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False))
     with pytest.raises(UserError, match="train_brief_rate"):
         ChunkDataConfig(train_brief_rate=1.5)
     with pytest.raises(UserError, match="brief_chars"):
@@ -114,7 +115,12 @@ def test_brief_answers_shorten_the_training_split_only():
             "- `a : int` the first.",
         ),
         ("```python\nx = 1\ny = 2\nz = 3\n```", 20, "```python\nx = 1\n```"),
-        ("nosentenceendinsight but words go on and on", 20, "nosentenceendinsight"),
+        ("One. Two is longer. Three.", 19, "One. Two is longer."),  # a sentence end at the limit
+        ("no sentence end in sight but words go on", 20, "no sentence end in"),
+        ("Short.  Then  a  long  sentence  that  runs on", 30, "Short.  Then  a  long"),
+        ("x" * 50, 30, "x" * 30),
+        ("Steps:\n1. First item text goes on", 30, "Steps:\n1. First item text goes"),
+        ("Use it, e.g. Foo here. Then more text follows", 30, "Use it, e.g. Foo here."),
     ],
 )
 def test_brief_cuts_at_paragraphs_lines_and_sentences(text, limit, want):

@@ -8,9 +8,11 @@ assistant answers at length with real documentation text (mlxlab/data/chunk_topi
 reference topics, the standard library's module docs, NumPy's docstrings; markdown lists and
 code). The gold answer has one chunk per stretch on one topic, labelled in the topic's own words
 (its title or the summary its documentation opens with, no fixed head; `label`); with
-`turn_topics` it opens with each user message's uuid prefix and topic (`turns`). Topics are split between train / valid / test, so nothing in evaluation was seen in
-training. The number of topics per conversation is skewed toward one or two (`topic_weights`),
-conversations run from 4 to `max_messages` messages, and everything is deterministic for a seed.
+`turn_topics` it opens with each user message's uuid prefix and topic (`turns`). Topics are
+split between train / valid / test, so nothing in evaluation was seen in training. The number of
+topics per conversation is skewed toward one or two (`topic_weights`), conversations run from 4
+to `max_messages` messages (a share of training ones with `brief` answers: `train_brief_rate`),
+and everything is deterministic for a seed.
 
 Prompt (one user message, as the predecessor's chunk task): the instructions, then
 `Conversation: <title> (uuid: <conversation uuid>)`, a blank line, and each message as
@@ -326,8 +328,8 @@ def label(topic: Topic) -> str:
     assert statement", "Compute the variance along the specified axis"), cut as `_phrase` cuts.
     No fixed head names the kind of topic: labels headed "Python X module:" taught the model a
     template that it filled with invented module names off the training domain
-    (experiments/chunk_seg4/labels-with-heads.md). Where topics would share a phrase, or a phrase is under 2
-    words, the name follows in parentheses: "Calculate the absolute value element-wise (abs)"."""
+    (experiments/chunk_seg4/labels-with-heads.md). Where topics would share a phrase, or a
+    phrase is under 2 words, the name follows in parentheses: "Calculate the absolute value element-wise (abs)"."""
     words = _phrase(_own_words(topic), LABEL_WORDS)
     if len(words) < 2 or " ".join(words) in _shared_phrases():
         name = topic.name.rsplit(".", 1)[-1]
@@ -369,10 +371,16 @@ def _question(topic: Topic, section, rng: random.Random, opener: bool) -> str:
     return rng.choice(FOLLOW["other"]).format(heading=subject.lower())
 
 
+# a sentence ends at a period after a word (not a list number such as "2." nor "e.g."), before
+# the next sentence's capital, code or quote
+SENTENCE_END = re.compile(r"(?<![\d.])(?<!\be\.g)(?<!\bi\.e)(?<!\betc)\.(?=\s+[A-Z`\"'*(])")
+
+
 def brief(text: str, limit: int) -> str:
-    """`text`'s opening within `limit` characters: whole paragraphs while they fit, else the first
-    one cut after its last line or sentence end that fits (else its last word that fits); a code
-    fence left open is closed."""
+    """`text`'s opening within `limit` characters (plus a closing ``` where it cuts a code block
+    open): whole paragraphs while they fit, else the first one cut after its last line or
+    sentence end that fits; if that leaves under a quarter of `limit`, after its last word that
+    fits (a hard cut at `limit` for one long word)."""
     paras = text.split("\n\n")
     out = paras[0]
     for p in paras[1:]:
@@ -380,12 +388,12 @@ def brief(text: str, limit: int) -> str:
             break
         out += "\n\n" + p
     if len(out) > limit:
-        head = out[:limit]
-        ends = [head.rfind("\n"), head.rfind(". ") + 1, head.rfind(".\n") + 1]
-        cut = max(ends)
+        ends = [m.end() for m in SENTENCE_END.finditer(out) if m.end() <= limit]
+        cut = max([out.rfind("\n", 0, limit + 1), *ends])
         if cut < limit // 4:
-            cut = head.rfind(" ") if head.rfind(" ") > 0 else limit
-        out = head[:cut].rstrip()
+            cut = out.rfind(" ", 0, limit + 1)
+            cut = cut if cut > 0 else limit
+        out = out[:cut].rstrip()
     if out.count("```") % 2:
         out += "\n```"
     return out
