@@ -329,7 +329,8 @@ def label(topic: Topic) -> str:
     No fixed head names the kind of topic: labels headed "Python X module:" taught the model a
     template that it filled with invented module names off the training domain
     (experiments/chunk_seg4/labels-with-heads.md). Where topics would share a phrase, or a
-    phrase is under 2 words, the name follows in parentheses: "Calculate the absolute value element-wise (abs)"."""
+    phrase is under 2 words, the name follows in parentheses: "Calculate the absolute value
+    element-wise (abs)"."""
     words = _phrase(_own_words(topic), LABEL_WORDS)
     if len(words) < 2 or " ".join(words) in _shared_phrases():
         name = topic.name.rsplit(".", 1)[-1]
