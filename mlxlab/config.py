@@ -376,8 +376,17 @@ class ChunkDataConfig:
     message's first 8 uuid characters and the topic it asks about, before `"chunks"`: the model
     names each question's topic where it reads it, and a chunk starts where the name changes
     (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the prompt is unchanged."""
+    starts: bool = False
+    """Answers (all splits' records) open with `"starts": [uuid prefix, ...]`, the first 8 uuid
+    characters of each chunk's first message, before `"chunks"`: the model says where each topic
+    starts (a user message it can point at where it reads the change) before it writes any chunk,
+    so a chunk's end is the message before the next start it has already written, not a message
+    it must pick before reading on (mlxlab/data/chunk.py `answer`). Both scorers read only
+    "chunks"; the answer grammar always allows this opening; not with `turn_topics`."""
 
     def __post_init__(self):
+        if self.starts and self.turn_topics:
+            raise UserError("starts and turn_topics are two openings of the answer: pick one")
         if not 0 < self.boundary_weight <= MAX_LOSS_WEIGHT:
             raise UserError(
                 f"boundary_weight must be in (0, {MAX_LOSS_WEIGHT:g}], got {self.boundary_weight}"

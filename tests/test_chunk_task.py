@@ -810,6 +810,44 @@ def test_turn_topics_answer_and_grammar(gemma_tokenizer, tmp_path):
     )
 
 
+def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
+    """starts: the answer opens with each chunk's first message's uuid prefix; every answer
+    grammar allows that opening with the window's prefixes in order, beginning at its first
+    message, each once; its loss weights cover the starts items; the dataset writes it on every
+    split when asked, and never beside turn_topics."""
+    from mlxlab import grammar as G
+
+    text = data.answer(GOLD, starts=True)
+    assert json.loads(text) == {"starts": ["aaaaaaaa", "cccccccc"], **json.loads(data.answer(GOLD))}
+    assert ev.score_ref(text, U).ref == 100 and ev.score_case(text, U, GOLD).boundary_f1 == 1
+    for cover in (True, False):
+        grammar = G.lark(ev.answer_grammar(U, cover), "answer")
+        assert _allows(grammar, gemma_tokenizer, text)
+        assert _allows(grammar, gemma_tokenizer, data.answer(GOLD))
+        one = [{**GOLD[0], "end_message_uuid": U[3]}]
+        assert _allows(grammar, gemma_tokenizer, data.answer(one, starts=True))
+        for wrong in (
+            ["bbbbbbbb", "cccccccc"],  # not from the first message
+            ["aaaaaaaa", "aaaaaaaa"],  # twice
+            ["aaaaaaaa", "dddddddd", "cccccccc"],  # out of order
+            ["aaaaaaaa", "eeeeeeee"],  # not a message of this window
+            [],
+        ):
+            bad = json.dumps({"starts": wrong, "chunks": json.loads(data.answer(GOLD))["chunks"]})
+            assert not _allows(grammar, gemma_tokenizer, bad), wrong
+    rec = data.chat({"messages": [], "chunks": GOLD, "uuid": "c"}, None, None, 5.0, starts=True)
+    text = rec["messages"][1]["content"]
+    spans = [text[a:b] for a, b, _ in rec["loss_weights"]]
+    assert spans == ["aaaa", ",", "cccc", "]", "aaaa", "bbbb", ",", "cccc", "dddd", "]"]
+    cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, starts=True)
+    for cases in data.build(cfg).values():
+        for ex in data.training_examples(cases[0], cfg):
+            answer = json.loads(ex["messages"][1]["content"])
+            assert answer["starts"] == [c["start_message_uuid"][:8] for c in answer["chunks"]]
+    with pytest.raises(UserError, match="pick one"):
+        ChunkDataConfig(starts=True, turn_topics=True)
+
+
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
     """n short test conversations (one or two topics, two pairs) and the tiny Gemma 3."""
     from mlx_lm.utils import load

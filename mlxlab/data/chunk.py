@@ -48,7 +48,8 @@ INSTRUCTIONS = (
 # before the model picks the message where it ends (JSON readers, and both scorers, ignore order).
 KEYS = ("label", "start_message_uuid", "end_message_uuid")
 # With ChunkDataConfig.turn_topics the answer opens with a "turns" list: each user message's
-# uuid prefix (this many characters) and the topic it is on, before the chunks (`answer`).
+# uuid prefix (this many characters) and the topic it is on, before the chunks (`answer`); with
+# ChunkDataConfig.starts, with a "starts" list: each chunk's first message's uuid prefix.
 TURN_CHARS = 8
 TRUNCATED = "\n[...]"
 
@@ -547,12 +548,14 @@ def chat(
     chunks: list[dict] | None = None,
     boundary_weight: float = 1.0,
     turn_topics: bool = False,
+    starts: bool = False,
 ):
     """A chat-format training example: the prompt (for a window: its messages) and the gold
-    (with `turn_topics`, opened by its `turns`); with `boundary_weight` != 1, its `loss_weights`
-    (`boundary_spans`)."""
+    (with `turn_topics`, opened by its `turns`; with `starts`, by its `starts`); with
+    `boundary_weight` != 1, its `loss_weights` (`boundary_spans`)."""
     gold = case["chunks"] if chunks is None else chunks
-    text = gold_answer(case["messages"] if messages is None else messages, gold, turn_topics)
+    msgs = case["messages"] if messages is None else messages
+    text = gold_answer(msgs, gold, turn_topics, starts)
     record = {
         "messages": [
             {"role": "user", "content": prompt(case, messages)},
@@ -568,10 +571,18 @@ DECISION_CHARS = 4  # a uuid's first characters: enough to tell a window's messa
 
 
 def boundary_spans(text: str, chunks: list[dict]) -> list[tuple[int, int]]:
-    """Character spans of `text` (`answer(chunks)`, with or without turns) that place the
-    chunks: the first `DECISION_CHARS` of each uuid value, in order, and the character after each
-    chunk's object (`,`: another chunk follows; `]`: the list ends)."""
+    """Character spans of `text` (`answer(chunks)`, with or without turns or starts) that place
+    the chunks: the first `DECISION_CHARS` of each uuid value, in order, and the character after
+    each chunk's object (`,`: another chunk follows; `]`: the list ends); with starts, also each
+    starts item's first characters and the character after it."""
     spans, at = [], 0
+    if text.startswith('{"starts": ['):
+        for c in chunks:
+            value = json.dumps(c["start_message_uuid"][:TURN_CHARS])
+            at = text.index(value, at)
+            spans.append((at + 1, at + 1 + min(DECISION_CHARS, len(value) - 2)))
+            at += len(value)
+            spans.append((at, at + 1))
     for c in chunks:
         for key in ("start_message_uuid", "end_message_uuid"):
             value = json.dumps(c[key])
@@ -602,7 +613,7 @@ def training_examples(case: dict, cfg: ChunkDataConfig, weighted: bool = False) 
     `weighted`: with `cfg.boundary_weight` on the tokens that place its chunks."""
     weight = cfg.boundary_weight if weighted else 1.0
     return [
-        chat(case, msgs, gold, weight, cfg.turn_topics)
+        chat(case, msgs, gold, weight, cfg.turn_topics, cfg.starts)
         for msgs, gold in training_windows(case, cfg)
     ]
 
@@ -657,18 +668,23 @@ def turns(messages: list[dict], chunks: list[dict]) -> list[list[str]]:
     return out
 
 
-def answer(chunks: list[dict], turns: list[list[str]] | None = None) -> str:
+def answer(chunks: list[dict], turns: list[list[str]] | None = None, starts: bool = False) -> str:
     """The answer's JSON text, keys in `KEYS` order (what training teaches the model to write);
-    with `turns`, opened by `{"turns": [[uuid prefix, topic], ...]` (`turns`; both scorers read
-    only "chunks")."""
+    with `turns`, opened by `{"turns": [[uuid prefix, topic], ...]` (`turns`); with `starts`, by
+    `{"starts": [uuid prefix, ...]` (each chunk's first message, `TURN_CHARS` characters). Both
+    scorers read only "chunks"."""
     body = {"chunks": [{k: c[k] for k in KEYS} for c in chunks]}
+    if starts:
+        body = {"starts": [c["start_message_uuid"][:TURN_CHARS] for c in chunks], **body}
     return json.dumps(body if turns is None else {"turns": turns, **body})
 
 
-def gold_answer(messages: list[dict], chunks: list[dict], turn_topics: bool = False) -> str:
+def gold_answer(
+    messages: list[dict], chunks: list[dict], turn_topics: bool = False, starts: bool = False
+) -> str:
     """The answer to `chunks` over `messages` as the data writes it: opened by their `turns`
-    with `turn_topics`, else the chunks alone."""
-    return answer(chunks, turns(messages, chunks) if turn_topics else None)
+    with `turn_topics`, by their `starts` with `starts`, else the chunks alone."""
+    return answer(chunks, turns(messages, chunks) if turn_topics else None, starts)
 
 
 BINS = {

@@ -613,7 +613,10 @@ def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None
     where chunks end and what they are called, nothing else. Without messages the only answer is
     an empty chunk list. With `users` (the uuids of the user messages among `uuids`, in order)
     the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
-    those messages' uuid prefix in order, with a topic the model names (1-120 characters)."""
+    those messages' uuid prefix in order, with a topic the model names (1-120 characters). It may
+    always open with the `"starts"` list a `starts` adapter writes: the uuid prefixes of the first
+    message and of any later ones the model picks, in order (the chunks that follow are free as
+    above: it is the model that ends each chunk before the next start it wrote)."""
     from mlxlab.data.chunk import KEYS, TURN_CHARS
 
     assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
@@ -630,6 +633,16 @@ def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None
     label, start, end = (lit(f'{", " if k != "label" else "{"}"{k}": ') for k in KEYS)
     word = LABEL_WORD
     rules = [f"start: {opening} c0 {closing}", f'LABEL: /"{word}( {word}){{1,11}}"/']
+    # s{i}: a starts item at message i, then the list ends or goes on from a later message
+    # (p{i}: message i or a later one)
+    starts_open, starts_close = lit('{"starts": ['), lit(', "chunks": [')
+    rules[0] += f" | {starts_open} s0 {starts_close} c0 {closing}"
+    prefixes = [lit(json.dumps(u[:TURN_CHARS])) for u in uuids]
+    for i in range(n):
+        more = f" | {prefixes[i]} {lit(', ')} p{i + 1}" if i < n - 1 else ""
+        rules.append(f"s{i}: {prefixes[i]} {lit(']')}{more}")
+        if i:
+            rules.append(f"p{i}: s{i}" + (f" | p{i + 1}" if i < n - 1 else ""))
     if users is not None:
         turns = f" {lit(', ')} ".join(
             f"{lit('[' + json.dumps(u[:TURN_CHARS]) + ', ')} TOPIC {lit(']')}" for u in users

@@ -179,7 +179,9 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
     for (case, msgs, gold), text in zip(picked, texts, strict=True):
         uuids = [m["uuid"] for m in msgs]
         user = [{"role": "user", "content": data.prompt(case, msgs)}]
-        chosen = data.gold_answer(msgs, gold, dcfg.turn_topics)  # as the SFT data writes it
+        chosen = data.gold_answer(
+            msgs, gold, dcfg.turn_topics, dcfg.starts
+        )  # as the SFT data writes it
         if is_right(text, uuids, gold, data.conversation_uuid(case)):
             right += 1
         elif text.strip():
@@ -193,7 +195,7 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
                 {
                     "messages": user,
                     "chosen": chosen,
-                    "rejected": data.gold_answer(msgs, moved, dcfg.turn_topics),
+                    "rejected": data.gold_answer(msgs, moved, dcfg.turn_topics, dcfg.starts),
                     "kind": "moved",
                 }
             )
