@@ -502,6 +502,13 @@ class EvalConfig(EvalSettings):
     scored); default: the chunk dataset built with its defaults."""
     out: str | None = None
     """Per-case results (JSONL) path; default: eval_<task>_<split>.jsonl in the current directory."""
+    decisions: bool = False
+    """Instead of decoding: teacher-forced, at each place the gold answers decide where chunks
+    are (every uuid's first characters, the character after every list item), how often the
+    model's most likely next token is the gold one, per kind of place, for one-chunk and
+    several-chunk answers (mlxlab/eval/chunk.py `decision_accuracy`). Reads the split's training
+    examples, `<data>/<split>.jsonl` of a dataset directory (the windows an adapter trained on);
+    the counts go to `out` as JSON, the table to stdout."""
 
     def __post_init__(self):
         super().__post_init__()

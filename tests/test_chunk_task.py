@@ -848,6 +848,67 @@ def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
         ChunkDataConfig(starts=True, turn_topics=True)
 
 
+def test_decision_accuracy_counts_each_place_against_the_models_own_logits(tiny_dir, tmp_path):
+    """Teacher-forced decision accuracy: every place `boundary_spans` finds is counted once under
+    its kind, one- and several-chunk answers apart, and a place is right exactly when the argmax
+    of the model's full logits (its own __call__) there is the gold token."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from mlxlab.config import EvalConfig
+    from mlxlab.eval import cli
+
+    model, tokenizer = load(str(tiny_dir("gemma3")))
+    cfg = ChunkDataConfig(
+        train=2,
+        valid=1,
+        test=6,
+        median_pairs=2,
+        topic_weights=[0.5, 0.5],
+        starts=True,
+        max_message_chars=80,
+    )
+    out = data.write_dataset(tmp_path / "d", cfg)
+    examples = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
+    result = ev.decision_accuracy(model, tokenizer, examples)
+    expect: dict = {}
+    for ex in examples:
+        text = ex["messages"][1]["content"]
+        chunks = json.loads(text)["chunks"]
+        group = expect.setdefault("one chunk" if len(chunks) == 1 else "several chunks", {})
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": ex["messages"][0]["content"]}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        pred = mx.argmax(model(mx.array([prompt + ids]))[0], axis=-1).tolist()
+        right = []
+        for (a, _), name in zip(
+            data.boundary_spans(text, chunks), ev.decision_names(len(chunks), True), strict=True
+        ):
+            i = next(k for k, (s, e) in enumerate(enc["offset_mapping"]) if s <= a < e)
+            right.append(pred[len(prompt) + i - 1] == ids[i])
+            tally = group.setdefault(name, [0, 0])
+            tally[0] += right[-1]
+            tally[1] += 1
+        tally = group.setdefault(ev.ALL_RIGHT, [0, 0])
+        tally[0] += all(right)
+        tally[1] += 1
+    assert result == expect and set(result) == {"one chunk", "several chunks"}
+    assert result["several chunks"]["starts: a later item"][1] > 0
+    assert "| several chunks | starts: a later item |" in ev.decisions_table(result)
+    # the command reads a dataset directory's split; anything else is a one-line error
+    with pytest.raises(UserError, match="reads a dataset directory"):
+        cli.run(EvalConfig(decisions=True, data=str(tmp_path)))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "test.jsonl").write_text('{"messages": []}\n')
+    with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
+        cli.run(EvalConfig(decisions=True, data=str(bad)))
+
+
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
     """n short test conversations (one or two topics, two pairs) and the tiny Gemma 3."""
     from mlx_lm.utils import load

@@ -1036,6 +1036,78 @@ def evaluate(
     return rows
 
 
+def decision_names(n_chunks: int, starts: bool) -> list[str]:
+    """The kind of each place `boundary_spans` finds in an answer of `n_chunks` chunks (with the
+    `starts` opening or without), in its order."""
+    names = []
+    if starts:
+        for k in range(n_chunks):
+            names.append("starts: the first item" if k == 0 else "starts: a later item")
+            names.append("starts: the list goes on" if k < n_chunks - 1 else "starts: it ends")
+    for k in range(n_chunks):
+        names.append("chunk start: the first" if k == 0 else "chunk start: a later one")
+        names.append("chunk end: another follows" if k < n_chunks - 1 else "chunk end: the last")
+        names.append("chunks: the list goes on" if k < n_chunks - 1 else "chunks: it ends")
+    return names
+
+
+ALL_RIGHT = "every decision"
+
+
+def decision_accuracy(model, tokenizer, examples: list[dict]) -> dict[str, dict[str, list[int]]]:
+    """Teacher-forced: at each place a gold answer decides where its chunks are
+    (mlxlab/data/chunk.py `boundary_spans`: the first characters of every uuid it writes, the
+    character after every list item), whether the model's most likely next token, given the
+    prompt and the gold answer before it, is the gold one. `examples` are chat records as the
+    chunk data writes them (<split>.jsonl: one per window). Returns {group: {kind: [right,
+    total]}} for the answers of one chunk and of several (`decision_names`), with `ALL_RIGHT`:
+    the answers whose every such token is right. Free decoding must also get its own earlier
+    decisions right; this isolates each one."""
+    import mlx.core as mx
+
+    from mlxlab.data.chunk import boundary_spans
+    from mlxlab.train.losses import hidden_states, lm_head
+
+    out: dict[str, dict[str, list[int]]] = {}
+    for ex in examples:
+        user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
+        obj = json.loads(text)
+        chunks = obj["chunks"]
+        spans = boundary_spans(text, chunks)
+        names = decision_names(len(chunks), "starts" in obj)
+        if len(spans) != len(names):  # an empty uuid has no first characters
+            continue
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
+        )
+        enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        at = [next(i for i, (a, b) in enumerate(offsets) if a <= start < b) for start, _ in spans]
+        h = hidden_states(model, mx.array([prompt + ids]))[0]
+        rows = mx.array([len(prompt) + i - 1 for i in at])
+        pred = mx.argmax(lm_head(model, h[rows]), axis=-1).tolist()
+        group = out.setdefault("one chunk" if len(chunks) == 1 else "several chunks", {})
+        right = [p == ids[i] for p, i in zip(pred, at, strict=True)]
+        for name, ok in zip(names, right, strict=True):
+            tally = group.setdefault(name, [0, 0])
+            tally[0] += ok
+            tally[1] += 1
+        tally = group.setdefault(ALL_RIGHT, [0, 0])
+        tally[0] += all(right)
+        tally[1] += 1
+    return out
+
+
+def decisions_table(result: dict[str, dict[str, list[int]]]) -> str:
+    """`decision_accuracy`'s counts as a markdown table (one row per group and kind)."""
+    lines = ["| answers | decision | right | share |", "|---|---|---|---|"]
+    for group in ("one chunk", "several chunks"):
+        for name, (right, total) in sorted(result.get(group, {}).items()):
+            share = f"{right / total:.2f}" if total else "-"
+            lines.append(f"| {group} | {name} | {right} / {total} | {share} |")
+    return "\n".join(lines)
+
+
 def constrained_path(out: Path) -> Path:
     """Where the constrained decode's per-case results go: eval.jsonl -> eval.constrained.jsonl."""
     out = Path(out)

@@ -6,6 +6,7 @@
     python -m mlxlab eval chunk constrained=true    # also decoded under the answer's grammar
     python -m mlxlab eval chunk constrained=true cover=false   # ... which may close before the end
     python -m mlxlab eval chunk data=my_chats.json adapter=RUN   # your own exported chats
+    python -m mlxlab eval chunk adapter=RUN decisions=true   # teacher-forced: which decisions fail
 
 `data=` is a dataset directory (its `<split>.cases.json`) or a JSON file of cases, `[{id, name,
 uuid?, messages: [{uuid, sender, text}], chunks?}]`: without gold `chunks` only `ref` and
@@ -47,6 +48,8 @@ def run(cfg: EvalConfig) -> dict:
             log.info(f"data={data}: the adapter's task run's dataset")
     if data is None:
         data = chunk.write_dataset(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
+    if cfg.decisions:
+        return decisions(cfg, data)
     records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
@@ -73,6 +76,41 @@ def run(cfg: EvalConfig) -> dict:
         c = summary["constrained"]
         log.info(f"constrained per-case results: {c['results']} ({c['seconds']:.0f} s)")
     return summary
+
+
+def decisions(cfg: EvalConfig, data: Path) -> dict:
+    """`decisions=true`: teacher-forced decision accuracy on `<data>/<split>.jsonl`."""
+    import json
+
+    from mlxlab.errors import UserError
+    from mlxlab.eval import chunk as ev
+    from mlxlab.fsutil import atomic_write_text
+    from mlxlab.lora import io as lora_io
+    from mlxlab.models.zoo import load
+
+    path = data / f"{cfg.split}.jsonl"
+    if not path.is_file():
+        raise UserError(
+            f"decisions=true reads a dataset directory's {cfg.split}.jsonl (the windows as "
+            f"training writes them; python -m mlxlab data chunk): no {path}"
+        )
+    examples = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            ex = json.loads(line)
+            json.loads(ex["messages"][1]["content"])["chunks"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise UserError(f"{path}:{n}: not a chunk-task example (a chat record)") from None
+        examples.append(ex)
+    model, tokenizer = load(cfg.model, cfg.dtype)
+    if cfg.adapter:
+        lora_io.load(model, cfg.adapter)
+    result = ev.decision_accuracy(model, tokenizer, examples)
+    out = Path(cfg.out or f"decisions_{cfg.task}_{cfg.split}.json").expanduser().absolute()
+    atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+    print(ev.decisions_table(result))
+    log.info(f"counts: {out}")
+    return result
 
 
 def task_run(adapter_dir: Path) -> Path | None:
