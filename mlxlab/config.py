@@ -360,7 +360,8 @@ class ChunkDataConfig:
     longest training prompt). Characters per token vary with the text (code and uuids take more
     tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
     2,000 Gemma 3 tokens with the answer (2,117 with `turn_topics`, which then needs
-    max_seq_length 2176; 2,280 with train_brief_rate 0.5, which needs 2304), and it sets
+    max_seq_length 2176; 2,280 with train_brief_rate 0.5, which needs 2304; 2,035 with
+    `starts`), and it sets
     on_too_long=error, so a setting that overflows stops at load time instead of cutting an
     answer."""
     window_overlap: int = 2
@@ -382,7 +383,11 @@ class ChunkDataConfig:
     starts (a user message it can point at where it reads the change) before it writes any chunk,
     so a chunk's end is the message before the next start it has already written, not a message
     it must pick before reading on (mlxlab/data/chunk.py `answer`). Both scorers read only
-    "chunks"; the answer grammar always allows this opening; not with `turn_topics`."""
+    "chunks"; the answer grammar allows this opening with eval.starts; not with `turn_topics`.
+    chunk_seg4 with it wrote one chunk on every test conversation (boundary F1 0.5, what always
+    one chunk scores there; 0.333 without it): teacher-forced, the model picks the shifting
+    message more often (0.38 against 0.08) but never says that another topic starts
+    (experiments/chunk_seg4/starts.md), so it stays off."""
 
     def __post_init__(self):
         if self.starts and self.turn_topics:
@@ -467,6 +472,10 @@ class EvalSettings:
     None: as the dataset the model is judged against was built (its build.json `turn_topics`):
     in a chunk-task run the run's own data, for the base and the tuned model alike (same windows);
     in `eval chunk`, the adapter's run's data, and false without an adapter from a run."""
+    starts: bool | None = None
+    """The answers may open with a `starts` list (an adapter trained with the chunk data's
+    `starts`): the answer grammar allows that opening. None: as `turns`, from the dataset's
+    build.json `starts`."""
     label_model: str = ""
     """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) that
     also scores the labels against gold by meaning: the cosine similarity of each gold chunk's
@@ -501,14 +510,16 @@ class EvalConfig(EvalSettings):
     messages: [{uuid, sender, text}], chunks?}]` (without gold chunks only ref and strict are
     scored); default: the chunk dataset built with its defaults."""
     out: str | None = None
-    """Per-case results (JSONL) path; default: eval_<task>_<split>.jsonl in the current directory."""
+    """Per-case results (JSONL) path; default: eval_<task>_<split>.jsonl in the current directory
+    (with `decisions`, the counts as JSON; default decisions_<task>_<split>.json)."""
     decisions: bool = False
     """Instead of decoding: teacher-forced, at each place the gold answers decide where chunks
     are (every uuid's first characters, the character after every list item), how often the
     model's most likely next token is the gold one, per kind of place, for one-chunk and
-    several-chunk answers (mlxlab/eval/chunk.py `decision_accuracy`). Reads the split's training
-    examples, `<data>/<split>.jsonl` of a dataset directory (the windows an adapter trained on);
-    the counts go to `out` as JSON, the table to stdout."""
+    several-chunk answers (mlxlab/eval/chunk.py `decision_accuracy`). Reads the split's examples
+    as the chunk data writes them for training, `<data>/<split>.jsonl` of a dataset directory
+    (long conversations in the windows of the data's `window_chars`; `cases` takes the first N
+    examples); the counts go to `out`, the table to stdout. Decoding settings do not apply."""
 
     def __post_init__(self):
         super().__post_init__()

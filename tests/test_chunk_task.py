@@ -803,8 +803,10 @@ def test_turn_topics_answer_and_grammar(gemma_tokenizer, tmp_path):
     asked = [m["uuid"][:8] for m in case["messages"] if m["sender"] == "user"]
     shown_in_prompt = [u for u in asked if u in ex["messages"][0]["content"]]
     assert [t[0] for t in answer["turns"]] == shown_in_prompt and shown_in_prompt
-    assert ev.data_turns(data.write_dataset(tmp_path / "d", cfg))
-    assert not ev.data_turns(tmp_path) and not ev.data_turns(tmp_path / "missing")
+    built = data.write_dataset(tmp_path / "d", cfg)
+    assert ev.built_with(built, "turn_topics") and not ev.built_with(built, "starts")
+    assert not ev.built_with(tmp_path, "turn_topics")
+    assert not ev.built_with(tmp_path / "missing", "turn_topics")
     assert (
         "turns" not in data.training_examples(case, ChunkDataConfig())[0]["messages"][1]["content"]
     )
@@ -820,8 +822,9 @@ def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
     text = data.answer(GOLD, starts=True)
     assert json.loads(text) == {"starts": ["aaaaaaaa", "cccccccc"], **json.loads(data.answer(GOLD))}
     assert ev.score_ref(text, U).ref == 100 and ev.score_case(text, U, GOLD).boundary_f1 == 1
+    assert not _allows(G.lark(ev.answer_grammar(U), "plain"), gemma_tokenizer, text)
     for cover in (True, False):
-        grammar = G.lark(ev.answer_grammar(U, cover), "answer")
+        grammar = G.lark(ev.answer_grammar(U, cover, starts=True), "answer")
         assert _allows(grammar, gemma_tokenizer, text)
         assert _allows(grammar, gemma_tokenizer, data.answer(GOLD))
         one = [{**GOLD[0], "end_message_uuid": U[3]}]
@@ -846,12 +849,69 @@ def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
             assert answer["starts"] == [c["start_message_uuid"][:8] for c in answer["chunks"]]
     with pytest.raises(UserError, match="pick one"):
         ChunkDataConfig(starts=True, turn_topics=True)
+    assert ev.built_with(data.write_dataset(tmp_path / "d", cfg), "starts")
+    # each decision place is named for what it decides, in the answer's order
+    places = [(text[a:b], kind) for a, b, kind in data.boundary_places(text, GOLD)]
+    assert places == [
+        ("aaaa", "starts: the first item"),
+        (",", "starts: the list goes on"),
+        ("cccc", "starts: a later item"),
+        ("]", "starts: it ends"),
+        ("aaaa", "chunk start: the first"),
+        ("bbbb", "chunk end: another follows"),
+        (",", "chunks: the list goes on"),
+        ("cccc", "chunk start: a later one"),
+        ("dddd", "chunk end: the last"),
+        ("]", "chunks: it ends"),
+    ]
+    assert [kind for _, _, kind in data.boundary_places(data.answer(GOLD), GOLD)] == [
+        kind for _, kind in places[4:]
+    ]
 
 
-def test_decision_accuracy_counts_each_place_against_the_models_own_logits(tiny_dir, tmp_path):
-    """Teacher-forced decision accuracy: every place `boundary_spans` finds is counted once under
-    its kind, one- and several-chunk answers apart, and a place is right exactly when the argmax
-    of the model's full logits (its own __call__) there is the gold token."""
+class _Oracle:
+    """A stand-in LM for counting tests: its hidden state at each position is the position, and
+    its head puts the argmax on the input's next token there (`wrong`: on token 0 instead)."""
+
+    model_type = "oracle"  # no layer runner: hidden_states calls .model
+
+    def __init__(self, wrong: bool = False):
+        import mlx.core as mx
+
+        self.wrong, self.training, self.inputs = wrong, False, None
+        oracle = self
+
+        class Embed:
+            def as_linear(self, h):
+                pos = h[:, 0].astype(mx.int32).tolist()
+                nxt = [0 if oracle.wrong else oracle.inputs[p + 1] for p in pos]
+                vocab = mx.arange(300_000)[None, :]
+                return (vocab == mx.array(nxt)[:, None]).astype(mx.float32)
+
+        class Body:
+            embed_tokens = Embed()
+
+            def __call__(self, inputs):
+                oracle.inputs = inputs[0].tolist()
+                return mx.arange(inputs.shape[1]).reshape(1, -1, 1).astype(mx.float32)
+
+        self.model = Body()
+
+    def __contains__(self, key):
+        return False
+
+    def eval(self):
+        self.training = False
+
+    def train(self, mode: bool = True):
+        self.training = mode
+
+
+def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
+    """Teacher-forced decision accuracy: every place `boundary_places` finds is counted once under
+    its kind, one- and several-chunk answers apart; a model that always predicts the next token
+    gets every place right, one that never does none; the real tiny model's counts match the
+    argmax of its own full logits; the model is left in the mode it came in."""
     import mlx.core as mx
     from mlx_lm.utils import load
 
@@ -870,42 +930,84 @@ def test_decision_accuracy_counts_each_place_against_the_models_own_logits(tiny_
     )
     out = data.write_dataset(tmp_path / "d", cfg)
     examples = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
-    result = ev.decision_accuracy(model, tokenizer, examples)
-    expect: dict = {}
+    totals: dict = {g: {} for g in ev.GROUPS}
     for ex in examples:
         text = ex["messages"][1]["content"]
         chunks = json.loads(text)["chunks"]
-        group = expect.setdefault("one chunk" if len(chunks) == 1 else "several chunks", {})
+        group = totals[ev.GROUPS[len(chunks) > 1]]
+        for _, _, kind in data.boundary_places(text, chunks):
+            group[kind] = group.get(kind, 0) + 1
+        group[ev.ALL_RIGHT] = group.get(ev.ALL_RIGHT, 0) + 1
+    assert totals["several chunks"]["starts: a later item"] > 0 and totals["one chunk"]
+    for wrong in (False, True):
+        oracle = _Oracle(wrong)
+        oracle.train()
+        got = ev.decision_accuracy(oracle, tokenizer, examples)
+        assert oracle.training  # put back as it was
+        assert got == {
+            g: {k: [0 if wrong else n, n] for k, n in kinds.items()} for g, kinds in totals.items()
+        }
+    # the real model: right exactly where its full logits' argmax is the gold token (the token
+    # found by decoding prefixes, not by offsets)
+    result = ev.decision_accuracy(model, tokenizer, examples)
+    expect: dict = {g: {} for g in ev.GROUPS}
+    for ex in examples:
+        text = ex["messages"][1]["content"]
+        chunks = json.loads(text)["chunks"]
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": ex["messages"][0]["content"]}],
             add_generation_prompt=True,
             return_dict=False,
         )
-        enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
+        ids = tokenizer.encode(text, add_special_tokens=False)
         pred = mx.argmax(model(mx.array([prompt + ids]))[0], axis=-1).tolist()
-        right = []
-        for (a, _), name in zip(
-            data.boundary_spans(text, chunks), ev.decision_names(len(chunks), True), strict=True
-        ):
-            i = next(k for k, (s, e) in enumerate(enc["offset_mapping"]) if s <= a < e)
+        ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+        group, right = expect[ev.GROUPS[len(chunks) > 1]], []
+        for first, _, kind in data.boundary_places(text, chunks):
+            i = next(k for k, end in enumerate(ends) if end > first)
             right.append(pred[len(prompt) + i - 1] == ids[i])
-            tally = group.setdefault(name, [0, 0])
+            tally = group.setdefault(kind, [0, 0])
             tally[0] += right[-1]
             tally[1] += 1
         tally = group.setdefault(ev.ALL_RIGHT, [0, 0])
         tally[0] += all(right)
         tally[1] += 1
-    assert result == expect and set(result) == {"one chunk", "several chunks"}
-    assert result["several chunks"]["starts: a later item"][1] > 0
+    assert result == expect
+    assert {k: v[1] for k, v in result["several chunks"].items()} == totals["several chunks"]
     assert "| several chunks | starts: a later item |" in ev.decisions_table(result)
-    # the command reads a dataset directory's split; anything else is a one-line error
+    # an answer with no chunk is counted apart
+    empty = {
+        "messages": [examples[0]["messages"][0], {"role": "assistant", "content": '{"chunks": []}'}]
+    }
+    assert ev.decision_accuracy(model, tokenizer, [empty])["skipped"] == {"no chunks": [0, 1]}
+    # the command: counts to `out`, `cases` examples; anything else is a one-line error
+    cmd = EvalConfig(decisions=True, data=str(out), out=str(tmp_path / "c.json"), cases=2)
+    cmd.model = str(tiny_dir("gemma3"))
+    counted = cli.run(cmd)
+    assert json.loads((tmp_path / "c.json").read_text()) == counted
+    assert sum(v.get(ev.ALL_RIGHT, [0, 0])[1] for k, v in counted.items() if k in ev.GROUPS) == 2
     with pytest.raises(UserError, match="reads a dataset directory"):
         cli.run(EvalConfig(decisions=True, data=str(tmp_path)))
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "test.jsonl").write_text('{"messages": []}\n')
-    with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
+    for line in (
+        '{"messages": []}',
+        '{"messages": [{"content": "x"}, {"content": "{\\"chunks\\": \\"no\\"}"}]}',
+        json.dumps({"messages": [{"content": "x"}, {"content": json.dumps({"chunks": [{}]})}]}),
+        json.dumps(
+            {
+                "messages": [
+                    {"content": "x"},
+                    {"content": json.dumps({"chunks": GOLD}, separators=(",", ":"))},
+                ]
+            }
+        ),
+    ):
+        (bad / "test.jsonl").write_text(line + "\n")
+        with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
+            cli.run(EvalConfig(decisions=True, data=str(bad)))
+    (bad / "test.jsonl").write_text("\n")
+    with pytest.raises(UserError, match="no examples"):
         cli.run(EvalConfig(decisions=True, data=str(bad)))
 
 

@@ -51,6 +51,7 @@ KEYS = ("label", "start_message_uuid", "end_message_uuid")
 # uuid prefix (this many characters) and the topic it is on, before the chunks (`answer`); with
 # ChunkDataConfig.starts, with a "starts" list: each chunk's first message's uuid prefix.
 TURN_CHARS = 8
+STARTS_OPENING = '{"starts": ['  # how an answer with the starts list begins (`answer`)
 TRUNCATED = "\n[...]"
 
 # --- the prompt -------------------------------------------------------------------------------
@@ -570,28 +571,44 @@ def chat(
 DECISION_CHARS = 4  # a uuid's first characters: enough to tell a window's messages apart
 
 
-def boundary_spans(text: str, chunks: list[dict]) -> list[tuple[int, int]]:
-    """Character spans of `text` (`answer(chunks)`, with or without turns or starts) that place
-    the chunks: the first `DECISION_CHARS` of each uuid value, in order, and the character after
-    each chunk's object (`,`: another chunk follows; `]`: the list ends); with starts, also each
-    starts item's first characters and the character after it."""
-    spans, at = [], 0
-    if text.startswith('{"starts": ['):
-        for c in chunks:
+def boundary_places(text: str, chunks: list[dict]) -> list[tuple[int, int, str]]:
+    """(first, end, kind) character spans of `text` (`answer(chunks)`, with or without turns or
+    starts) that place the chunks, in order: with starts, each starts item's first
+    `DECISION_CHARS` ("starts: the first item" / "a later item") and the character after it
+    ("starts: the list goes on" / "it ends"); then per chunk the first `DECISION_CHARS` of its
+    start and end uuids ("chunk start: the first" / "a later one", "chunk end: another follows" /
+    "the last") and the character after its object ("chunks: the list goes on" / "it ends")."""
+    out, at, last = [], 0, len(chunks) - 1
+
+    def uuid_at(at: int, value: str, kind: str) -> None:
+        out.append((at + 1, at + 1 + min(DECISION_CHARS, len(value) - 2), kind))
+
+    if text.startswith(STARTS_OPENING):
+        at = len(STARTS_OPENING)
+        for k, c in enumerate(chunks):
             value = json.dumps(c["start_message_uuid"][:TURN_CHARS])
             at = text.index(value, at)
-            spans.append((at + 1, at + 1 + min(DECISION_CHARS, len(value) - 2)))
+            uuid_at(at, value, "starts: the first item" if k == 0 else "starts: a later item")
             at += len(value)
-            spans.append((at, at + 1))
-    for c in chunks:
+            out.append((at, at + 1, "starts: it ends" if k == last else "starts: the list goes on"))
+    for k, c in enumerate(chunks):
         for key in ("start_message_uuid", "end_message_uuid"):
             value = json.dumps(c[key])
             at = text.index(f'"{key}": {value}', at) + len(f'"{key}": ')
-            spans.append((at + 1, at + 1 + min(DECISION_CHARS, len(value) - 2)))
+            if key == "start_message_uuid":
+                kind = "chunk start: the first" if k == 0 else "chunk start: a later one"
+            else:
+                kind = "chunk end: the last" if k == last else "chunk end: another follows"
+            uuid_at(at, value, kind)
             at += len(value)
         at = text.index("}", at) + 1
-        spans.append((at, at + 1))
-    return [(a, b) for a, b in spans if b > a]
+        out.append((at, at + 1, "chunks: it ends" if k == last else "chunks: the list goes on"))
+    return [(a, b, kind) for a, b, kind in out if b > a]
+
+
+def boundary_spans(text: str, chunks: list[dict]) -> list[tuple[int, int]]:
+    """The character spans of `boundary_places` (what `boundary_weight` weights)."""
+    return [(a, b) for a, b, _ in boundary_places(text, chunks)]
 
 
 def char_cost(m: dict) -> int:

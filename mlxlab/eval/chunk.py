@@ -600,7 +600,9 @@ ANSWER_TOKENS_PER_MESSAGE = 20
 TURNS_WINDOW_MESSAGES = 400
 
 
-def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None = None) -> str:
+def answer_grammar(
+    uuids: list[str], cover: bool = True, users: list[str] | None = None, starts: bool = False
+) -> str:
     """The answer's grammar for one conversation (Lark, for `mlxlab.grammar.lark`): the JSON the
     instructions ask for, `{"chunks": [{"label": ..., "start_message_uuid": ...,
     "end_message_uuid": ...}, ...]}` in the training answers' layout (mlxlab/data/chunk.py
@@ -610,14 +612,15 @@ def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None
     a repair under both scorers and a chunk that ends earlier is followed by another; without,
     the answer may close after any chunk (a trailing gap, which both scorers repair at a cost),
     so the model's wish to stop is not turned into one more chunk. Either way the model chooses
-    where chunks end and what they are called, nothing else. Without messages the only answer is
+    where chunks end and what they are called (and, with an opening, what it says), nothing else. Without messages the only answer is
     an empty chunk list. With `users` (the uuids of the user messages among `uuids`, in order)
     the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
-    those messages' uuid prefix in order, with a topic the model names (1-120 characters). It may
-    always open with the `"starts"` list a `starts` adapter writes: the uuid prefixes of the first
-    message and of any later ones the model picks, in order (the chunks that follow are free as
-    above: it is the model that ends each chunk before the next start it wrote)."""
-    from mlxlab.data.chunk import KEYS, TURN_CHARS
+    those messages' uuid prefix in order, with a topic the model names (1-120 characters). With
+    `starts` it may instead open with the `"starts"` list a `starts` adapter writes: the uuid
+    prefixes of the first message and of any later ones the model picks, in order, each once (the
+    chunks that follow are free as above: it is the model that ends each chunk before the next
+    start it wrote)."""
+    from mlxlab.data.chunk import KEYS, STARTS_OPENING, TURN_CHARS
 
     assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
 
@@ -633,16 +636,17 @@ def answer_grammar(uuids: list[str], cover: bool = True, users: list[str] | None
     label, start, end = (lit(f'{", " if k != "label" else "{"}"{k}": ') for k in KEYS)
     word = LABEL_WORD
     rules = [f"start: {opening} c0 {closing}", f'LABEL: /"{word}( {word}){{1,11}}"/']
-    # s{i}: a starts item at message i, then the list ends or goes on from a later message
-    # (p{i}: message i or a later one)
-    starts_open, starts_close = lit('{"starts": ['), lit(', "chunks": [')
-    rules[0] += f" | {starts_open} s0 {starts_close} c0 {closing}"
-    prefixes = [lit(json.dumps(u[:TURN_CHARS])) for u in uuids]
-    for i in range(n):
-        more = f" | {prefixes[i]} {lit(', ')} p{i + 1}" if i < n - 1 else ""
-        rules.append(f"s{i}: {prefixes[i]} {lit(']')}{more}")
-        if i:
-            rules.append(f"p{i}: s{i}" + (f" | p{i + 1}" if i < n - 1 else ""))
+    if starts:
+        # s{i}: a starts item at message i, then the list ends or goes on from a later message
+        # (p{i}: message i or a later one)
+        starts_close = lit(', "chunks": [')
+        rules[0] += f" | {lit(STARTS_OPENING)} s0 {starts_close} c0 {closing}"
+        prefixes = [lit(json.dumps(u[:TURN_CHARS])) for u in uuids]
+        for i in range(n):
+            more = f" | {prefixes[i]} {lit(', ')} p{i + 1}" if i < n - 1 else ""
+            rules.append(f"s{i}: {prefixes[i]} {lit(']')}{more}")
+            if i:
+                rules.append(f"p{i}: s{i}" + (f" | p{i + 1}" if i < n - 1 else ""))
     if users is not None:
         turns = f" {lit(', ')} ".join(
             f"{lit('[' + json.dumps(u[:TURN_CHARS]) + ', ')} TOPIC {lit(']')}" for u in users
@@ -805,14 +809,14 @@ def window_messages(max_tokens: int) -> int:
     return min(TURNS_WINDOW_MESSAGES, max(8, max_tokens // ANSWER_TOKENS_PER_MESSAGE))
 
 
-def data_turns(data) -> bool:
-    """Whether a chunk dataset directory's answers open with `turns` (its build.json's
-    `turn_topics`; false without one)."""
+def built_with(data, option: str) -> bool:
+    """Whether a chunk dataset directory was built with `option` (a ChunkDataConfig flag such as
+    `turn_topics` or `starts`: its answers open that way) by its build.json; false without one."""
     try:
         build = json.loads((Path(data) / "build.json").read_text())
     except (OSError, ValueError, TypeError):
         return False
-    return bool(isinstance(build, dict) and build.get("turn_topics"))
+    return bool(isinstance(build, dict) and build.get(option))
 
 
 def plan_windows(
@@ -956,13 +960,15 @@ def evaluate(
     train_labels: set[str] | None = None,
     cover: bool = True,
     turns: bool = False,
+    starts: bool = False,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
     `constrained` decodes each window under its `answer_grammar` (with `cover`: chunks up to its
     last message); `train_labels` (normalised training-set labels) adds the share of predicted
     labels that are one of them. `turns`: the answers open with a turns list (a `turn_topics`
-    adapter): windows of at most `window_messages` messages, a grammar that allows the opening."""
+    adapter): windows of at most `window_messages` messages, a grammar that allows the opening;
+    `starts`: the grammar allows the starts opening (a `starts` adapter)."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
@@ -974,7 +980,7 @@ def evaluate(
         width = n_vocab(model, tokenizer)
         grammars = [
             grammar.lark(
-                answer_grammar(w.uuids, cover, w.users if turns else None),
+                answer_grammar(w.uuids, cover, w.users if turns else None, starts),
                 f"case {w.case} answer grammar",
             )
             for w in windows
@@ -1036,72 +1042,68 @@ def evaluate(
     return rows
 
 
-def decision_names(n_chunks: int, starts: bool) -> list[str]:
-    """The kind of each place `boundary_spans` finds in an answer of `n_chunks` chunks (with the
-    `starts` opening or without), in its order."""
-    names = []
-    if starts:
-        for k in range(n_chunks):
-            names.append("starts: the first item" if k == 0 else "starts: a later item")
-            names.append("starts: the list goes on" if k < n_chunks - 1 else "starts: it ends")
-    for k in range(n_chunks):
-        names.append("chunk start: the first" if k == 0 else "chunk start: a later one")
-        names.append("chunk end: another follows" if k < n_chunks - 1 else "chunk end: the last")
-        names.append("chunks: the list goes on" if k < n_chunks - 1 else "chunks: it ends")
-    return names
-
-
 ALL_RIGHT = "every decision"
+GROUPS = ("one chunk", "several chunks")
 
 
 def decision_accuracy(model, tokenizer, examples: list[dict]) -> dict[str, dict[str, list[int]]]:
     """Teacher-forced: at each place a gold answer decides where its chunks are
-    (mlxlab/data/chunk.py `boundary_spans`: the first characters of every uuid it writes, the
+    (mlxlab/data/chunk.py `boundary_places`: the first characters of every uuid it writes, the
     character after every list item), whether the model's most likely next token, given the
-    prompt and the gold answer before it, is the gold one. `examples` are chat records as the
-    chunk data writes them (<split>.jsonl: one per window). Returns {group: {kind: [right,
-    total]}} for the answers of one chunk and of several (`decision_names`), with `ALL_RIGHT`:
-    the answers whose every such token is right. Free decoding must also get its own earlier
-    decisions right; this isolates each one."""
+    prompt and the gold answer before it, is the gold one (the token holding that place's first
+    character). `examples` are chat records as the chunk data writes them (<split>.jsonl: one per
+    window); the answer is tokenized after the prompt as generation would write it. Returns
+    {group: {kind: [right, total]}} for the answers of one chunk and of several (`GROUPS`), with
+    `ALL_RIGHT`: the answers whose every such token is right, and "skipped": [0, n] for n answers
+    with no chunk to place. Free decoding must also get its own earlier decisions right; this
+    isolates each one."""
     import mlx.core as mx
 
-    from mlxlab.data.chunk import boundary_spans
+    from mlxlab.data.chunk import boundary_places
     from mlxlab.train.losses import hidden_states, lm_head
 
-    out: dict[str, dict[str, list[int]]] = {}
-    for ex in examples:
-        user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
-        obj = json.loads(text)
-        chunks = obj["chunks"]
-        spans = boundary_spans(text, chunks)
-        names = decision_names(len(chunks), "starts" in obj)
-        if len(spans) != len(names):  # an empty uuid has no first characters
-            continue
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
-        )
-        enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        at = [next(i for i, (a, b) in enumerate(offsets) if a <= start < b) for start, _ in spans]
-        h = hidden_states(model, mx.array([prompt + ids]))[0]
-        rows = mx.array([len(prompt) + i - 1 for i in at])
-        pred = mx.argmax(lm_head(model, h[rows]), axis=-1).tolist()
-        group = out.setdefault("one chunk" if len(chunks) == 1 else "several chunks", {})
-        right = [p == ids[i] for p, i in zip(pred, at, strict=True)]
-        for name, ok in zip(names, right, strict=True):
-            tally = group.setdefault(name, [0, 0])
-            tally[0] += ok
+    out: dict[str, dict[str, list[int]]] = {g: {} for g in GROUPS}
+    skipped = 0
+    training = getattr(model, "training", False)
+    model.eval()  # no LoRA dropout
+    try:
+        for ex in examples:
+            user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
+            chunks = json.loads(text)["chunks"]
+            if not chunks:
+                skipped += 1
+                continue
+            places = boundary_places(text, chunks)
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
+            )
+            enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, starts = list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
+            # the token holding each place's first character: the last one starting at or before
+            at = [max(i for i, a in enumerate(starts) if a <= first) for first, _, _ in places]
+            h = hidden_states(model, mx.array([prompt + ids]))[0]
+            rows = mx.array([len(prompt) + i - 1 for i in at])
+            pred = mx.argmax(lm_head(model, h[rows]), axis=-1).tolist()
+            group = out[GROUPS[len(chunks) > 1]]
+            right = [p == ids[i] for p, i in zip(pred, at, strict=True)]
+            for (_, _, kind), ok in zip(places, right, strict=True):
+                tally = group.setdefault(kind, [0, 0])
+                tally[0] += ok
+                tally[1] += 1
+            tally = group.setdefault(ALL_RIGHT, [0, 0])
+            tally[0] += all(right)
             tally[1] += 1
-        tally = group.setdefault(ALL_RIGHT, [0, 0])
-        tally[0] += all(right)
-        tally[1] += 1
+    finally:
+        model.train(training)
+    if skipped:
+        out["skipped"] = {"no chunks": [0, skipped]}
     return out
 
 
 def decisions_table(result: dict[str, dict[str, list[int]]]) -> str:
     """`decision_accuracy`'s counts as a markdown table (one row per group and kind)."""
     lines = ["| answers | decision | right | share |", "|---|---|---|---|"]
-    for group in ("one chunk", "several chunks"):
+    for group in (*GROUPS, "skipped"):
         for name, (right, total) in sorted(result.get(group, {}).items()):
             share = f"{right / total:.2f}" if total else "-"
             lines.append(f"| {group} | {name} | {right} / {total} | {share} |")
@@ -1143,6 +1145,7 @@ def evaluate_model(
             train_labels,
             getattr(settings, "cover", True),
             bool(getattr(settings, "turns", False)),
+            bool(getattr(settings, "starts", False)),
         )
         if getattr(settings, "label_model", ""):
             try:

@@ -17,8 +17,8 @@ of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; pe
 the answer's grammar: its chunks follow the messages in order and, with `cover=true`, reach the
 last one; its cases go next to `out`, named `<stem>.constrained.jsonl`). Without `data=`: with an
 adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
-set, windows as long as its training prompts; unless turns is set, its answers' layout: with or
-without the `turn_topics` opening); else the chunk dataset built with its defaults
+set, windows as long as its training prompts; unless turns or starts is set, its answers' layout:
+with or without the `turn_topics` or `starts` opening); else the chunk dataset built with its defaults
 (what `train +exp=chunk_seg4` builds).
 """
 
@@ -61,11 +61,12 @@ def run(cfg: EvalConfig) -> dict:
         if trained:
             cfg.max_prompt_tokens = trained
             log.info(f"max_prompt_tokens={trained}: the windows the adapter was trained on")
-    if cfg.turns is None:  # answers as the adapter's run trained them
-        trained_data = run_data(run_dir) if run_dir is not None else None
-        cfg.turns = trained_data is not None and ev.data_turns(trained_data)
-        if cfg.turns:
-            log.info("turns=true: the adapter was trained to open its answers with turns")
+    trained_data = run_data(run_dir) if run_dir is not None else None
+    for key, option in (("turns", "turn_topics"), ("starts", "starts")):
+        if getattr(cfg, key) is None:  # answers as the adapter's run trained them
+            setattr(cfg, key, trained_data is not None and ev.built_with(trained_data, option))
+            if getattr(cfg, key):
+                log.info(f"{key}=true: the adapter was trained to open its answers with {key}")
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
     summary = ev.evaluate_model(
         model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
@@ -82,6 +83,7 @@ def decisions(cfg: EvalConfig, data: Path) -> dict:
     """`decisions=true`: teacher-forced decision accuracy on `<data>/<split>.jsonl`."""
     import json
 
+    from mlxlab.data import chunk
     from mlxlab.errors import UserError
     from mlxlab.eval import chunk as ev
     from mlxlab.fsutil import atomic_write_text
@@ -96,12 +98,23 @@ def decisions(cfg: EvalConfig, data: Path) -> dict:
         )
     examples = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             ex = json.loads(line)
-            json.loads(ex["messages"][1]["content"])["chunks"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise UserError(f"{path}:{n}: not a chunk-task example (a chat record)") from None
+            text = ex["messages"][1]["content"]
+            chunk.boundary_places(text, json.loads(text)["chunks"])  # the data's own layout
+            if not isinstance(ex["messages"][0]["content"], str):
+                raise TypeError
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            raise UserError(
+                f"{path}:{n}: not a chunk-task example (a chat record whose answer is laid out "
+                "as the chunk data writes it)"
+            ) from None
         examples.append(ex)
+    if not examples:
+        raise UserError(f"{path}: no examples")
+    examples = examples[: cfg.cases or None]
     model, tokenizer = load(cfg.model, cfg.dtype)
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)

@@ -135,7 +135,7 @@ class ChunkTask(Hooks):
             return json.loads(cached.read_text())
         import mlx.core as mx
 
-        from mlxlab.eval.chunk import data_turns, training_window
+        from mlxlab.eval.chunk import built_with, training_window
 
         train = Path(run.data.train)
         data_dir = train if train.is_dir() else train.parent
@@ -144,7 +144,9 @@ class ChunkTask(Hooks):
         if which == "base" and not self.cfg.eval_base_constrained:
             settings = dataclasses.replace(settings, constrained=False)
         if settings.turns is None:  # answers as the training data's (both models, same windows)
-            settings = dataclasses.replace(settings, turns=data_turns(data_dir))
+            settings = dataclasses.replace(settings, turns=built_with(data_dir, "turn_topics"))
+        if settings.starts is None:
+            settings = dataclasses.replace(settings, starts=built_with(data_dir, "starts"))
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
             window = training_window(data_dir, run.tokenizer)
             settings = dataclasses.replace(settings, max_prompt_tokens=window)
@@ -160,6 +162,7 @@ class ChunkTask(Hooks):
         )
         summary["max_prompt_tokens"] = settings.max_prompt_tokens
         summary["turns"] = bool(settings.turns)
+        summary["starts"] = bool(settings.starts)
         summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
         atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
         return summary
