@@ -612,8 +612,8 @@ def answer_grammar(
     a repair under both scorers and a chunk that ends earlier is followed by another; without,
     the answer may close after any chunk (a trailing gap, which both scorers repair at a cost),
     so the model's wish to stop is not turned into one more chunk. Either way the model chooses
-    where chunks end and what they are called (and, with an opening, what it says), nothing else. Without messages the only answer is
-    an empty chunk list. With `users` (the uuids of the user messages among `uuids`, in order)
+    where chunks end and what they are called (and, with an opening, what it says), nothing
+    else. Without messages the only answer is an empty chunk list. With `users` (the uuids of the user messages among `uuids`, in order)
     the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
     those messages' uuid prefix in order, with a topic the model names (1-120 characters). With
     `starts` it may instead open with the `"starts"` list a `starts` adapter writes: the uuid
@@ -1054,8 +1054,8 @@ def decision_accuracy(model, tokenizer, examples: list[dict]) -> dict[str, dict[
     character). `examples` are chat records as the chunk data writes them (<split>.jsonl: one per
     window); the answer is tokenized after the prompt as generation would write it. Returns
     {group: {kind: [right, total]}} for the answers of one chunk and of several (`GROUPS`), with
-    `ALL_RIGHT`: the answers whose every such token is right, and "skipped": [0, n] for n answers
-    with no chunk to place. Free decoding must also get its own earlier decisions right; this
+    `ALL_RIGHT`: the answers whose every such token is right, and "skipped": {"no chunks": [0,
+    n]} for n answers with no chunk to place. Free decoding must also get its own earlier decisions right; this
     isolates each one."""
     import mlx.core as mx
 

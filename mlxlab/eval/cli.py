@@ -18,8 +18,8 @@ the answer's grammar: its chunks follow the messages in order and, with `cover=t
 last one; its cases go next to `out`, named `<stem>.constrained.jsonl`). Without `data=`: with an
 adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
 set, windows as long as its training prompts; unless turns or starts is set, its answers' layout:
-with or without the `turn_topics` or `starts` opening); else the chunk dataset built with its defaults
-(what `train +exp=chunk_seg4` builds).
+with or without the `turn_topics` or `starts` opening); else the chunk dataset built with its
+defaults (what `train +exp=chunk_seg4` builds).
 """
 
 from __future__ import annotations
