@@ -361,9 +361,8 @@ class ChunkDataConfig:
     tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
     2,000 Gemma 3 tokens with the answer (2,117 with `turn_topics`, which then needs
     max_seq_length 2176; 2,280 with train_brief_rate 0.5, which needs 2304; 2,035 with
-    `starts`), and it sets
-    on_too_long=error, so a setting that overflows stops at load time instead of cutting an
-    answer."""
+    `starts`), and it sets on_too_long=error, so a setting that overflows stops at load time
+    instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
     boundary_weight: float = 1.0
@@ -386,9 +385,8 @@ class ChunkDataConfig:
     "chunks"; the answer grammar allows this opening with eval.starts; not with `turn_topics`.
     chunk_seg4 with it wrote one chunk on every test conversation (boundary F1 0.5, what always
     one chunk scores there; 0.333 without it): teacher-forced, the model picks the shifting
-    message more often (0.48 against 0.23 for the end before it, in a pair of short runs) but never
-    says that another topic starts
-    (experiments/chunk_seg4/starts.md), so it stays off."""
+    message more often (0.48 against 0.23 for the end before it, in a pair of short runs) but
+    never says that another topic starts (experiments/chunk_seg4/starts.md), so it stays off."""
 
     def __post_init__(self):
         if self.starts and self.turn_topics:

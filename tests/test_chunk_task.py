@@ -849,7 +849,14 @@ def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
             assert answer["starts"] == [c["start_message_uuid"][:8] for c in answer["chunks"]]
     with pytest.raises(UserError, match="pick one"):
         ChunkDataConfig(starts=True, turn_topics=True)
-    assert ev.built_with(data.write_dataset(tmp_path / "d", cfg), "starts")
+    built = data.write_dataset(tmp_path / "d", cfg)
+    assert ev.built_with(built, "starts")
+    # an evaluation's unset openings follow the data; a set one is left alone
+    from mlxlab.config import EvalSettings
+
+    assert ev.openings(EvalSettings(), built) == {"turns": False, "starts": True}
+    assert ev.openings(EvalSettings(starts=False), built) == {"turns": False}
+    assert ev.openings(EvalSettings(), None) == {"turns": False, "starts": False}
     # each decision place is named for what it decides, in the answer's order
     places = [(text[a:b], kind) for a, b, kind in data.boundary_places(text, GOLD)]
     assert places == [

@@ -613,8 +613,8 @@ def answer_grammar(
     the answer may close after any chunk (a trailing gap, which both scorers repair at a cost),
     so the model's wish to stop is not turned into one more chunk. Either way the model chooses
     where chunks end and what they are called (and, with an opening, what it says), nothing
-    else. Without messages the only answer is an empty chunk list. With `users` (the uuids of the user messages among `uuids`, in order)
-    the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
+    else. Without messages the only answer is an empty chunk list. With `users` (the uuids of
+    the user messages among `uuids`, in order) the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
     those messages' uuid prefix in order, with a topic the model names (1-120 characters). With
     `starts` it may instead open with the `"starts"` list a `starts` adapter writes: the uuid
     prefixes of the first message and of any later ones the model picks, in order, each once (the
@@ -807,6 +807,21 @@ def window_messages(max_tokens: int) -> int:
     `ANSWER_TOKENS_PER_MESSAGE` each (a turns entry per user message and the chunks), at least 8,
     at most `TURNS_WINDOW_MESSAGES`."""
     return min(TURNS_WINDOW_MESSAGES, max(8, max_tokens // ANSWER_TOKENS_PER_MESSAGE))
+
+
+# the answer-opening eval settings and the ChunkDataConfig option each follows
+OPENINGS = {"turns": "turn_topics", "starts": "starts"}
+
+
+def openings(settings, data) -> dict[str, bool]:
+    """The answer-opening settings (`OPENINGS`) that `settings` leaves None, each as the chunk
+    dataset directory `data` was built (`built_with`; false when `data` is None): what a run's
+    evaluation and `eval chunk` with a run's adapter fill in."""
+    return {
+        key: data is not None and built_with(data, option)
+        for key, option in OPENINGS.items()
+        if getattr(settings, key, None) is None
+    }
 
 
 def built_with(data, option: str) -> bool:
@@ -1055,8 +1070,8 @@ def decision_accuracy(model, tokenizer, examples: list[dict]) -> dict[str, dict[
     window); the answer is tokenized after the prompt as generation would write it. Returns
     {group: {kind: [right, total]}} for the answers of one chunk and of several (`GROUPS`), with
     `ALL_RIGHT`: the answers whose every such token is right, and "skipped": {"no chunks": [0,
-    n]} for n answers with no chunk to place. Free decoding must also get its own earlier decisions right; this
-    isolates each one."""
+    n]} for n answers with no chunk to place. Free decoding must also get its own earlier
+    decisions right; this isolates each one."""
     import mlx.core as mx
 
     from mlxlab.data.chunk import boundary_places
@@ -1078,9 +1093,9 @@ def decision_accuracy(model, tokenizer, examples: list[dict]) -> dict[str, dict[
                 [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
             )
             enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids, starts = list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
+            ids, begins = list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
             # the token holding each place's first character: the last one starting at or before
-            at = [max(i for i, a in enumerate(starts) if a <= first) for first, _, _ in places]
+            at = [max(i for i, a in enumerate(begins) if a <= first) for first, _, _ in places]
             h = hidden_states(model, mx.array([prompt + ids]))[0]
             rows = mx.array([len(prompt) + i - 1 for i in at])
             pred = mx.argmax(lm_head(model, h[rows]), axis=-1).tolist()

@@ -61,12 +61,11 @@ def run(cfg: EvalConfig) -> dict:
         if trained:
             cfg.max_prompt_tokens = trained
             log.info(f"max_prompt_tokens={trained}: the windows the adapter was trained on")
-    trained_data = run_data(run_dir) if run_dir is not None else None
-    for key, option in (("turns", "turn_topics"), ("starts", "starts")):
-        if getattr(cfg, key) is None:  # answers as the adapter's run trained them
-            setattr(cfg, key, trained_data is not None and ev.built_with(trained_data, option))
-            if getattr(cfg, key):
-                log.info(f"{key}=true: the adapter was trained to open its answers with {key}")
+    # answers as the adapter's run trained them
+    for key, value in ev.openings(cfg, run_data(run_dir) if run_dir is not None else None).items():
+        setattr(cfg, key, value)
+        if value:
+            log.info(f"{key}=true: the adapter was trained to open its answers with {key}")
     out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
     summary = ev.evaluate_model(
         model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)

@@ -135,7 +135,7 @@ class ChunkTask(Hooks):
             return json.loads(cached.read_text())
         import mlx.core as mx
 
-        from mlxlab.eval.chunk import built_with, training_window
+        from mlxlab.eval.chunk import openings, training_window
 
         train = Path(run.data.train)
         data_dir = train if train.is_dir() else train.parent
@@ -143,10 +143,8 @@ class ChunkTask(Hooks):
         records = read_split(data_dir, settings)  # a missing or bad split fails here, clearly
         if which == "base" and not self.cfg.eval_base_constrained:
             settings = dataclasses.replace(settings, constrained=False)
-        if settings.turns is None:  # answers as the training data's (both models, same windows)
-            settings = dataclasses.replace(settings, turns=built_with(data_dir, "turn_topics"))
-        if settings.starts is None:
-            settings = dataclasses.replace(settings, starts=built_with(data_dir, "starts"))
+        # answers opened as the training data's (both models, the same windows)
+        settings = dataclasses.replace(settings, **openings(settings, data_dir))
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
             window = training_window(data_dir, run.tokenizer)
             settings = dataclasses.replace(settings, max_prompt_tokens=window)

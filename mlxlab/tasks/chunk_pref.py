@@ -179,9 +179,8 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
     for (case, msgs, gold), text in zip(picked, texts, strict=True):
         uuids = [m["uuid"] for m in msgs]
         user = [{"role": "user", "content": data.prompt(case, msgs)}]
-        chosen = data.gold_answer(
-            msgs, gold, dcfg.turn_topics, dcfg.starts
-        )  # as the SFT data writes it
+        # as the SFT data writes it
+        chosen = data.gold_answer(msgs, gold, dcfg.turn_topics, dcfg.starts)
         if is_right(text, uuids, gold, data.conversation_uuid(case)):
             right += 1
         elif text.strip():
