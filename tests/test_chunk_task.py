@@ -1016,6 +1016,66 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
     (bad / "test.jsonl").write_text("\n")
     with pytest.raises(UserError, match="no examples"):
         cli.run(EvalConfig(decisions=True, data=str(bad)))
+    assert set(counted["first end"]) >= {"several chunks", "one chunk"}
+
+
+def test_end_choices_score_each_candidate_as_a_full_forward(tiny_dir, tmp_path):
+    """`end_choices` scores every message the first chunk could end at, from its start to the
+    window's last, by the log-probability of its uuid's first tokens after the gold answer up to
+    that uuid: the same as a plain forward over prompt + answer + those tokens (the tiny model's
+    16-token sliding window has rotated: the shared cache, repeated per candidate, is right); the
+    summary counts by hand."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(tiny_dir("gemma3")))
+    cfg = ChunkDataConfig(
+        train=2, valid=1, test=4, median_pairs=3, topic_weights=[0.0, 1.0], max_message_chars=60
+    )
+    out = data.write_dataset(tmp_path / "d", cfg)
+    examples = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()][:2]
+    rows = ev.end_choices(model, tokenizer, examples, depth=3)
+    assert len(rows) == 2
+    for ex, row in zip(examples, rows, strict=True):
+        user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
+        first = json.loads(text)["chunks"][0]
+        uuids = ev.HEADER_UUID.findall(user)
+        cands = uuids[uuids.index(first["start_message_uuid"]) :]
+        assert row["gold"] == cands.index(first["end_message_uuid"])
+        assert row["chunks"] == len(json.loads(text)["chunks"]) > 1
+        assert len(row["scores"]) == len(cands) >= 2
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
+        )
+        cut = text.index(ev.END_KEY) + len(ev.END_KEY)
+        prefix = tokenizer.encode(text[:cut], add_special_tokens=False)
+        for u, got in zip(cands, row["scores"], strict=True):
+            tail = tokenizer.encode(text[:cut] + u, add_special_tokens=False)[len(prefix) :][:3]
+            seq = prompt + prefix + tail
+            logits = model(mx.array([seq]))[0]
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            want = sum(logp[len(seq) - 4 + j, t].item() for j, t in enumerate(tail))
+            assert got == pytest.approx(want, abs=2e-3)
+    summary = ev.end_choice_summary(
+        [
+            {"chunks": 2, "gold": 0, "scores": [-1.0, -2.0, -3.0]},  # first, first early, above
+            {"chunks": 3, "gold": 1, "scores": [-1.0, -5.0, -0.5]},  # none
+            {"chunks": 1, "gold": 2, "scores": [-4.0, -3.0, -1.0]},  # last first
+            {"chunks": 1, "gold": 0, "scores": [-2.0]},  # a one-message window: margin -inf
+        ]
+    )
+    assert summary["several chunks"] == {
+        "answers": 2,
+        "gold end first": 1,
+        "gold end first of the earlier": 1,
+        "gold end above the last": 1,
+    }
+    assert summary["one chunk"] == {"answers": 2, "last first": 2}
+    # margins: several 2.0 and -0.5; one -2.0 and -inf: every pair ordered
+    assert summary["margin AUC"] == 1.0
+    table = ev.end_choice_table(summary)
+    assert "| several chunks | gold end first | 1 / 2 | 0.50 |" in table
+    assert "margin AUC (several vs one) | | 1.00 |" in table
 
 
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):

@@ -1125,6 +1125,133 @@ def decisions_table(result: dict[str, dict[str, list[int]]]) -> str:
     return "\n".join(lines)
 
 
+# a message's header line in a chunk prompt (mlxlab/data/chunk.py `message_block`)
+HEADER_UUID = re.compile(r"^\[[^\]\n]*\] \(uuid: ([^)\s]+)\)$", re.M)
+END_KEY = '"end_message_uuid": "'
+
+
+def end_choices(model, tokenizer, examples: list[dict], depth: int = 4) -> list[dict]:
+    """Teacher-forced, where an answer chooses its first chunk's end (the decision that says
+    whether a second chunk follows, and where): for each example (a chat record as
+    `decision_accuracy` reads them) with a chunk, the gold answer up to the first character of
+    the first chunk's end uuid; each message the chunk could end at, its start to the window's
+    last, is scored by the log-probability the model gives to the first `depth` tokens of the
+    message's uuid there. Returns per example {"chunks": gold chunks, "gold": the gold end's index
+    among the candidates, "scores": [...]}, candidates in message order: the last one is the
+    window's last message, the end of a one-chunk answer."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rows = []
+    training = getattr(model, "training", False)
+    model.eval()
+    try:
+        for ex in examples:
+            user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
+            chunks = json.loads(text)["chunks"]
+            if not chunks:
+                continue
+            uuids = HEADER_UUID.findall(user)
+            first = chunks[0]
+            cands = uuids[uuids.index(first["start_message_uuid"]) :]
+            cut = text.index(END_KEY) + len(END_KEY)
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
+            )
+            encode = tokenizer._tokenizer
+            prefix = encode(text[:cut], add_special_tokens=False)["input_ids"]
+            full = [encode(text[:cut] + u, add_special_tokens=False)["input_ids"] for u in cands]
+            # the tokens all candidates share (fewer than the prefix's where a tokenizer merges
+            # the quote with a uuid's first characters)
+            n = next(
+                (
+                    i
+                    for i in range(len(prefix))
+                    if any(i >= len(f) or f[i] != prefix[i] for f in full)
+                ),
+                None,
+            )
+            prefix = prefix[:n]
+            tails = [f[len(prefix) :] for f in full]
+            d = min(depth, *map(len, tails))
+            cache = make_prompt_cache(model)
+            head = model(mx.array([prompt + prefix]), cache=cache)[0, -1]
+            head = head - mx.logsumexp(head)
+            toks = mx.array([t[:d] for t in tails])
+            for c in cache:  # one row per candidate, all after the same prefix
+                c.keys = mx.repeat(c.keys, len(tails), axis=0)
+                c.values = mx.repeat(c.values, len(tails), axis=0)
+            scores = head[toks[:, 0]]
+            if d > 1:
+                logits = model(toks[:, :-1], cache=cache)
+                logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                picked = mx.take_along_axis(logp, toks[:, 1:, None], axis=-1)[..., 0]
+                scores = scores + picked.sum(axis=-1)
+            rows.append(
+                {
+                    "chunks": len(chunks),
+                    "gold": cands.index(first["end_message_uuid"]),
+                    "scores": scores.tolist(),
+                }
+            )
+    finally:
+        model.train(training)
+    return rows
+
+
+def end_choice_summary(rows: list[dict]) -> dict:
+    """`end_choices` in counts: on the several-chunk answers, how often the gold end (an earlier
+    message than the last) is the model's first choice, its first choice among the earlier
+    messages (where, given that a second chunk follows) and above the last message (whether);
+    on the one-chunk answers, how often the last message is its first choice; and the AUC with
+    which the margin of the best earlier message over the last tells several-chunk answers from
+    one-chunk ones (0.5: no signal a threshold on that margin could use)."""
+    several = [r for r in rows if r["chunks"] > 1]
+    one = [r for r in rows if r["chunks"] == 1]
+
+    def margin(r):
+        s = r["scores"]
+        return max(s[:-1]) - s[-1] if len(s) > 1 else float("-inf")
+
+    def top(s):
+        return max(range(len(s)), key=s.__getitem__)
+
+    out = {
+        "several chunks": {
+            "answers": len(several),
+            "gold end first": sum(top(r["scores"]) == r["gold"] for r in several),
+            "gold end first of the earlier": sum(
+                top(r["scores"][:-1]) == r["gold"] for r in several
+            ),
+            "gold end above the last": sum(
+                r["scores"][r["gold"]] > r["scores"][-1] for r in several
+            ),
+        },
+        "one chunk": {
+            "answers": len(one),
+            "last first": sum(top(r["scores"]) == len(r["scores"]) - 1 for r in one),
+        },
+    }
+    if several and one:
+        pairs = [(margin(a), margin(b)) for a in several for b in one]
+        out["margin AUC"] = sum((a > b) + 0.5 * (a == b) for a, b in pairs) / len(pairs)
+    return out
+
+
+def end_choice_table(summary: dict) -> str:
+    """`end_choice_summary` as a markdown table."""
+    lines = ["| answers | first chunk's end | count | share |", "|---|---|---|---|"]
+    for group in GROUPS:
+        counts = summary.get(group, {})
+        n = counts.get("answers", 0)
+        for name, k in counts.items():
+            if name != "answers":
+                lines.append(f"| {group} | {name} | {k} / {n} | {k / n:.2f} |" if n else "")
+    if "margin AUC" in summary:
+        lines.append(f"| both | margin AUC (several vs one) | | {summary['margin AUC']:.2f} |")
+    return "\n".join(x for x in lines if x)
+
+
 def constrained_path(out: Path) -> Path:
     """Where the constrained decode's per-case results go: eval.jsonl -> eval.constrained.jsonl."""
     out = Path(out)

@@ -79,7 +79,8 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def decisions(cfg: EvalConfig, data: Path) -> dict:
-    """`decisions=true`: teacher-forced decision accuracy on `<data>/<split>.jsonl`."""
+    """`decisions=true`: teacher-forced decision accuracy on `<data>/<split>.jsonl`, and how the
+    model ranks the messages the first chunk could end at (`end_choices`)."""
     import json
 
     from mlxlab.data import chunk
@@ -117,10 +118,13 @@ def decisions(cfg: EvalConfig, data: Path) -> dict:
     model, tokenizer = load(cfg.model, cfg.dtype)
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
-    result = ev.decision_accuracy(model, tokenizer, examples)
+    result: dict = ev.decision_accuracy(model, tokenizer, examples)
+    result["first end"] = ev.end_choice_summary(ev.end_choices(model, tokenizer, examples))
     out = Path(cfg.out or f"decisions_{cfg.task}_{cfg.split}.json").expanduser().absolute()
     atomic_write_text(out, json.dumps(result, indent=1) + "\n")
     print(ev.decisions_table(result))
+    print()
+    print(ev.end_choice_table(result["first end"]))
     log.info(f"counts: {out}")
     return result
 
