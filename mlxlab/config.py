@@ -8,6 +8,7 @@ command line is `mlxlab/cli.py`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -479,6 +480,11 @@ class EvalSettings:
     """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) that
     also scores the labels against gold by meaning: the cosine similarity of each gold chunk's
     label with its matched predicted label (`label similarity`); empty: word-overlap F1 only."""
+    split_bias: float = 0.0
+    """> 0: while writing a chunk's end, the tokens that end it at the window's last message (no
+    further chunk) lose this much log-probability, once per chunk end (mlxlab/eval/chunk.py
+    `SplitBias`), constrained or not: a one-chunk answer must beat the best earlier end by this
+    margin. 0: plain greedy decoding."""
 
     def __post_init__(self):
         check_choice("split", self.split, ("train", "valid", "test"))
@@ -490,6 +496,8 @@ class EvalSettings:
             )
         if self.window_overlap < 0:
             raise UserError(f"window_overlap must be >= 0, got {self.window_overlap}")
+        if not math.isfinite(self.split_bias) or self.split_bias < 0:
+            raise UserError(f"split_bias must be a finite number >= 0, got {self.split_bias}")
 
 
 @dataclass

@@ -1073,9 +1073,12 @@ def test_end_choices_score_each_candidate_as_a_full_forward(tiny_dir, tmp_path):
     assert summary["one chunk"] == {"answers": 2, "last first": 2}
     # margins: several 2.0 and -0.5; one -2.0 and -inf: every pair ordered
     assert summary["margin AUC"] == 1.0
+    # splitting where the margin beats -2 separates them all: a bias of 2 (the highest such cut)
+    assert summary["split bias"] == 2.0 and summary["balanced accuracy"] == 1.0
     table = ev.end_choice_table(summary)
     assert "| several chunks | gold end first | 1 / 2 | 0.50 |" in table
     assert "margin AUC (several vs one) | | 1.00 |" in table
+    assert "| both | split_bias 2: balanced accuracy | | 1.00 |" in table
 
 
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
@@ -1212,3 +1215,62 @@ def test_an_evaluations_time_counts_its_constrained_decode():
 
     assert eval_seconds({"seconds": 476.3, "constrained": {"seconds": 536.7}}) == 1013.0
     assert eval_seconds({"seconds": 60.0}) == 60.0
+
+
+def test_split_bias_taxes_the_last_message_end_once(tiny_dir, tmp_path):
+    """`SplitBias` lowers exactly the tokens that commit a chunk's end uuid to the window's last
+    message (not those still shared with an earlier message's uuid, not once committed, not
+    outside an end uuid); a huge bias under the cover grammar ends every first chunk early, and
+    split_bias out of range is a one-line error."""
+    import mlx.core as mx
+
+    from mlxlab.config import EvalSettings
+
+    model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
+    uuids = [
+        "a1b2c3d4-0000-4000-8000-000000000001",
+        "a1ffffff-0000-4000-8000-000000000002",
+        "a3000000-0000-4000-8000-000000000003",
+    ]
+    width = model.args.vocab_size
+    prompt = tokenizer.encode("hello")
+    bias = ev.SplitBias(tokenizer, uuids, 2.5)
+    bias(mx.array(prompt), mx.zeros((1, width)))  # the first call: the prompt
+
+    def taxed(text: str) -> set[str]:
+        ids = prompt + tokenizer.encode(text, add_special_tokens=False)
+        out = bias(mx.array(ids), mx.zeros((1, width)))[0].tolist()
+        assert all(v in (0.0, -2.5) for v in out)
+        return {tokenizer.decode([i]) for i, v in enumerate(out) if v}
+
+    head = '{"chunks": [{"label": "a b", "start_message_uuid": "x", "end_message_uuid": "'
+    assert taxed(head) == set()  # "a" is every candidate's first character
+    assert taxed(head + "a") == {"3"}  # commits to the last message
+    assert taxed(head + "a3") == set()  # already paid
+    assert taxed(head + "a1") == set()
+    assert taxed('{"chunks": [{"label": "a b", "start_message_uuid": "a') == set()
+    assert taxed(head + 'a1b2c3d4-0000-4000-8000-000000000001"}, {"label": "') == set()
+    # under the cover grammar, a bias no score can beat ends every first chunk before the last
+    held = ev.evaluate(
+        model,
+        tokenizer,
+        records,
+        max_tokens=1024,
+        batch_size=2,
+        constrained=True,
+        budget=8192,
+        split_bias=1e4,
+    )
+    for row, record in zip(held, records, strict=True):
+        shown = [m["uuid"] for m in data.shown(record["messages"])]
+        first = json.loads(row["output"])["chunks"][0]
+        assert first["end_message_uuid"] != shown[-1] and row["ref"] == 100.0
+    # unconstrained, the random model never writes an end uuid: the bias changes nothing
+    plain, biased = (
+        ev.evaluate(model, tokenizer, records, max_tokens=24, batch_size=2, split_bias=b)
+        for b in (0.0, 3.0)
+    )
+    assert [r["output"] for r in plain] == [r["output"] for r in biased]
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(UserError, match="split_bias must be"):
+            EvalSettings(split_bias=bad)

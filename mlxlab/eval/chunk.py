@@ -665,6 +665,75 @@ def answer_grammar(
     return "\n".join(rules)
 
 
+UUID_CHARS = frozenset("0123456789abcdefABCDEF-")
+_PIECES: dict = {}
+
+
+def uuid_pieces(tokenizer) -> dict[int, str]:
+    """{token id: text} of the tokens that can continue a uuid value (hex digits and hyphens, at
+    most one leading space and quote: a tokenizer may merge those with the first digits), built
+    once per tokenizer."""
+    key = getattr(tokenizer, "_tokenizer", tokenizer)
+    if key not in _PIECES:
+        pieces = {}
+        for i, piece in enumerate(key.convert_ids_to_tokens(list(range(len(key))))):
+            if not piece:
+                continue
+            text = piece.replace("\u2581", " ").replace("\u0120", " ")
+            core = text.lstrip(' "')
+            if len(text) - len(core) <= 2 and core and set(core) <= UUID_CHARS:
+                pieces[i] = text
+        _PIECES[key] = pieces
+    return _PIECES[key]
+
+
+class SplitBias:
+    """An mlx-lm logits processor for one window: inside a chunk's end uuid, `bias` subtracted
+    from the log-odds of every token that commits the answer to ending that chunk at the window's
+    last message (the uuid becomes the last message's and no other's), once per chunk end. A
+    one-chunk answer then needs the model to prefer the last message by more than `bias`; each
+    earlier end (a topic shift) keeps its score. The bias moves the "another topic follows"
+    prior, which the teacher-forced probe (`end_choices`) shows the model sets too low."""
+
+    def __init__(self, tokenizer, uuids: list[str], bias: float):
+        self.tokenizer = tokenizer
+        self.last, self.others = uuids[-1], uuids[:-1]
+        self.bias = float(bias)
+        self.pieces = uuid_pieces(tokenizer)
+        self.start: int | None = None
+
+    def committed(self, value: str) -> bool:
+        """Whether an end uuid value written so far is the last message's and no other's."""
+        return self.last.startswith(value) and not any(o.startswith(value) for o in self.others)
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+        import numpy as np
+
+        n = int(tokens.shape[-1]) if tokens is not None else 0
+        if self.start is None:
+            self.start = n  # the prompt
+        text = self.tokenizer.decode(tokens.reshape(-1)[self.start :].tolist()) if n else ""
+        at = text.rfind(END_KEY[:-2])
+        if at < 0:
+            return logits
+        tail = text[at + len(END_KEY) - 2 :]  # after `"end_message_uuid":`
+        if not set(tail) <= UUID_CHARS | {" ", '"'} or tail.count('"') > 1:
+            return logits  # past the value, or not a uuid
+        if tail.startswith(' "') and self.committed(tail[2:]) and tail[2:]:
+            return logits  # the bias was paid when it committed
+        hit = [
+            i
+            for i, piece in self.pieces.items()
+            if (t := tail + piece).startswith(' "') and t.count('"') == 1 and self.committed(t[2:])
+        ]
+        if not hit:
+            return logits
+        penalty = np.zeros(logits.shape[-1], dtype=np.float32)
+        penalty[[i for i in hit if i < logits.shape[-1]]] = self.bias
+        return logits - mx.array(penalty, dtype=logits.dtype)
+
+
 def constrained_note(settings) -> str:
     """How the constrained rows were decoded, for the reports ("" without `constrained`)."""
     if not getattr(settings, "constrained", False):
@@ -976,6 +1045,7 @@ def evaluate(
     cover: bool = True,
     turns: bool = False,
     starts: bool = False,
+    split_bias: float = 0.0,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
@@ -983,29 +1053,38 @@ def evaluate(
     last message); `train_labels` (normalised training-set labels) adds the share of predicted
     labels that are one of them. `turns`: the answers open with a turns list (a `turn_topics`
     adapter): windows of at most `window_messages` messages, a grammar that allows the opening;
-    `starts`: the grammar allows the starts opening (a `starts` adapter)."""
+    `starts`: the grammar allows the starts opening (a `starts` adapter); `split_bias` > 0: each
+    window decoded with a `SplitBias` (constrained or not)."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
     windows = plan_windows(cases, tokenizer, budget, overlap, cap)
-    processors = None
-    if constrained:
-        from mlxlab import grammar
+    from mlxlab import grammar
 
-        width = n_vocab(model, tokenizer)
-        grammars = [
-            grammar.lark(
-                answer_grammar(w.uuids, cover, w.users if turns else None, starts),
-                f"case {w.case} answer grammar",
-            )
-            for w in windows
-        ]
+    width = n_vocab(model, tokenizer)
+    grammars = [
+        grammar.lark(
+            answer_grammar(w.uuids, cover, w.users if turns else None, starts),
+            f"case {w.case} answer grammar",
+        )
+        for w in windows
+        if constrained
+    ]
 
-        def processors(i):
-            return [grammar.constrain(grammars[i], tokenizer, width)]
+    def processors(i):
+        out = [grammar.constrain(grammars[i], tokenizer, width)] if constrained else []
+        if split_bias > 0 and windows[i].uuids:
+            out.append(SplitBias(tokenizer, windows[i].uuids, split_bias))
+        return out
 
     texts = generate_all(
-        model, tokenizer, [w.prompt for w in windows], max_tokens, batch_size, progress, processors
+        model,
+        tokenizer,
+        [w.prompt for w in windows],
+        max_tokens,
+        batch_size,
+        progress,
+        processors if constrained or split_bias > 0 else None,
     )
     rows = []
     for i, case in enumerate(cases):
@@ -1205,7 +1284,10 @@ def end_choice_summary(rows: list[dict]) -> dict:
     messages (where, given that a second chunk follows) and above the last message (whether);
     on the one-chunk answers, how often the last message is its first choice; and the AUC with
     which the margin of the best earlier message over the last tells several-chunk answers from
-    one-chunk ones (0.5: no signal a threshold on that margin could use)."""
+    one-chunk ones (0.5: no signal a threshold on that margin could use), with the `split_bias`
+    (>= 0) that best separates them here ("split iff margin + bias > 0", the highest such cut
+    that maximises the mean of the two groups' accuracies) and that balanced accuracy. Choose a
+    bias on a split the reported scores do not come from (valid)."""
     several = [r for r in rows if r["chunks"] > 1]
     one = [r for r in rows if r["chunks"] == 1]
 
@@ -1235,6 +1317,15 @@ def end_choice_summary(rows: list[dict]) -> dict:
     if several and one:
         pairs = [(margin(a), margin(b)) for a in several for b in one]
         out["margin AUC"] = sum((a > b) + 0.5 * (a == b) for a, b in pairs) / len(pairs)
+
+        def balanced(t: float) -> float:  # split where the margin exceeds t
+            hit = sum(margin(r) > t for r in several) / len(several)
+            return 0.5 * (hit + sum(margin(r) <= t for r in one) / len(one))
+
+        cuts = sorted({margin(r) for r in rows if margin(r) > float("-inf")}, reverse=True)
+        best = max(cuts or [0.0], key=balanced)  # the first maximum: the highest cut
+        out["split bias"] = round(max(0.0, -best), 3)
+        out["balanced accuracy"] = round(balanced(-out["split bias"]), 3)
     return out
 
 
@@ -1249,6 +1340,10 @@ def end_choice_table(summary: dict) -> str:
                 lines.append(f"| {group} | {name} | {k} / {n} | {k / n:.2f} |" if n else "")
     if "margin AUC" in summary:
         lines.append(f"| both | margin AUC (several vs one) | | {summary['margin AUC']:.2f} |")
+        lines.append(
+            f"| both | split_bias {summary['split bias']:g}: balanced accuracy | | "
+            f"{summary['balanced accuracy']:.2f} |"
+        )
     return "\n".join(x for x in lines if x)
 
 
@@ -1288,6 +1383,7 @@ def evaluate_model(
             getattr(settings, "cover", True),
             bool(getattr(settings, "turns", False)),
             bool(getattr(settings, "starts", False)),
+            float(getattr(settings, "split_bias", 0.0)),
         )
         if getattr(settings, "label_model", ""):
             try:

@@ -7,6 +7,7 @@
     python -m mlxlab eval chunk constrained=true cover=false   # ... which may close before the end
     python -m mlxlab eval chunk data=my_chats.json adapter=RUN   # your own exported chats
     python -m mlxlab eval chunk adapter=RUN decisions=true   # teacher-forced: which decisions fail
+    python -m mlxlab eval chunk adapter=RUN split_bias=2.0   # a one-chunk answer must win by 2 nats
 
 `data=` is a dataset directory (its `<split>.cases.json`) or a JSON file of cases, `[{id, name,
 uuid?, messages: [{uuid, sender, text}], chunks?}]`: without gold `chunks` only `ref` and
