@@ -1271,6 +1271,8 @@ def test_split_bias_taxes_the_last_message_end_once(tiny_dir, tmp_path):
         for b in (0.0, 3.0)
     )
     assert [r["output"] for r in plain] == [r["output"] for r in biased]
+    assert "split_bias 2.5 " in ev.bias_note(EvalSettings(split_bias=2.5))
+    assert ev.bias_note(EvalSettings()) == ""  # the reports name a bias only where one was used
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(UserError, match="split_bias must be"):
             EvalSettings(split_bias=bad)

@@ -734,6 +734,14 @@ class SplitBias:
         return logits - mx.array(penalty, dtype=logits.dtype)
 
 
+def bias_note(settings) -> str:
+    """How `split_bias` changed the decoding, for the reports ("" without one)."""
+    b = float(getattr(settings, "split_bias", 0.0) or 0.0)
+    if b <= 0:
+        return ""
+    return f"; split_bias {b:g} (ending a chunk at a window's last message costs {b:g} nats)"
+
+
 def constrained_note(settings) -> str:
     """How the constrained rows were decoded, for the reports ("" without `constrained`)."""
     if not getattr(settings, "constrained", False):

@@ -283,7 +283,7 @@ def report(
         f"max_seq_length {cfg.data.max_seq_length}",
         f"- data: {json.dumps(dataclasses.asdict(task.data))}",
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
-        f"batch {task.eval.batch_size}" + ev.constrained_note(task.eval),
+        f"batch {task.eval.batch_size}" + ev.bias_note(task.eval) + ev.constrained_note(task.eval),
         f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
         f"mlx {getattr(mx, '__version__', '?')}",
         "",

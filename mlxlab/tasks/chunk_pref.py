@@ -406,7 +406,7 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         f"{pairs['pairs_moved']} gold answers with a boundary moved by one message; sampled in "
         f"{fmt_minutes(pairs['seconds'])}",
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
-        f"batch {task.eval.batch_size}" + ev.constrained_note(task.eval),
+        f"batch {task.eval.batch_size}" + ev.bias_note(task.eval) + ev.constrained_note(task.eval),
         f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
         f"mlx {getattr(mx, '__version__', '?')}",
         "",
