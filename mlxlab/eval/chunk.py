@@ -1067,32 +1067,28 @@ def evaluate(
 
     cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
     windows = plan_windows(cases, tokenizer, budget, overlap, cap)
-    from mlxlab import grammar
+    processors = None
+    if constrained or split_bias > 0:
+        from mlxlab import grammar
 
-    width = n_vocab(model, tokenizer)
-    grammars = [
-        grammar.lark(
-            answer_grammar(w.uuids, cover, w.users if turns else None, starts),
-            f"case {w.case} answer grammar",
-        )
-        for w in windows
-        if constrained
-    ]
+        width = n_vocab(model, tokenizer)
+        grammars = [
+            grammar.lark(
+                answer_grammar(w.uuids, cover, w.users if turns else None, starts),
+                f"case {w.case} answer grammar",
+            )
+            for w in windows
+            if constrained
+        ]
 
-    def processors(i):
-        out = [grammar.constrain(grammars[i], tokenizer, width)] if constrained else []
-        if split_bias > 0 and windows[i].uuids:
-            out.append(SplitBias(tokenizer, windows[i].uuids, split_bias))
-        return out
+        def processors(i):
+            out = [grammar.constrain(grammars[i], tokenizer, width)] if constrained else []
+            if split_bias > 0 and windows[i].uuids:
+                out.append(SplitBias(tokenizer, windows[i].uuids, split_bias))
+            return out
 
     texts = generate_all(
-        model,
-        tokenizer,
-        [w.prompt for w in windows],
-        max_tokens,
-        batch_size,
-        progress,
-        processors if constrained or split_bias > 0 else None,
+        model, tokenizer, [w.prompt for w in windows], max_tokens, batch_size, progress, processors
     )
     rows = []
     for i, case in enumerate(cases):
@@ -1148,6 +1144,16 @@ ALL_RIGHT = "every decision"
 GROUPS = ("one chunk", "several chunks")
 
 
+def _teacher_forced(ex: dict, tokenizer) -> tuple[str, str, list[dict], list[int]]:
+    """A chunk-data chat record's (user prompt text, gold answer text, gold chunks, prompt token
+    ids as generation starts after them), for the teacher-forced probes."""
+    user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
+    )
+    return user, text, json.loads(text)["chunks"], prompt
+
+
 def decision_accuracy(model, tokenizer, examples: list[dict]) -> dict[str, dict[str, list[int]]]:
     """Teacher-forced: at each place a gold answer decides where its chunks are
     (mlxlab/data/chunk.py `boundary_places`: the first characters of every uuid it writes, the
@@ -1170,15 +1176,11 @@ def decision_accuracy(model, tokenizer, examples: list[dict]) -> dict[str, dict[
     model.eval()  # no LoRA dropout
     try:
         for ex in examples:
-            user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
-            chunks = json.loads(text)["chunks"]
+            _, text, chunks, prompt = _teacher_forced(ex, tokenizer)
             if not chunks:
                 skipped += 1
                 continue
             places = boundary_places(text, chunks)
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
-            )
             enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids, begins = list(enc["input_ids"]), [a for a, _ in enc["offset_mapping"]]
             # the token holding each place's first character: the last one starting at or before
@@ -1234,17 +1236,13 @@ def end_choices(model, tokenizer, examples: list[dict], depth: int = 4) -> list[
     model.eval()
     try:
         for ex in examples:
-            user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
-            chunks = json.loads(text)["chunks"]
+            user, text, chunks, prompt = _teacher_forced(ex, tokenizer)
             if not chunks:
                 continue
             uuids = HEADER_UUID.findall(user)
             first = chunks[0]
             cands = uuids[uuids.index(first["start_message_uuid"]) :]
             cut = text.index(END_KEY) + len(END_KEY)
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
-            )
             encode = tokenizer._tokenizer
             prefix = encode(text[:cut], add_special_tokens=False)["input_ids"]
             full = [encode(text[:cut] + u, add_special_tokens=False)["input_ids"] for u in cands]
