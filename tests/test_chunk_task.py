@@ -1250,6 +1250,25 @@ def test_split_bias_taxes_the_last_message_end_once(tiny_dir, tmp_path):
     assert taxed(head + "a1") == set()
     assert taxed('{"chunks": [{"label": "a b", "start_message_uuid": "a') == set()
     assert taxed(head + 'a1b2c3d4-0000-4000-8000-000000000001"}, {"label": "') == set()
+    # only the messages the chunk may end at count: a first character the last uuid shares with
+    # a message before the chunk's start commits already
+    shared = [
+        "b0000000-0000-4000-8000-000000000001",
+        "a1000000-0000-4000-8000-000000000002",
+        "b7000000-0000-4000-8000-000000000003",
+    ]
+
+    def chunk_at(k: int) -> str:
+        return head.replace('"x"', json.dumps(shared[k]))
+
+    bias = ev.SplitBias(tokenizer, shared, 2.5)
+    bias(mx.array(prompt), mx.zeros((1, width)))
+    assert taxed(chunk_at(1)) == {"b"}
+    assert taxed(chunk_at(0)) == set() and taxed(chunk_at(0) + "b") == {"7"}
+    assert taxed(chunk_at(2)) == set()  # a chunk at the last message has nothing to prefer
+    bias = ev.SplitBias(tokenizer, shared[:1], 2.5)  # a one-message window: no earlier end
+    bias(mx.array(prompt), mx.zeros((1, width)))
+    assert taxed(chunk_at(0)) == set()
     # under the cover grammar, a bias no score can beat ends every first chunk before the last
     held = ev.evaluate(
         model,

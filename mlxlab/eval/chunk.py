@@ -689,22 +689,23 @@ def uuid_pieces(tokenizer) -> dict[int, str]:
 
 class SplitBias:
     """An mlx-lm logits processor for one window: inside a chunk's end uuid, `bias` subtracted
-    from the log-odds of every token that commits the answer to ending that chunk at the window's
-    last message (the uuid becomes the last message's and no other's), once per chunk end. A
-    one-chunk answer then needs the model to prefer the last message by more than `bias`; each
-    earlier end (a topic shift) keeps its score. The bias moves the "another topic follows"
-    prior, which the teacher-forced probe (`end_choices`) shows the model sets too low."""
+    from the log-probability of every token that commits that end to the window's last message
+    (the value becomes the last message's uuid and no longer the start of any other message the
+    chunk could end at: its start message onwards), once per chunk end. Ending at the last
+    message then has to beat the best earlier end by more than `bias`; the earlier ends keep
+    their scores. A chunk with no earlier end to choose (it starts at the last message) is left
+    alone. Applied in float32, so a small bias survives bf16 logits. `end_choices` measures, on
+    the first chunk, whether a model's scores leave anything for such a bias to use."""
+
+    START = re.compile(r'"start_message_uuid": "([^"]*)"')
 
     def __init__(self, tokenizer, uuids: list[str], bias: float):
         self.tokenizer = tokenizer
-        self.last, self.others = uuids[-1], uuids[:-1]
+        self.uuids = list(uuids)
+        self.index = {u: i for i, u in enumerate(self.uuids)}
         self.bias = float(bias)
         self.pieces = uuid_pieces(tokenizer)
         self.start: int | None = None
-
-    def committed(self, value: str) -> bool:
-        """Whether an end uuid value written so far is the last message's and no other's."""
-        return self.last.startswith(value) and not any(o.startswith(value) for o in self.others)
 
     def __call__(self, tokens, logits):
         import mlx.core as mx
@@ -720,18 +721,32 @@ class SplitBias:
         tail = text[at + len(END_KEY) - 2 :]  # after `"end_message_uuid":`
         if not set(tail) <= UUID_CHARS | {" ", '"'} or tail.count('"') > 1:
             return logits  # past the value, or not a uuid
-        if tail.startswith(' "') and self.committed(tail[2:]) and tail[2:]:
+        # the messages this chunk may end at: from its start (all of them where the model wrote
+        # a start that is none of the window's)
+        starts = self.START.findall(text[:at])
+        first = self.index.get(starts[-1], 0) if starts else 0
+        last, others = self.uuids[-1], self.uuids[first:-1]
+        if not others:
+            return logits  # no earlier end to prefer
+
+        def committed(value: str) -> bool:
+            return last.startswith(value) and not any(o.startswith(value) for o in others)
+
+        if tail.startswith(' "') and tail[2:] and committed(tail[2:]):
             return logits  # the bias was paid when it committed
         hit = [
             i
             for i, piece in self.pieces.items()
-            if (t := tail + piece).startswith(' "') and t.count('"') == 1 and self.committed(t[2:])
+            if i < logits.shape[-1]
+            and (t := tail + piece).startswith(' "')
+            and t.count('"') == 1
+            and committed(t[2:])
         ]
         if not hit:
             return logits
         penalty = np.zeros(logits.shape[-1], dtype=np.float32)
-        penalty[[i for i in hit if i < logits.shape[-1]]] = self.bias
-        return logits - mx.array(penalty, dtype=logits.dtype)
+        penalty[hit] = self.bias
+        return logits.astype(mx.float32) - mx.array(penalty)
 
 
 def bias_note(settings) -> str:
