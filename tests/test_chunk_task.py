@@ -1013,10 +1013,16 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
         (bad / "test.jsonl").write_text(line + "\n")
         with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
             cli.run(EvalConfig(decisions=True, data=str(bad)))
+    # an answer whose first chunk names messages the prompt does not show
+    good = json.loads((out / "test.jsonl").read_text().splitlines()[0])
+    good["messages"][0]["content"] = "no message headers here"
+    (bad / "test.jsonl").write_text(json.dumps(good) + "\n")
+    with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
+        cli.run(EvalConfig(decisions=True, data=str(bad)))
     (bad / "test.jsonl").write_text("\n")
     with pytest.raises(UserError, match="no examples"):
         cli.run(EvalConfig(decisions=True, data=str(bad)))
-    assert set(counted["first end"]) >= {"several chunks", "one chunk"}
+    assert sum(counted["first end"][g]["answers"] for g in ev.GROUPS) == 2  # the same 2 cases
 
 
 def test_end_choices_score_each_candidate_as_a_full_forward(tiny_dir, tmp_path):

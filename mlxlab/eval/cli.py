@@ -104,9 +104,13 @@ def decisions(cfg: EvalConfig, data: Path) -> dict:
         try:
             ex = json.loads(line)
             text = ex["messages"][1]["content"]
-            chunk.boundary_places(text, json.loads(text)["chunks"])  # the data's own layout
+            gold = json.loads(text)["chunks"]
+            chunk.boundary_places(text, gold)  # the data's own layout
             if not isinstance(ex["messages"][0]["content"], str):
                 raise TypeError
+            shown = ev.HEADER_UUID.findall(ex["messages"][0]["content"])
+            if gold and {gold[0]["start_message_uuid"], gold[0]["end_message_uuid"]} - set(shown):
+                raise ValueError  # end_choices needs the first chunk's messages in the prompt
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             raise UserError(
                 f"{path}:{n}: not a chunk-task example (a chat record whose answer is laid out "
