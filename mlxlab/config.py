@@ -485,6 +485,21 @@ class EvalSettings:
     further chunk) lose this much log-probability, once per chunk end (mlxlab/eval/chunk.py
     `SplitBias`), constrained or not: a one-chunk answer must beat the best earlier end by this
     margin. 0: plain greedy decoding."""
+    shifts: str = ""
+    """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) whose
+    topic-shift detector (mlxlab/eval/shifts.py: an exchange whose sentence vector is far from
+    the one before it starts a chunk) places the chunk boundaries for one more decode of the
+    split, under the answer grammar whose chunks start exactly there: the model writes only the
+    labels. Reported as the row "<name>, shift boundaries", with the detector's own boundary F1.
+    Empty: no such decode."""
+    shift_drop: float = 0.15
+    shift_cap: float = 0.6
+    shift_floor: float = 0.3
+    """The detector's cut (mlxlab/eval/shifts.py `Rule`): an exchange starts a chunk when its
+    cosine similarity with the one before is below shift_floor, or below both shift_cap and the
+    conversation's median similarity less shift_drop (a smaller drop, a higher cap or floor:
+    more chunks). Chosen on a validation build with topics disjoint from the training and test
+    splits' and on realistic hand-written chats (experiments/chunk_seg4/topic-shifts.md)."""
 
     def __post_init__(self):
         check_choice("split", self.split, ("train", "valid", "test"))
@@ -498,6 +513,10 @@ class EvalSettings:
             raise UserError(f"window_overlap must be >= 0, got {self.window_overlap}")
         if not math.isfinite(self.split_bias) or self.split_bias < 0:
             raise UserError(f"split_bias must be a finite number >= 0, got {self.split_bias}")
+        for key, low, high in (("drop", 0, 2), ("cap", -1, 1), ("floor", -1, 1)):
+            value = getattr(self, f"shift_{key}")
+            if not (math.isfinite(value) and low <= value <= high):
+                raise UserError(f"shift_{key} must be a number in [{low}, {high}], got {value}")
 
 
 @dataclass

@@ -626,6 +626,7 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
     from mlxlab.train import cli
 
     tiny_dir("gemma3")
+    tiny_dir("bert")
     report = tmp_path / "exp" / "README.md"
     cfg = compose(
         "train",
@@ -637,6 +638,7 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
             "task.data.test=3",
             "task.eval.max_tokens=6",
             "task.eval.constrained=true",
+            "task.eval.shifts=tiny-bert",
             "data.max_seq_length=8192",  # the tiny tokenizer takes ~1.4 characters a token
             "iters=2",
             "batch_size=2",
@@ -660,6 +662,10 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
     )
     assert "| base, constrained | 3 |" in text and "| tuned, constrained | 3 |" in text
     assert (run_dir / "eval_tuned.constrained.jsonl").is_file()
+    assert "| base, shift boundaries | 3 |" in text and "| tuned, shift boundaries | 3 |" in text
+    assert text.count("the topic-shift detector alone (tiny-bert") == 1
+    assert "rows marked shift boundaries: tiny-bert sentence vectors" in text
+    assert (run_dir / "eval_tuned.shifts.jsonl").is_file()
     # A run directory stands for its final adapter, never a checkpoint.
     assert lora_io.resolve_dir(run_dir) == run_dir / "adapter"
     (run_dir / "adapter" / "adapter_config.json").unlink()

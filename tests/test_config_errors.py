@@ -93,7 +93,7 @@ FREE = {
     },
     "diag": {"model", "adapter", "out"},
     "data": {"out"},
-    "eval": {"model", "adapter", "data", "out", "label_model"},
+    "eval": {"model", "adapter", "data", "out", "label_model", "shifts"},
     "serve": {"model", "host", "adapter_root"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
     | {"runs_dir"}
@@ -103,8 +103,8 @@ FREE = {
     "transcribe": {"file", "model", "language", "prompt", "out"},
 }
 TASK_FREE = {
-    "chunk": {"report", "eval.label_model"},
-    "chunk_pref": {"report", "sft", "eval.label_model"},
+    "chunk": {"report", "eval.label_model", "eval.shifts"},
+    "chunk_pref": {"report", "sft", "eval.label_model", "eval.shifts"},
 }
 
 

@@ -319,6 +319,37 @@ def boundaries(spans: list[tuple[int, int]]) -> set[int]:
     return {s for s, _ in spans if s > 0}
 
 
+def boundary_f1(gold_spans: list[tuple[int, int]], pred_spans: list[tuple[int, int]]) -> float:
+    """F1 of the predicted chunk starts after the first message against gold's; a one-chunk
+    answer to a one-chunk case scores 1, no answer 0."""
+    gb, pb = boundaries(gold_spans), boundaries(pred_spans)
+    if not gb and not pb:
+        return 1.0 if pred_spans else 0.0
+    tp = len(gb & pb)
+    p = tp / len(pb) if pb else 0.0
+    r = tp / len(gb) if gb else 0.0
+    return 2 * p * r / (p + r) if p + r else 0.0
+
+
+def spans_of(starts: list[int], n: int) -> list[tuple[int, int]]:
+    """The chunks (first, last message) that start at `starts` (ascending, 0 first) and cover
+    messages 0..n-1."""
+    return [(a, b - 1) for a, b in zip(starts, [*starts[1:], n], strict=True)]
+
+
+def case_gold_spans(case: dict) -> list[tuple[int, int]] | None:
+    """A case's gold chunks as (first, last) indices among its shown messages, in order; None
+    without gold."""
+    from mlxlab.data.chunk import shown
+
+    if case.get("chunks") is None:
+        return None
+    index = {m["uuid"]: i for i, m in enumerate(shown(case["messages"]))}
+    return sorted(
+        (index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in case["chunks"]
+    )
+
+
 def _label_words(text) -> list[str]:
     return re.findall(r"[a-z0-9_]+", text.lower()) if isinstance(text, str) else []
 
@@ -429,14 +460,7 @@ def score_case(
             (index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in ordered
         ]
         pred_spans = v.spans or []
-        gb, pb = boundaries(gold_spans), boundaries(pred_spans)
-        if not gb and not pb:
-            f1 = 1.0 if pred_spans else 0.0
-        else:
-            tp = len(gb & pb)
-            p = tp / len(pb) if pb else 0.0
-            r = tp / len(gb) if gb else 0.0
-            f1 = 2 * p * r / (p + r) if p + r else 0.0
+        f1 = boundary_f1(gold_spans, pred_spans)
         exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
         pairs = label_matches(ref, gold_spans, [g["label"] for g in ordered])
         lf1 = label_f1(pairs)
@@ -491,13 +515,19 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+# the second decodes of a split (their summaries under these keys) and their rows' names
+PASSES = {"constrained": "constrained", "shifts": "shift boundaries"}
+
+
 def _fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
 def table(summaries: dict[str, dict]) -> str:
     """A markdown table, one row per evaluated model; a summary's "constrained" entry (the same
-    model decoded under the answer grammar) is the row below it, "<name>, constrained"."""
+    model decoded under the answer grammar) is the row below it, "<name>, constrained", and its
+    "shifts" entry (decoded with the topic-shift detector's boundaries) "<name>, shift
+    boundaries"."""
     head = (
         "| model | cases | ref | strict | boundary F1 | F1 multi-topic | exact chunks | label F1 "
         "| label similarity | memorized labels | schema | anchors | labels |"
@@ -506,8 +536,9 @@ def table(summaries: dict[str, dict]) -> str:
     rows = []
     for name, s in summaries.items():
         rows.append((name, s))
-        if isinstance(s.get("constrained"), dict):
-            rows.append((f"{name}, constrained", s["constrained"]))
+        for key, tag in PASSES.items():
+            if isinstance(s.get(key), dict):
+                rows.append((f"{name}, {tag}", s[key]))
     for name, s in rows:
         lines.append(
             f"| {name} | {s['cases']} | {_fmt(s.get('ref'))} | {s['wellformed']:.1f} | "
@@ -601,7 +632,11 @@ TURNS_WINDOW_MESSAGES = 400
 
 
 def answer_grammar(
-    uuids: list[str], cover: bool = True, users: list[str] | None = None, starts: bool = False
+    uuids: list[str],
+    cover: bool = True,
+    users: list[str] | None = None,
+    starts: bool = False,
+    fixed: list[int] | None = None,
 ) -> str:
     """The answer's grammar for one conversation (Lark, for `mlxlab.grammar.lark`): the JSON the
     instructions ask for, `{"chunks": [{"label": ..., "start_message_uuid": ...,
@@ -619,7 +654,9 @@ def answer_grammar(
     `starts` it may instead open with the `"starts"` list a `starts` adapter writes: the uuid
     prefixes of the first message and of any later ones the model picks, in order, each once (the
     chunks that follow are free as above: it is the model that ends each chunk before the next
-    start it wrote)."""
+    start it wrote). With `fixed` (indices into `uuids` where chunks start, 0 first, ascending:
+    a topic-shift detector's, mlxlab/eval/shifts.py) the chunks are exactly those, to the last
+    message, with no opening: the model writes only their labels."""
     from mlxlab.data.chunk import KEYS, STARTS_OPENING, TURN_CHARS
 
     assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
@@ -636,6 +673,15 @@ def answer_grammar(
     label, start, end = (lit(f'{", " if k != "label" else "{"}"{k}": ') for k in KEYS)
     word = LABEL_WORD
     rules = [f"start: {opening} c0 {closing}", f'LABEL: /"{word}( {word}){{1,11}}"/']
+    if fixed is not None:
+        assert fixed[:1] == [0] and fixed == sorted(set(fixed)) and fixed[-1] < n, fixed
+        bounds = [*fixed, n]
+        body = f" {lit(', ')} ".join(
+            f"{label} LABEL {start} {quoted[a]} {end} {quoted[b - 1]} {lit('}')}"
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        )
+        rules[0] = f"start: {opening} {body} {closing}"
+        return "\n".join(rules)
     if starts:
         # s{i}: a starts item at message i, then the list ends or goes on from a later message
         # (p{i}: message i or a later one)
@@ -757,6 +803,20 @@ def bias_note(settings) -> str:
     return f"; split_bias {b:g} (ending a chunk at a window's last message costs {b:g} nats)"
 
 
+def detector_note(summary: dict) -> str:
+    """One line on the topic-shift detector's own boundaries (`detector_summary`), '' without."""
+    d = (summary.get("shifts") or {}).get("detector") if isinstance(summary, dict) else None
+    if not d:
+        return ""
+    from mlxlab.eval.shifts import Rule
+
+    return (
+        f"the topic-shift detector alone ({d['model']}, {Rule(**d['rule'])}; no "
+        f"language model): boundary F1 {_fmt(d.get('boundary_f1'), 3)}, F1 multi-topic "
+        f"{_fmt(d.get('boundary_f1_multi'), 3)}, {d['chunks_per_case']:.2f} chunks per case"
+    )
+
+
 def constrained_note(settings) -> str:
     """How the constrained rows were decoded, for the reports ("" without `constrained`)."""
     if not getattr(settings, "constrained", False):
@@ -765,6 +825,18 @@ def constrained_note(settings) -> str:
     return (
         "; also decoded under the answer's grammar (rows marked constrained: its chunks in "
         f"order, {order})"
+    )
+
+
+def shifts_note(settings) -> str:
+    """How the shift-boundaries rows were decoded, for the reports ("" without `shifts`)."""
+    model = getattr(settings, "shifts", "")
+    if not model:
+        return ""
+    return (
+        "; also decoded with the chunk boundaries of a topic-shift detector (rows marked shift "
+        f"boundaries: {model} sentence vectors, a chunk starts at an exchange whose "
+        f"{shift_rule(settings)}; the model writes the labels)"
     )
 
 
@@ -959,6 +1031,12 @@ def plan_windows(
     return out
 
 
+def window_starts(w: Window, case_starts: list[int]) -> list[int]:
+    """A case's chunk starts (indices among its shown messages) inside window `w`, numbered from
+    the window's first message, which always starts one."""
+    return [0] + [s - w.first for s in case_starts if w.first < s <= w.last]
+
+
 def users(msgs: list[dict]) -> list[str]:
     from mlxlab.data.chunk import asks
 
@@ -1069,6 +1147,7 @@ def evaluate(
     turns: bool = False,
     starts: bool = False,
     split_bias: float = 0.0,
+    fixed_starts: list[list[int]] | None = None,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
@@ -1077,19 +1156,27 @@ def evaluate(
     labels that are one of them. `turns`: the answers open with a turns list (a `turn_topics`
     adapter): windows of at most `window_messages` messages, a grammar that allows the opening;
     `starts`: the grammar allows the starts opening (a `starts` adapter); `split_bias` > 0: each
-    window decoded with a `SplitBias` (constrained or not)."""
+    window decoded with a `SplitBias` (constrained or not); `fixed_starts` (per case, the shown
+    messages where chunks start: mlxlab/eval/shifts.py `chunk_starts`) decodes each window under
+    the grammar whose chunks start exactly there (`answer_grammar`'s `fixed`): only the labels
+    are the model's."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
     windows = plan_windows(cases, tokenizer, budget, overlap, cap)
     processors = None
+    if fixed_starts is not None:
+        assert len(fixed_starts) == len(cases), "one list of chunk starts per case"
+        constrained = True
     if constrained or split_bias > 0:
         from mlxlab import grammar
 
         width = n_vocab(model, tokenizer)
         grammars = [
             grammar.lark(
-                answer_grammar(w.uuids, cover, w.users if turns else None, starts),
+                answer_grammar(w.uuids, cover, w.users if turns else None, starts)
+                if fixed_starts is None
+                else answer_grammar(w.uuids, fixed=window_starts(w, fixed_starts[w.case])),
                 f"case {w.case} answer grammar",
             )
             for w in windows
@@ -1115,6 +1202,12 @@ def evaluate(
         points, labels, failed = (
             merge_windows(ws, wt, len(uuids), conv) if len(mine) > 1 else ([], {}, 0)
         )
+        if fixed_starts is not None and len(mine) > 1 and failed < len(mine):
+            # the chunks start where they were fixed, not also at the windows' edges; each is
+            # called what the merged chunk over its first message is called
+            merged = labels
+            points = list(fixed_starts[i])
+            labels = {s: merged[max(p for p in merged if p <= s)] for s in points}
         if len(mine) == 1 or failed == len(mine):
             text = wt[0]  # one prompt, or no window answered: the first answer as it is
         else:
@@ -1370,8 +1463,13 @@ def end_choice_table(summary: dict) -> str:
 
 def constrained_path(out: Path) -> Path:
     """Where the constrained decode's per-case results go: eval.jsonl -> eval.constrained.jsonl."""
+    return pass_path(out, "constrained")
+
+
+def pass_path(out: Path, tag: str) -> Path:
+    """Where a second decode's per-case results go: eval.jsonl -> eval.<tag>.jsonl."""
     out = Path(out)
-    return out.with_name(f"{out.stem}.constrained{out.suffix or '.jsonl'}")
+    return out.with_name(f"{out.stem}.{tag}{out.suffix or '.jsonl'}")
 
 
 def evaluate_model(
@@ -1384,8 +1482,8 @@ def evaluate_model(
     from mlxlab.errors import UserError
     from mlxlab.fsutil import atomic_write_text
 
-    def run(constrained: bool, path: Path, tag: str) -> dict:
-        t0 = time.perf_counter()
+    def run(constrained: bool, path: Path, tag: str, fixed_starts=None, t0=None) -> dict:
+        t0 = time.perf_counter() if t0 is None else t0
 
         def progress(done, total):
             log.info(f"[{tag}] {done}/{total} prompts")
@@ -1405,6 +1503,7 @@ def evaluate_model(
             bool(getattr(settings, "turns", False)),
             bool(getattr(settings, "starts", False)),
             float(getattr(settings, "split_bias", 0.0)),
+            fixed_starts,
         )
         if getattr(settings, "label_model", ""):
             try:
@@ -1418,7 +1517,50 @@ def evaluate_model(
             "results": str(path),
         }
 
+    starts, detected = None, 0.0
+    if getattr(settings, "shifts", ""):  # first: a bad embedding model fails before any decode
+        from mlxlab.eval.shifts import chunk_starts
+
+        t0 = time.perf_counter()
+        rule = shift_rule(settings)
+        starts = chunk_starts(records, settings.shifts, rule)
+        detected = time.perf_counter() - t0
     summary = run(False, out, label)
     if getattr(settings, "constrained", False):
         summary["constrained"] = run(True, constrained_path(out), f"{label}, constrained")
+    if starts is not None:
+        t0 = time.perf_counter() - detected  # the pass's time counts the detector's
+        shifted = run(True, pass_path(out, "shifts"), f"{label}, shift boundaries", starts, t0)
+        shifted["detector"] = detector_summary(records, starts)
+        shifted["detector"].update(model=settings.shifts, rule=asdict(rule))
+        summary["shifts"] = shifted
     return summary
+
+
+def shift_rule(settings):
+    """The topic-shift detector's `Rule` from EvalSettings' shift_drop, shift_cap, shift_floor."""
+    from mlxlab.eval.shifts import Rule
+
+    return Rule(float(settings.shift_drop), float(settings.shift_cap), float(settings.shift_floor))
+
+
+def detector_summary(records: list[dict], starts: list[list[int]]) -> dict:
+    """The topic-shift detector's chunks scored alone against gold (no model): mean boundary F1,
+    over all cases and over those with two or more gold chunks, and chunks per case."""
+    from mlxlab.data.chunk import shown
+
+    f1s, multi = [], []
+    for case, st in zip(records, starts, strict=True):
+        gold = case_gold_spans(case)
+        if gold is None:
+            continue
+        f1 = boundary_f1(gold, spans_of(st, len(shown(case["messages"]))) if st else [])
+        f1s.append(f1)
+        if len(gold) >= 2:
+            multi.append(f1)
+    out = {"chunks_per_case": sum(map(len, starts)) / max(1, len(starts))}
+    if f1s:
+        out["boundary_f1"] = sum(f1s) / len(f1s)
+    if multi:
+        out["boundary_f1_multi"] = sum(multi) / len(multi)
+    return out

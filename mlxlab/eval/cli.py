@@ -8,6 +8,7 @@
     python -m mlxlab eval chunk data=my_chats.json adapter=RUN   # your own exported chats
     python -m mlxlab eval chunk adapter=RUN decisions=true   # teacher-forced: which decisions fail
     python -m mlxlab eval chunk adapter=RUN split_bias=2.0   # a one-chunk answer must win by 2 nats
+    python -m mlxlab eval chunk adapter=RUN shifts=all-minilm-l6-v2   # boundaries from sentence vectors
 
 `data=` is a dataset directory (its `<split>.cases.json`) or a JSON file of cases, `[{id, name,
 uuid?, messages: [{uuid, sender, text}], chunks?}]`: without gold `chunks` only `ref` and
@@ -16,7 +17,10 @@ of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; pe
 (output, scores, repairs) go to `out` as JSONL and the summary table to stdout (with
 `constrained=true` a second row, "<model>, constrained", from a second decode of the split under
 the answer's grammar: its chunks follow the messages in order and, with `cover=true`, reach the
-last one; its cases go next to `out`, named `<stem>.constrained.jsonl`). Without `data=`: with an
+last one; its cases go next to `out`, named `<stem>.constrained.jsonl`; with `shifts=MODEL` one
+more row, "<model>, shift boundaries", decoded under the grammar whose chunks start where the
+topic-shift detector of mlxlab/eval/shifts.py says, the model writing only the labels, into
+`<stem>.shifts.jsonl`, and a line with the detector's own boundary F1). Without `data=`: with an
 adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
 set, windows as long as its training prompts; unless turns or starts is set, its answers' layout:
 with or without the `turn_topics` or `starts` opening); else the chunk dataset built with its
@@ -73,9 +77,12 @@ def run(cfg: EvalConfig) -> dict:
     )
     print(ev.table({name: summary}))
     log.info(f"per-case results: {out} ({summary['seconds']:.0f} s)")
-    if "constrained" in summary:
-        c = summary["constrained"]
-        log.info(f"constrained per-case results: {c['results']} ({c['seconds']:.0f} s)")
+    for key, tag in ev.PASSES.items():
+        if key in summary:
+            c = summary[key]
+            log.info(f"{tag} per-case results: {c['results']} ({c['seconds']:.0f} s)")
+    if ev.detector_note(summary):
+        print(ev.detector_note(summary))
     return summary
 
 

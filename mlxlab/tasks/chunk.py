@@ -40,8 +40,9 @@ class ChunkTaskConfig:
     eval_base: bool = True
     """Also evaluate the base model (before LoRA is attached)."""
     eval_base_constrained: bool = True
-    """With eval.constrained, also decode the base model under the answer grammar (false saves
-    that pass: the base model writes to max_tokens unconstrained, the slowest decode of a run)."""
+    """With eval.constrained (or eval.shifts), also decode the base model under the answer
+    grammar (false saves those passes: the base model writes to max_tokens unconstrained, the
+    slowest decode of a run)."""
     report: str | None = None
     """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
 
@@ -142,7 +143,7 @@ class ChunkTask(Hooks):
         settings = self.cfg.eval
         records = read_split(data_dir, settings)  # a missing or bad split fails here, clearly
         if which == "base" and not self.cfg.eval_base_constrained:
-            settings = dataclasses.replace(settings, constrained=False)
+            settings = dataclasses.replace(settings, constrained=False, shifts="")
         # answers opened as the training data's (both models, the same windows)
         settings = dataclasses.replace(settings, **openings(settings, data_dir))
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
@@ -235,8 +236,10 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
 
 def eval_seconds(summary: dict) -> float:
     """An evaluation's decoding time: the plain decode and, where it ran, the constrained one."""
-    c = summary.get("constrained")
-    return summary["seconds"] + (c.get("seconds", 0.0) if isinstance(c, dict) else 0.0)
+    from mlxlab.eval.chunk import PASSES
+
+    more = [summary.get(k) for k in PASSES]
+    return summary["seconds"] + sum(c.get("seconds", 0.0) for c in more if isinstance(c, dict))
 
 
 def report(
@@ -283,7 +286,10 @@ def report(
         f"max_seq_length {cfg.data.max_seq_length}",
         f"- data: {json.dumps(dataclasses.asdict(task.data))}",
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
-        f"batch {task.eval.batch_size}" + ev.bias_note(task.eval) + ev.constrained_note(task.eval),
+        f"batch {task.eval.batch_size}"
+        + ev.bias_note(task.eval)
+        + ev.constrained_note(task.eval)
+        + ev.shifts_note(task.eval),
         f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
         f"mlx {getattr(mx, '__version__', '?')}",
         "",
@@ -293,13 +299,16 @@ def report(
         "",
     ]
     for name, e in evals.items():
-        for tag, sm in ((name, e), (f"{name}, constrained", e.get("constrained"))):
+        passes = [(f"{name}, {tag}", e.get(key)) for key, tag in ev.PASSES.items()]
+        for tag, sm in [(name, e), *passes]:
             if isinstance(sm, dict) and sm.get("windowed_cases"):
                 lines.append(
                     f"- {tag}: {sm['windowed_cases']} of {sm['cases']} conversations read in "
                     f"windows; their windows' answers scored alone: ref "
                     f"{ev._fmt(sm.get('window_ref'))}"
                 )
+    notes = {ev.detector_note(e) for e in evals.values()} - {""}
+    lines += [f"- {n}" for n in sorted(notes)]  # the same detector for every model: one line
     val0, val1 = summary.get("initial_val_loss"), summary.get("val_loss")
     if val1 is not None:
         lines.append(

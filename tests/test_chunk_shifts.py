@@ -1,0 +1,193 @@
+"""The topic-shift detector (mlxlab/eval/shifts.py) and the decode that takes its boundaries
+(`eval chunk shifts=MODEL`): exchanges, cuts from hand-made vectors, the fixed-boundaries
+grammar, windows, the extra report row. The embedding model here is tiny-bert (random weights:
+only the detector's algebra and plumbing are checked; what it finds with the real
+all-minilm-l6-v2 is in experiments/chunk_seg4/topic-shifts.md)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mlxlab.config import ChunkDataConfig, EvalSettings
+from mlxlab.data import chunk as data
+from mlxlab.errors import UserError
+from mlxlab.eval import chunk as ev
+from mlxlab.eval import shifts
+from tests.test_chunk_task import GOLD, U, _allows
+
+
+def _msgs(senders: str) -> list[dict]:
+    names = {"u": "user", "a": "assistant", "h": "human"}
+    return [{"uuid": f"m{i}", "sender": names[s], "text": "x"} for i, s in enumerate(senders)]
+
+
+def test_exchanges_group_a_question_with_its_answers():
+    assert shifts.exchanges(_msgs("uaua")) == [[0, 1], [2, 3]]
+    assert shifts.exchanges(_msgs("uaaua")) == [[0, 1, 2], [3, 4]]
+    assert shifts.exchanges(_msgs("aauau")) == [[0, 1, 2, 3], [4]]  # a greeting joins the first
+    assert shifts.exchanges(_msgs("uuah")) == [[0], [1, 2], [3]]  # "human" asks too
+    assert shifts.exchanges(_msgs("aa")) == [[0, 1]]
+    assert shifts.exchanges([]) == []
+
+
+def _unit(angle: float) -> np.ndarray:
+    return np.array([np.cos(angle), np.sin(angle)], np.float32)
+
+
+def test_a_chunk_starts_where_an_exchange_drifts_from_the_one_before():
+    """An exchange starts a chunk when its cosine with the one before is below the floor, or
+    below both the cap and the conversation's median less the drop."""
+    groups = shifts.exchanges(_msgs("uauauaua"))
+    x, near, y = _unit(0.0), _unit(0.3), _unit(1.2)  # cos(x, near) .955, cos(near, y) .62
+    # similarities: .955 (x -> near), .62 (near -> y), .36 (y -> x); median .62
+    vectors = np.stack([x, x, near, near, y, y, x, x])
+    rule = shifts.Rule(drop=0.15, cap=0.6, floor=0.3)
+    assert shifts.starts_from_vectors(groups, vectors, rule) == [0, 6]  # .36 < min(.6, .47)
+    assert shifts.starts_from_vectors(groups, vectors, shifts.Rule(2.0, 1.0, 0.65)) == [0, 4, 6]
+    assert shifts.starts_from_vectors(groups, vectors, shifts.Rule(2.0, 1.0, 0.4)) == [0, 6]
+    assert shifts.starts_from_vectors(groups, vectors, shifts.Rule(2.0, 1.0, -1.0)) == [0]
+    assert shifts.starts_from_vectors(groups, vectors, shifts.Rule(0.0, 1.0, 1.0)) == [0, 2, 4, 6]
+    # a topic change in a conversation of alike exchanges: the median moves the cut up to cap
+    alike = np.stack([x, x, x, x, near, near, near, near])
+    assert shifts.starts_from_vectors(groups, alike, shifts.Rule(0.02, 0.99, 0.3)) == [0, 4]
+    assert shifts.starts_from_vectors(groups, alike, rule) == [0]  # .955 is above the cap
+    assert shifts.starts_from_vectors([], np.zeros((0, 2)), rule) == []
+    assert shifts.starts_from_vectors([[0, 1]], np.stack([x, y]), rule) == [0]
+    # one exchange after the first: its similarity is the median, only the floor cuts
+    two = shifts.exchanges(_msgs("uaua"))
+    assert shifts.starts_from_vectors(two, np.stack([x, x, y, y]), rule) == [0]
+    assert shifts.starts_from_vectors(two, np.stack([x, x, _unit(1.5), _unit(1.5)]), rule) == [0, 2]
+    # an exchange is the mean of its messages: one far answer among near ones does not cut
+    groups = shifts.exchanges(_msgs("uaaaua"))
+    far = _unit(1.57)
+    assert shifts.starts_from_vectors(groups, np.stack([x, x, x, far, x, x]), rule) == [0]
+    assert "below 0.3, or below both 0.6 and the conversation's median less 0.15" in str(rule)
+
+
+def test_chunk_starts_with_an_embedding_model(tiny_dir):
+    tiny_dir("bert")
+    cases = [
+        {"messages": _msgs("uaua")},
+        {"messages": [{"uuid": "e", "sender": "user", "text": "  "}]},  # nothing shown
+        {"messages": [{"uuid": "h", "sender": "user", "text": ""}, *_msgs("ua")]},
+    ]
+    for m, text in zip(cases[0]["messages"], ["cats", "cats purr", "tax law", "tax"], strict=True):
+        m["text"] = text
+    never, always = shifts.Rule(2.0, -1.0, -1.0), shifts.Rule(0.0, 1.0, 1.0)
+    assert shifts.chunk_starts(cases, "tiny-bert", never) == [[0], [], [0]]
+    assert shifts.chunk_starts(cases, "tiny-bert", always) == [[0, 2], [], [0]]
+    with pytest.raises(UserError, match="not an embedding model"):
+        shifts.chunk_starts(cases, "tiny-gemma3")
+
+
+def test_the_fixed_boundaries_grammar_allows_those_chunks_only(tiny_dir):
+    from mlx_lm import load
+
+    from mlxlab import grammar as G
+
+    tokenizer = load(str(tiny_dir("gemma3")))[1]
+    two = G.lark(ev.answer_grammar(U, fixed=[0, 2]), "fixed at 0, 2")
+    relabelled = [{**GOLD[0], "label": "Anything the model says"}, GOLD[1]]
+    for chunks in (GOLD, relabelled):
+        assert _allows(two, tokenizer, data.answer(chunks))
+    one = [{"label": "One topic throughout", "start_message_uuid": U[0], "end_message_uuid": U[3]}]
+    moved = [{**GOLD[0], "end_message_uuid": U[2]}, {**GOLD[1], "start_message_uuid": U[3]}]
+    for chunks in (one, moved, [GOLD[0]], [{**GOLD[0], "label": "Assert"}, GOLD[1]]):
+        assert not _allows(two, tokenizer, data.answer(chunks)), chunks
+    whole = G.lark(ev.answer_grammar(U, fixed=[0]), "one chunk")
+    assert _allows(whole, tokenizer, data.answer(one))
+    assert not _allows(whole, tokenizer, data.answer(GOLD))
+    for bad in ([1], [0, 0, 2], [0, 4], [2, 0]):
+        with pytest.raises(AssertionError):
+            ev.answer_grammar(U, fixed=bad)
+
+
+def test_window_starts_are_the_cases_inside_the_window():
+    w = ev.Window(case=0, first=5, last=9, uuids=[], prompt=[])
+    assert ev.window_starts(w, [0, 3, 5, 7, 10]) == [0, 2]  # 5 is the window's own first
+    assert ev.window_starts(w, [0]) == [0]
+
+
+def _tiny(tiny_dir, tmp_path, n: int):
+    from mlx_lm.utils import load
+
+    cfg = ChunkDataConfig(
+        train=2, valid=1, test=n, median_pairs=3, max_message_chars=200, topic_weights=[0, 1]
+    )
+    out = data.write_dataset(tmp_path / "chunk", cfg)
+    model, tokenizer = load(str(tiny_dir("gemma3")))
+    return model, tokenizer, ev.read_split(out, EvalSettings())
+
+
+def test_a_decode_with_fixed_starts_puts_chunks_exactly_there(tiny_dir, tmp_path):
+    """Each window's answer has the chunks its fixed starts give (the model writes labels only),
+    whole conversations and windowed ones (a window a message); merged, the conversation's chunks
+    start there and nowhere else."""
+    model, tokenizer, records = _tiny(tiny_dir, tmp_path, 2)
+    counts = [len(data.shown(r["messages"])) for r in records]
+    fixed = [[0, 2, n - 1] if n > 3 else [0] for n in counts]
+    for budget in (8192, 400):  # one prompt each; then windows of a few messages
+        rows = ev.evaluate(model, tokenizer, records, 4096, 2, budget=budget, fixed_starts=fixed)
+        for row, record, want in zip(rows, records, fixed, strict=True):
+            uuids = [m["uuid"] for m in data.shown(record["messages"])]
+            outputs = row.get("window_outputs", [row["output"]])
+            for text in outputs:  # every window: the chunks as fixed, labels of 2-12 words
+                got = json.loads(text)["chunks"]
+                assert all(2 <= len(c["label"].split(" ")) <= 12 for c in got)
+            got = json.loads(row["output"])["chunks"]
+            starts = [uuids.index(c["start_message_uuid"]) for c in got]
+            assert starts == want and row["ref"] == 100.0  # not also at the windows' edges
+        if budget == 400:
+            assert any(r["windows"] > 1 for r in rows)  # the windowed path ran
+
+
+def test_eval_with_shifts_reports_a_row_and_the_detector(tiny_dir, tmp_path):
+    """evaluate_model with `shifts`: one more decode, its per-case file, its row in the table,
+    the detector's own F1 (against gold, no model) and its time in the evaluation's."""
+    from mlxlab.tasks.chunk import eval_seconds
+
+    tiny_dir("bert")
+    model, tokenizer, records = _tiny(tiny_dir, tmp_path, 2)
+    settings = EvalSettings(
+        max_tokens=400, batch_size=2, shifts="tiny-bert", shift_cap=-1, shift_floor=-1
+    )
+    out = tmp_path / "eval.jsonl"
+    summary = ev.evaluate_model(model, tokenizer, records, settings, out, "tiny")
+    s = summary["shifts"]
+    assert s["results"] == str(tmp_path / "eval.shifts.jsonl") and s["cases"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "eval.shifts.jsonl").open()]
+    assert all(len(json.loads(r["output"])["chunks"]) == 1 for r in rows)  # nothing is below -1
+    d = s["detector"]
+    assert d["model"] == "tiny-bert" and d["chunks_per_case"] == 1.0
+    assert d["rule"] == {"drop": 0.15, "cap": -1.0, "floor": -1.0}
+    one_chunk = [ev.boundary_f1(ev.case_gold_spans(r), [(0, 1)]) for r in records]
+    assert d["boundary_f1"] == pytest.approx(sum(one_chunk) / 2)
+    assert "| tiny, shift boundaries | 2 |" in ev.table({"tiny": summary})
+    assert "detector alone (tiny-bert, cosine below -1, or" in ev.detector_note(summary)
+    assert eval_seconds(summary) == pytest.approx(summary["seconds"] + s["seconds"])
+    assert "all-minilm-l6-v2 sentence vectors" in ev.shifts_note(
+        EvalSettings(shifts="all-minilm-l6-v2")
+    )
+    assert ev.shifts_note(EvalSettings()) == "" and ev.detector_note({}) == ""
+    wrong = EvalSettings(max_tokens=400, shifts="tiny-gemma3")  # fails before any decode
+    with pytest.raises(UserError, match="not an embedding model"):
+        ev.evaluate_model(model, tokenizer, records, wrong, tmp_path / "wrong.jsonl", "tiny")
+    assert not (tmp_path / "wrong.jsonl").exists()
+    for key, bad in (("cap", 1.5), ("floor", -2.0), ("drop", -0.1), ("drop", float("nan"))):
+        with pytest.raises(UserError, match=f"shift_{key} must be a number in"):
+            EvalSettings(**{f"shift_{key}": bad})
+
+
+def test_boundary_f1_and_spans():
+    assert ev.spans_of([0, 2], 4) == [(0, 1), (2, 3)]
+    assert ev.spans_of([0], 1) == [(0, 0)]
+    assert ev.boundary_f1([(0, 3)], [(0, 3)]) == 1.0
+    assert ev.boundary_f1([(0, 3)], []) == 0.0
+    assert ev.boundary_f1([(0, 1), (2, 3)], [(0, 3)]) == 0.0
+    assert ev.boundary_f1([(0, 1), (2, 3)], [(0, 0), (1, 1), (2, 3)]) == pytest.approx(2 / 3)
+    case = {"messages": [{"uuid": u, "sender": "user", "text": "t"} for u in U], "chunks": GOLD}
+    assert ev.case_gold_spans(case) == [(0, 1), (2, 3)]
+    assert ev.case_gold_spans({"messages": []}) is None
