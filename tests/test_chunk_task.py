@@ -1085,12 +1085,13 @@ def test_end_choices_score_each_candidate_as_a_full_forward(tiny_dir, tmp_path):
     assert summary["one chunk"] == {"answers": 2, "last first": 2}
     # margins: several 2.0 and -0.5; one -2.0 and -inf: every pair ordered
     assert summary["margin AUC"] == 1.0
-    # splitting where the margin beats -2 separates them all: a bias of 2 (the highest such cut)
-    assert summary["split bias"] == 2.0 and summary["balanced accuracy"] == 1.0
+    # splitting where the margin beats -2 separates them all (the highest such cut); halfway to
+    # the next margin up (-0.5): a bias of 1.25, on no answer's margin
+    assert summary["split bias"] == 1.25 and summary["balanced accuracy"] == 1.0
     table = ev.end_choice_table(summary)
     assert "| several chunks | gold end first | 1 / 2 | 0.50 |" in table
     assert "margin AUC (several vs one) | | 1.00 |" in table
-    assert "| both | split_bias 2: balanced accuracy | | 1.00 |" in table
+    assert "| both | split_bias 1.25: balanced accuracy | | 1.00 |" in table
 
 
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
@@ -1178,9 +1179,13 @@ def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tm
     text = ev.table({"tiny": summary})
     assert "| tiny | 2 |" in text and "| tiny, constrained | 2 | " in text
     assert text.index("| tiny | 2 |") < text.index("| tiny, constrained |")
-    assert "constrained" not in ev.evaluate_model(
+    plain = ev.evaluate_model(
         model, tokenizer, records, EvalSettings(max_tokens=2), tmp_path / "plain.jsonl", "tiny"
     )
+    assert "constrained" not in plain and "split_bias" not in plain
+    biased = EvalSettings(max_tokens=2, split_bias=0.5)  # a summary says how it was decoded
+    summary = ev.evaluate_model(model, tokenizer, records, biased, tmp_path / "b.jsonl", "tiny")
+    assert summary["split_bias"] == 0.5
 
 
 def test_multi_topic_f1_leaves_out_one_topic_cases():

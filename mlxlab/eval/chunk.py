@@ -1399,8 +1399,9 @@ def end_choice_summary(rows: list[dict]) -> dict:
     on the one-chunk answers, how often the last message is its first choice; and the AUC with
     which the margin of the best earlier message over the last tells several-chunk answers from
     one-chunk ones (0.5: no signal a threshold on that margin could use), with the `split_bias`
-    (>= 0) that best separates them here ("split iff margin + bias > 0", the highest such cut
-    that maximises the mean of the two groups' accuracies) and that balanced accuracy. Choose a
+    (>= 0) that best separates them here ("split iff margin + bias > 0": of the cuts that
+    maximise the mean of the two groups' accuracies the highest, moved halfway to the next margin
+    above it) and that balanced accuracy. Choose a
     bias on a split the reported scores do not come from (valid)."""
     several = [r for r in rows if r["chunks"] > 1]
     one = [r for r in rows if r["chunks"] == 1]
@@ -1438,8 +1439,11 @@ def end_choice_summary(rows: list[dict]) -> dict:
 
         cuts = sorted({margin(r) for r in rows if margin(r) > float("-inf")}, reverse=True)
         best = max(cuts or [0.0], key=balanced)  # the first maximum: the highest cut
-        out["split bias"] = round(max(0.0, -best), 3)
-        out["balanced accuracy"] = round(balanced(-out["split bias"]), 3)
+        # halfway to the next margin up, so the bias does not sit on one answer's own margin
+        higher = [c for c in cuts if c > best]
+        t = (best + min(higher)) / 2 if higher else best
+        out["split bias"] = round(max(0.0, -t), 3)
+        out["balanced accuracy"] = round(balanced(t), 3)
     return out
 
 
@@ -1511,10 +1515,12 @@ def evaluate_model(
             except UserError as e:  # a missing extra score never costs the evaluation
                 log.warning(f"warning: no label similarity ({settings.label_model}): {e}")
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        bias = float(getattr(settings, "split_bias", 0.0))
         return {
             **summarize(rows),
             "seconds": round(time.perf_counter() - t0, 1),
             "results": str(path),
+            **({"split_bias": bias} if bias > 0 else {}),  # what the decode was, in the summary
         }
 
     starts, detected = None, 0.0
