@@ -490,16 +490,18 @@ class EvalSettings:
     topic-shift detector (mlxlab/eval/shifts.py: an exchange whose sentence vector is far from
     the one before it starts a chunk) places the chunk boundaries for one more decode of the
     split, under the answer grammar whose chunks start exactly there: the model writes only the
-    labels. Reported as the row "<name>, shift boundaries", with the detector's own boundary F1.
-    Empty: no such decode."""
+    labels (an adapter trained to open its answer with turns or starts is held to the chunks
+    alone). Reported as the row "<name>, shift boundaries", with the detector's own boundary F1;
+    the decode's max_tokens grows to fit the chunks. Empty: no such decode."""
     shift_drop: float = 0.15
     shift_cap: float = 0.6
     shift_floor: float = 0.3
     """The detector's cut (mlxlab/eval/shifts.py `Rule`): an exchange starts a chunk when its
     cosine similarity with the one before is below shift_floor, or below both shift_cap and the
     conversation's median similarity less shift_drop (a smaller drop, a higher cap or floor:
-    more chunks). Chosen on a validation build with topics disjoint from the training and test
-    splits' and on realistic hand-written chats (experiments/chunk_seg4/topic-shifts.md)."""
+    more chunks). Chosen, never on the test split, as the best on an 80-conversation validation
+    build (topics disjoint from the training and test splits') that also scores well on 14
+    realistic hand-written chats (experiments/chunk_seg4/topic-shifts.md)."""
 
     def __post_init__(self):
         check_choice("split", self.split, ("train", "valid", "test"))

@@ -40,7 +40,7 @@ def main() -> None:
     from mlxlab.data.chunk import shown
     from mlxlab.embed.model import Embedder
     from mlxlab.eval.chunk import boundary_f1, case_gold_spans, spans_of
-    from mlxlab.eval.shifts import Rule, exchanges, starts_from_vectors
+    from mlxlab.eval.shifts import Rule, exchanges, message_vectors, starts_from_vectors
 
     embedder = Embedder(args.model)
     sources = {}
@@ -50,7 +50,7 @@ def main() -> None:
             msgs, gold = shown(case["messages"]), case_gold_spans(case)
             if not msgs or gold is None:
                 continue
-            vectors = embedder.embed(embedder.tokenize([m["text"] for m in msgs], truncate=True))
+            vectors = message_vectors(embedder, msgs)
             rows.append((exchanges(msgs), vectors, gold, len(msgs)))
         name = Path(source).name
         sources[name] = rows

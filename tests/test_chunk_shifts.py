@@ -105,6 +105,26 @@ def test_the_fixed_boundaries_grammar_allows_those_chunks_only(tiny_dir):
             ev.answer_grammar(U, fixed=bad)
 
 
+def test_a_windowed_case_keeps_the_fixed_starts_with_the_merged_labels():
+    merged = {0: "Topic one here", 5: "Topic two here", 8: "Topic three"}  # 5: a window edge
+    assert ev.fixed_merge([0, 3, 8], merged) == (
+        [0, 3, 8],
+        {0: "Topic one here", 3: "Topic one here", 8: "Topic three"},
+    )
+    # no window answered: merge_windows leaves {0: None}; the fixed cover stands, unlabelled
+    assert ev.fixed_merge([0, 4], {0: None}) == ([0, 4], {0: None, 4: None})
+
+
+def test_a_wrong_embedding_model_stops_a_task_run_before_training():
+    from mlxlab.tasks.chunk import ChunkTask, ChunkTaskConfig
+
+    task = ChunkTask(ChunkTaskConfig(eval=EvalSettings(shifts="tiny-gemma3"), eval_base=False))
+    with pytest.raises(UserError, match="not an embedding model"):
+        task.before_lora(None)  # the hook that runs before the first step
+    with pytest.raises(UserError, match="unknown model"):
+        shifts.check_model("no-such-model")
+
+
 def test_window_starts_are_the_cases_inside_the_window():
     w = ev.Window(case=0, first=5, last=9, uuids=[], prompt=[])
     assert ev.window_starts(w, [0, 3, 5, 7, 10]) == [0, 2]  # 5 is the window's own first
@@ -134,8 +154,15 @@ def test_a_decode_with_fixed_starts_puts_chunks_exactly_there(tiny_dir, tmp_path
         for row, record, want in zip(rows, records, fixed, strict=True):
             uuids = [m["uuid"] for m in data.shown(record["messages"])]
             outputs = row.get("window_outputs", [row["output"]])
-            for text in outputs:  # every window: the chunks as fixed, labels of 2-12 words
+            windows = [
+                w for w in ev.plan_windows(records, tokenizer, budget, 2) if w.case == row["case"]
+            ]
+            for w, text in zip(windows, outputs, strict=True):  # each window: its fixed chunks
                 got = json.loads(text)["chunks"]
+                assert [w.uuids.index(c["start_message_uuid"]) for c in got] == ev.window_starts(
+                    w, want
+                )
+                assert got[-1]["end_message_uuid"] == w.uuids[-1]
                 assert all(2 <= len(c["label"].split(" ")) <= 12 for c in got)
             got = json.loads(row["output"])["chunks"]
             starts = [uuids.index(c["start_message_uuid"]) for c in got]

@@ -1088,6 +1088,17 @@ def test_end_choices_score_each_candidate_as_a_full_forward(tiny_dir, tmp_path):
     # splitting where the margin beats -2 separates them all (the highest such cut); halfway to
     # the next margin up (-0.5): a bias of 1.25, on no answer's margin
     assert summary["split bias"] == 1.25 and summary["balanced accuracy"] == 1.0
+    # a best cut above 0 (a split needs a margin of more than 0.4): the bias clips to 0, and the
+    # balanced accuracy is the clipped bias's, not the cut's
+    clipped = ev.end_choice_summary(
+        [
+            {"chunks": 2, "gold": 0, "scores": [-1.0, -1.8]},  # margin 0.8
+            {"chunks": 2, "gold": 0, "scores": [-1.0, -1.6]},  # 0.6
+            {"chunks": 1, "gold": 1, "scores": [-1.0, -1.2]},  # 0.2
+            {"chunks": 1, "gold": 1, "scores": [-1.0, -1.1]},  # 0.1
+        ]
+    )
+    assert clipped["split bias"] == 0.0 and clipped["balanced accuracy"] == 0.5
     table = ev.end_choice_table(summary)
     assert "| several chunks | gold end first | 1 / 2 | 0.50 |" in table
     assert "margin AUC (several vs one) | | 1.00 |" in table

@@ -1031,6 +1031,20 @@ def plan_windows(
     return out
 
 
+# an upper bound on one fixed chunk's tokens: two uuids (a token a character at worst), a label
+# of up to 12 words and the keys
+FIXED_CHUNK_TOKENS = 160
+
+
+def fixed_merge(starts: list[int], merged: dict[int, str | None]) -> tuple[list[int], dict]:
+    """A windowed case's chunks under fixed starts: they start at `starts` (not also at the
+    windows' edges), each called what the merged windows' chunk over its first message is called
+    (`merge_windows`' labels; None where no window answered)."""
+    return list(starts), {
+        s: merged.get(max((p for p in merged if p <= s), default=-1)) for s in starts
+    }
+
+
 def window_starts(w: Window, case_starts: list[int]) -> list[int]:
     """A case's chunk starts (indices among its shown messages) inside window `w`, numbered from
     the window's first message, which always starts one."""
@@ -1167,7 +1181,10 @@ def evaluate(
     processors = None
     if fixed_starts is not None:
         assert len(fixed_starts) == len(cases), "one list of chunk starts per case"
-        constrained = True
+        constrained, split_bias = True, 0.0  # the ends are fixed: nothing for a bias to move
+        # room for every fixed chunk (two uuids and a label each), however many the detector cut
+        most = max((len(window_starts(w, fixed_starts[w.case])) for w in windows), default=0)
+        max_tokens = max(max_tokens, FIXED_CHUNK_TOKENS * most + 16)
     if constrained or split_bias > 0:
         from mlxlab import grammar
 
@@ -1202,13 +1219,10 @@ def evaluate(
         points, labels, failed = (
             merge_windows(ws, wt, len(uuids), conv) if len(mine) > 1 else ([], {}, 0)
         )
-        if fixed_starts is not None and len(mine) > 1 and failed < len(mine):
-            # the chunks start where they were fixed, not also at the windows' edges; each is
-            # called what the merged chunk over its first message is called
-            merged = labels
-            points = list(fixed_starts[i])
-            labels = {s: merged[max(p for p in merged if p <= s)] for s in points}
-        if len(mine) == 1 or failed == len(mine):
+        fixed = fixed_starts is not None and len(mine) > 1
+        if fixed:  # the cover is the fixed one, even where no window answered
+            points, labels = fixed_merge(fixed_starts[i], labels)
+        if len(mine) == 1 or (failed == len(mine) and not fixed):
             text = wt[0]  # one prompt, or no window answered: the first answer as it is
         else:
             ends = [*points[1:], len(uuids)]
@@ -1443,7 +1457,7 @@ def end_choice_summary(rows: list[dict]) -> dict:
         higher = [c for c in cuts if c > best]
         t = (best + min(higher)) / 2 if higher else best
         out["split bias"] = round(max(0.0, -t), 3)
-        out["balanced accuracy"] = round(balanced(t), 3)
+        out["balanced accuracy"] = round(balanced(-out["split bias"]), 3)  # as clipped
     return out
 
 

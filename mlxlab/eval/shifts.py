@@ -18,7 +18,7 @@ shows (mlxlab/data/chunk.py `shown`), the same numbering as the answer's anchors
 an answer grammar whose chunks start exactly there: the detector places the boundaries, the
 model writes the labels. The default rule was chosen on a validation build whose topics are
 disjoint from the training and test splits' and on the hand-written realistic chats
-(scripts/shift_threshold.py), never on the test split.
+(scripts/shift_rule.py), never on the test split.
 """
 
 from __future__ import annotations
@@ -75,6 +75,19 @@ def starts_from_vectors(groups: list[list[int]], vectors: np.ndarray, rule: Rule
     return [0] + [groups[j + 1][0] for j, s in enumerate(sims) if s < rule.floor or s < cut]
 
 
+def check_model(model: str) -> None:
+    """Load embedding model `model` once: a UserError names what is wrong (not an embedding
+    model, not found) before anything is decoded."""
+    from mlxlab.embed.model import Embedder
+
+    Embedder(model)
+
+
+def message_vectors(embedder, msgs: list[dict]) -> np.ndarray:
+    """[len(msgs), dims] sentence vectors of the messages' texts (each its first tokens)."""
+    return embedder.embed(embedder.tokenize([m["text"] for m in msgs], truncate=True))
+
+
 def chunk_starts(cases: list[dict], model: str, rule: Rule = Rule()) -> list[list[int]]:
     """For each case ({messages: [{uuid, sender, text}]}), the indices among its shown messages
     where a chunk starts (`starts_from_vectors`), with embedding model `model` (a zoo name or an
@@ -89,6 +102,6 @@ def chunk_starts(cases: list[dict], model: str, rule: Rule = Rule()) -> list[lis
         if not msgs:
             out.append([])
             continue
-        vectors = embedder.embed(embedder.tokenize([m["text"] for m in msgs], truncate=True))
+        vectors = message_vectors(embedder, msgs)
         out.append(starts_from_vectors(exchanges(msgs), vectors, rule))
     return out

@@ -90,6 +90,10 @@ class ChunkTask(Hooks):
         return dataclasses.replace(data, train=str(data_dir))
 
     def before_lora(self, run: Run) -> None:
+        if self.cfg.eval.shifts:  # a wrong embedding model fails now, not after training
+            from mlxlab.eval.shifts import check_model
+
+            check_model(self.cfg.eval.shifts)
         if self.cfg.eval_base:
             self.evals["base"] = self.evaluate(run, "base")
 

@@ -322,14 +322,17 @@ class ChunkPrefTask(ChunkTask):
         }
         if not src.is_file() or saved != to_dict(self.cfg.eval):
             return False
-        from mlxlab.eval.chunk import constrained_path
+        from mlxlab.eval.chunk import PASSES, pass_path
         from mlxlab.fsutil import atomic_write
 
         for a, b in (  # the summary last: its presence says the copy is complete
             (self.sft / "eval_tuned.jsonl", run_dir / "eval_sft.jsonl"),
-            (
-                constrained_path(self.sft / "eval_tuned.jsonl"),
-                constrained_path(run_dir / "eval_sft.jsonl"),
+            *(
+                (
+                    pass_path(self.sft / "eval_tuned.jsonl", k),
+                    pass_path(run_dir / "eval_sft.jsonl", k),
+                )
+                for k in PASSES
             ),
             (src, run_dir / "eval_sft.json"),
         ):
@@ -406,7 +409,10 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         f"{pairs['pairs_moved']} gold answers with a boundary moved by one message; sampled in "
         f"{fmt_minutes(pairs['seconds'])}",
         f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
-        f"batch {task.eval.batch_size}" + ev.bias_note(task.eval) + ev.constrained_note(task.eval),
+        f"batch {task.eval.batch_size}"
+        + ev.bias_note(task.eval)
+        + ev.constrained_note(task.eval)
+        + ev.shifts_note(task.eval),
         f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
         f"mlx {getattr(mx, '__version__', '?')}",
         "",
@@ -415,6 +421,7 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         ev.table(evals),
         "",
     ]
+    lines += [f"- {n}" for n in sorted({ev.detector_note(e) for e in evals.values()} - {""})]
     steps = _steps(run_dir)
     if steps:
         keys = [
