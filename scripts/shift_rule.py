@@ -35,12 +35,23 @@ def main() -> None:
     ap.add_argument("sources", nargs="+", help="JSON files of cases with gold, or DIR:SPLIT")
     ap.add_argument("--model", default="all-minilm-l6-v2")
     ap.add_argument("--at", type=float, nargs=3, default=None, metavar=("DROP", "CAP", "FLOOR"))
+    ap.add_argument(
+        "--similarities",
+        action="store_true",
+        help="also print each source's exchange similarities within a gold chunk and at a gold start",
+    )
     args = ap.parse_args()
 
     from mlxlab.data.chunk import shown
     from mlxlab.embed.model import Embedder
     from mlxlab.eval.chunk import boundary_f1, case_gold_spans, spans_of
-    from mlxlab.eval.shifts import Rule, exchanges, message_vectors, starts_from_vectors
+    from mlxlab.eval.shifts import (
+        Rule,
+        exchanges,
+        message_vectors,
+        similarities,
+        starts_from_vectors,
+    )
 
     embedder = Embedder(args.model)
     sources = {}
@@ -57,6 +68,20 @@ def main() -> None:
         print(
             f"{name}: {len(rows)} cases with gold, {sum(len(r[2]) > 1 for r in rows)} several-topic"
         )
+    if args.similarities:
+        print(
+            "\n| source | within a topic: 5th / 50th percentile | at a topic change: 50th / 95th |"
+        )
+        print("|---|---|---|")
+        for name, rows in sources.items():
+            within, shift = [], []
+            for groups, vectors, gold, _ in rows:
+                starts = {a for a, _ in gold}
+                for j, s in enumerate(similarities(groups, vectors)):
+                    (shift if groups[j + 1][0] in starts else within).append(s)
+            w = np.percentile(within, [5, 50]) if within else [np.nan] * 2
+            t = np.percentile(shift, [50, 95]) if shift else [np.nan] * 2
+            print(f"| {name} | {w[0]:.2f} / {w[1]:.2f} | {t[0]:.2f} / {t[1]:.2f} |")
     if args.at:
         rules = [Rule(*args.at)]
     else:

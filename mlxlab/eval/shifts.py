@@ -61,14 +61,22 @@ def exchanges(messages: list[dict]) -> list[list[int]]:
     return out
 
 
+def similarities(groups: list[list[int]], vectors: np.ndarray) -> np.ndarray:
+    """Each exchange after the first: the cosine of its normalised mean message vector with the
+    one before it (len(groups) - 1 values)."""
+    if not groups:
+        return np.zeros(0)
+    means = np.stack([vectors[g].astype(np.float64).mean(0) for g in groups])
+    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+    return (means[1:] * means[:-1]).sum(1)
+
+
 def starts_from_vectors(groups: list[list[int]], vectors: np.ndarray, rule: Rule) -> list[int]:
     """Chunk starts (message indices, 0 first) from per-message sentence vectors: where an
     exchange's normalised mean vector is far enough from the one before it (`rule`)."""
     if not groups:
         return []
-    means = np.stack([vectors[g].astype(np.float64).mean(0) for g in groups])
-    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
-    sims = (means[1:] * means[:-1]).sum(1)
+    sims = similarities(groups, vectors)
     if not len(sims):
         return [0]
     cut = min(rule.cap, float(np.median(sims)) - rule.drop)
