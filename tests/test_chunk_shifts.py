@@ -218,3 +218,9 @@ def test_boundary_f1_and_spans():
     case = {"messages": [{"uuid": u, "sender": "user", "text": "t"} for u in U], "chunks": GOLD}
     assert ev.case_gold_spans(case) == [(0, 1), (2, 3)]
     assert ev.case_gold_spans({"messages": []}) is None
+    # gold given out of order: sorted by place, the chunks with their spans
+    ordered, spans = ev.gold_order(GOLD[::-1], U)
+    assert ordered == GOLD and spans == [(0, 1), (2, 3)]
+    assert ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD[::-1]).label_pairs == [
+        [g["label"], g["label"]] for g in GOLD
+    ]

@@ -344,10 +344,16 @@ def case_gold_spans(case: dict) -> list[tuple[int, int]] | None:
 
     if case.get("chunks") is None:
         return None
-    index = {m["uuid"]: i for i, m in enumerate(shown(case["messages"]))}
-    return sorted(
-        (index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in case["chunks"]
-    )
+    return gold_order(case["chunks"], [m["uuid"] for m in shown(case["messages"])])[1]
+
+
+def gold_order(gold: list[dict], uuids: list[str]) -> tuple[list[dict], list[tuple[int, int]]]:
+    """Gold chunks sorted by their place among the messages `uuids`, and their (first, last)
+    message indices in that order."""
+    index = {u: i for i, u in enumerate(uuids)}
+    spans = [(index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in gold]
+    order = sorted(range(len(gold)), key=spans.__getitem__)
+    return [gold[k] for k in order], [spans[k] for k in order]
 
 
 def _label_words(text) -> list[str]:
@@ -452,13 +458,7 @@ def score_case(
     wf = 100 * (0.30 * schema + 0.35 * anchors + 0.15 * labels + 0.20 * nonempty)
     f1 = exact = lf1 = pairs = None
     if gold is not None:
-        index = {u: i for i, u in enumerate(uuids)}
-        ordered = sorted(
-            gold, key=lambda g: (index[g["start_message_uuid"]], index[g["end_message_uuid"]])
-        )
-        gold_spans = [
-            (index[g["start_message_uuid"]], index[g["end_message_uuid"]]) for g in ordered
-        ]
+        ordered, gold_spans = gold_order(gold, uuids)
         pred_spans = v.spans or []
         f1 = boundary_f1(gold_spans, pred_spans)
         exact = len(set(gold_spans) & set(pred_spans)) / len(gold_spans) if gold_spans else 0.0
