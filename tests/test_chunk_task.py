@@ -1239,10 +1239,14 @@ def test_boundary_weight_marks_where_each_chunk_is_placed(tmp_path):
 
 
 def test_an_evaluations_time_counts_its_constrained_decode():
-    from mlxlab.tasks.chunk import eval_seconds
+    from mlxlab.tasks.chunk import eval_seconds, pass_times
 
     assert eval_seconds({"seconds": 476.3, "constrained": {"seconds": 536.7}}) == 1013.0
     assert eval_seconds({"seconds": 60.0}) == 60.0
+
+    both = {"seconds": 611.4, "constrained": {"seconds": 682.2}, "shifts": {"seconds": 684.0}}
+    assert pass_times(both) == " (10.2 plain, 11.4 constrained, 11.4 shift boundaries)"
+    assert pass_times({"seconds": 60.0}) == ""
 
 
 def test_split_bias_taxes_the_last_message_end_once(tiny_dir, tmp_path):

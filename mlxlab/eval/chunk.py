@@ -835,8 +835,9 @@ def shifts_note(settings) -> str:
         return ""
     return (
         "; also decoded with the chunk boundaries of a topic-shift detector (rows marked shift "
-        f"boundaries: {model} sentence vectors, a chunk starts at an exchange whose "
-        f"{shift_rule(settings)}; the model writes the labels)"
+        f"boundaries: {model} sentence vectors, a chunk starts at an exchange with a "
+        f"{shift_rule(settings)}, its cosine taken with the exchange before; the model writes "
+        "the labels)"
     )
 
 

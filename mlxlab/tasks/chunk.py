@@ -246,6 +246,19 @@ def eval_seconds(summary: dict) -> float:
     return summary["seconds"] + sum(c.get("seconds", 0.0) for c in more if isinstance(c, dict))
 
 
+def pass_times(summary: dict) -> str:
+    """The minutes of each decode, " (X plain, Y constrained, Z shift boundaries)", for an
+    evaluation that decoded more than once; "" for one that decoded once."""
+    from mlxlab.eval.chunk import PASSES
+
+    more = [(tag, summary[k]) for k, tag in PASSES.items() if isinstance(summary.get(k), dict)]
+    if not more:
+        return ""
+    parts = [f"{summary['seconds'] / 60:.1f} plain"]
+    parts += [f"{c.get('seconds', 0.0) / 60:.1f} {tag}" for tag, c in more]
+    return f" ({', '.join(parts)})"
+
+
 def report(
     cfg: TrainConfig,
     task: ChunkTaskConfig,
@@ -324,7 +337,10 @@ def report(
         f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
         + "".join(f", {k} evaluation {v['peak_mem_gb']:.2f} GB" for k, v in evals.items()),
         f"- wall time: {fmt_minutes(wall_s)} in all; training {fmt_minutes(summary['seconds'])}"
-        + "".join(f", {k} evaluation {fmt_minutes(eval_seconds(v))}" for k, v in evals.items())
+        + "".join(
+            f", {k} evaluation {fmt_minutes(eval_seconds(v))}{pass_times(v)}"
+            for k, v in evals.items()
+        )
         + (
             f" (resumed at step {summary['start_step']}: the total and training are this "
             "attempt's; evaluations read back from the run are their own attempt's)"
