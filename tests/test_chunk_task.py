@@ -1239,7 +1239,7 @@ def test_boundary_weight_marks_where_each_chunk_is_placed(tmp_path):
 
 
 def test_an_evaluations_time_counts_its_constrained_decode():
-    from mlxlab.tasks.chunk import eval_seconds, pass_times
+    from mlxlab.tasks.chunk import eval_seconds, pass_times, wall_line
 
     assert eval_seconds({"seconds": 476.3, "constrained": {"seconds": 536.7}}) == 1013.0
     assert eval_seconds({"seconds": 60.0}) == 60.0
@@ -1247,6 +1247,14 @@ def test_an_evaluations_time_counts_its_constrained_decode():
     both = {"seconds": 611.4, "constrained": {"seconds": 682.2}, "shifts": {"seconds": 684.0}}
     assert pass_times(both) == " (10.2 plain, 11.4 constrained, 11.4 shift boundaries)"
     assert pass_times({"seconds": 60.0}) == ""
+    evals = {"base": {"seconds": 60.0}, "tuned": both}
+    line = wall_line({"seconds": 120.0}, evals, 3000.0)
+    assert line == (
+        "- wall time: 50.0 min in all; training 2.0 min, base evaluation 1.0 min, tuned "
+        "evaluation 33.0 min (10.2 plain, 11.4 constrained, 11.4 shift boundaries)"
+    )
+    resumed = wall_line({"seconds": 120.0, "start_step": 60}, evals, 3000.0)
+    assert resumed.startswith(line + ". Resumed at step 60: ") and resumed.count("(") == 1
 
 
 def test_split_bias_taxes_the_last_message_end_once(tiny_dir, tmp_path):

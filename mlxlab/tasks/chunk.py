@@ -259,6 +259,24 @@ def pass_times(summary: dict) -> str:
     return f" ({', '.join(parts)})"
 
 
+def wall_line(summary: dict, evals: dict[str, dict], wall_s: float) -> str:
+    """The report's wall-time line: the whole run, training, and each evaluation with its
+    decodes' minutes; a resumed run says which figures are this attempt's."""
+    line = (
+        f"- wall time: {fmt_minutes(wall_s)} in all; training {fmt_minutes(summary['seconds'])}"
+        + "".join(
+            f", {k} evaluation {fmt_minutes(eval_seconds(v))}{pass_times(v)}"
+            for k, v in evals.items()
+        )
+    )
+    if summary.get("start_step"):
+        line += (
+            f". Resumed at step {summary['start_step']}: the total and training are this "
+            "attempt's, evaluations read back from the run their own attempt's"
+        )
+    return line
+
+
 def report(
     cfg: TrainConfig,
     task: ChunkTaskConfig,
@@ -336,17 +354,7 @@ def report(
     lines += [
         f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
         + "".join(f", {k} evaluation {v['peak_mem_gb']:.2f} GB" for k, v in evals.items()),
-        f"- wall time: {fmt_minutes(wall_s)} in all; training {fmt_minutes(summary['seconds'])}"
-        + "".join(
-            f", {k} evaluation {fmt_minutes(eval_seconds(v))}{pass_times(v)}"
-            for k, v in evals.items()
-        )
-        + (
-            f" (resumed at step {summary['start_step']}: the total and training are this "
-            "attempt's; evaluations read back from the run are their own attempt's)"
-            if summary.get("start_step")
-            else ""
-        ),
+        wall_line(summary, evals, wall_s),
         "",
         "Metrics: 100 x (0.30 schema + 0.35 anchors + 0.15 labels + 0.20 nonempty) after JSON "
         "extraction and validation with repairs, by two validators: ref = the predecessor's "
