@@ -828,6 +828,12 @@ def constrained_note(settings) -> str:
     )
 
 
+def detector_lines(evals: dict[str, dict]) -> list[str]:
+    """The reports' bullet lines on the topic-shift detector (`detector_note`) for evaluations
+    by name: one per distinct detector (the same one for every model: one line)."""
+    return [f"- {n}" for n in sorted({detector_note(e) for e in evals.values()} - {""})]
+
+
 def shifts_note(settings) -> str:
     """How the shift-boundaries rows were decoded, for the reports ("" without `shifts`)."""
     model = getattr(settings, "shifts", "")

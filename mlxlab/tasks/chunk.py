@@ -238,25 +238,31 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
     ]
 
 
-def eval_seconds(summary: dict) -> float:
-    """An evaluation's decoding time: the plain decode and, where it ran, the constrained one."""
+def decode_seconds(summary: dict) -> list[tuple[str, float]]:
+    """An evaluation's decodes and their seconds: ("plain", s), then each further pass
+    (mlxlab/eval/chunk.py PASSES: constrained, shift boundaries) that ran."""
     from mlxlab.eval.chunk import PASSES
 
-    more = [summary.get(k) for k in PASSES]
-    return summary["seconds"] + sum(c.get("seconds", 0.0) for c in more if isinstance(c, dict))
+    more = [
+        (tag, summary[k].get("seconds", 0.0))
+        for k, tag in PASSES.items()
+        if isinstance(summary.get(k), dict)
+    ]
+    return [("plain", summary["seconds"]), *more]
+
+
+def eval_seconds(summary: dict) -> float:
+    """An evaluation's decoding time: every decode it made (`decode_seconds`)."""
+    return sum(s for _, s in decode_seconds(summary))
 
 
 def pass_times(summary: dict) -> str:
     """The minutes of each decode, " (X plain, Y constrained, Z shift boundaries)", for an
     evaluation that decoded more than once; "" for one that decoded once."""
-    from mlxlab.eval.chunk import PASSES
-
-    more = [(tag, summary[k]) for k, tag in PASSES.items() if isinstance(summary.get(k), dict)]
-    if not more:
+    decodes = decode_seconds(summary)
+    if len(decodes) == 1:
         return ""
-    parts = [f"{summary['seconds'] / 60:.1f} plain"]
-    parts += [f"{c.get('seconds', 0.0) / 60:.1f} {tag}" for tag, c in more]
-    return f" ({', '.join(parts)})"
+    return " (" + ", ".join(f"{s / 60:.1f} {tag}" for tag, s in decodes) + ")"
 
 
 def wall_line(summary: dict, evals: dict[str, dict], wall_s: float) -> str:
@@ -342,8 +348,7 @@ def report(
                     f"windows; their windows' answers scored alone: ref "
                     f"{ev._fmt(sm.get('window_ref'))}"
                 )
-    notes = {ev.detector_note(e) for e in evals.values()} - {""}
-    lines += [f"- {n}" for n in sorted(notes)]  # the same detector for every model: one line
+    lines += ev.detector_lines(evals)
     val0, val1 = summary.get("initial_val_loss"), summary.get("val_loss")
     if val1 is not None:
         lines.append(

@@ -421,7 +421,7 @@ def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=
         ev.table(evals),
         "",
     ]
-    lines += [f"- {n}" for n in sorted({ev.detector_note(e) for e in evals.values()} - {""})]
+    lines += ev.detector_lines(evals)
     steps = _steps(run_dir)
     if steps:
         keys = [
