@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -1170,6 +1171,54 @@ def test_constrained_eval_without_cover_keeps_order_and_may_stop_early(tiny_dir,
         assert row["ref"] >= 82.5 and ("trailing gap covered" in row["notes"]) == (at < len(uuids))
         stopped_early += at < len(uuids)
     assert stopped_early  # the random model closes early somewhere: `cover` reached evaluate
+
+
+@pytest.mark.parametrize("batch_size", [2, 1])
+def test_decodes_after_the_first_reuse_the_prompt_kv(tiny_dir, tmp_path, batch_size):
+    """generate_all with a `kv` store: each prompt is prefilled once; a second decode of the
+    same prompts (here under the answer grammar) starts from the stored KV, and both decodes
+    give the texts they give without the store."""
+    from mlxlab import grammar
+    from mlxlab.serve.engine.prompt_cache import PromptCache
+
+    model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 3)
+    windows = ev.plan_windows(records, tokenizer, 8192, 2, ev.WINDOW_MESSAGES)
+    prompts = [w.prompt for w in windows]
+    width = ev.n_vocab(model, tokenizer)
+    grammars = [grammar.lark(ev.answer_grammar(w.uuids), "answer") for w in windows]
+
+    def constrained(i):
+        return [grammar.constrain(grammars[i], tokenizer, width)]
+
+    plain = ev.generate_all(model, tokenizer, prompts, 12, batch_size)
+    held = ev.generate_all(model, tokenizer, prompts, 12, batch_size, processors=constrained)
+    kv = PromptCache(1 << 30)
+    assert ev.generate_all(model, tokenizer, prompts, 12, batch_size, kv=kv) == plain
+    first = kv.stats()
+    assert first["hits"] == 0 and first["entries"] == len(prompts) and first["bytes"] > 0
+    again = ev.generate_all(
+        model, tokenizer, prompts, 12, batch_size, processors=constrained, kv=kv
+    )
+    assert again == held
+    second = kv.stats()
+    assert second["hits"] == len(prompts) and second["entries"] == len(prompts)
+    assert second["reused_tokens"] == sum(len(p) - 1 for p in prompts)
+
+
+def test_an_evaluation_with_two_decodes_prefills_each_prompt_once(tiny_dir, tmp_path, caplog):
+    from mlxlab.config import EvalSettings
+
+    model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
+    settings = EvalSettings(max_tokens=4, batch_size=2, constrained=True)
+    with caplog.at_level(logging.INFO, logger="mlxlab.eval.chunk"):
+        ev.evaluate_model(model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny")
+    assert "[tiny] prompt KV: 2 prompts reused" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mlxlab.eval.chunk"):  # one decode: nothing kept
+        ev.evaluate_model(
+            model, tokenizer, records, EvalSettings(max_tokens=4), tmp_path / "p.jsonl", "tiny"
+        )
+    assert "prompt KV" not in caplog.text
 
 
 def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tmp_path):

@@ -857,16 +857,26 @@ def _batch_decode(
     tokenizer,
     prompts: list[list[int]],
     max_tokens: int,
-    processors: list[list],
+    processors: list[list] | None,
     sampler=None,
+    caches: list | None = None,
 ) -> list[str]:
     """`batch_generate`'s loop with one list of logits processors per row (its own keyword gives
-    every row the same processors, and a grammar constraint holds one sequence's state)."""
+    every row the same processors, and a grammar constraint holds one sequence's state).
+    `caches`: per row, (a prompt cache, the n prompt tokens it holds); the row's prefill then
+    runs only the prompt's tokens past n."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], sampler=sampler)
+    extra = {}
+    if processors is not None:
+        extra["logits_processors"] = processors
+    if caches is not None:
+        extra["caches"] = [c for c, _ in caches]
+        extra["all_tokens"] = [list(p[:n]) for p, (_, n) in zip(prompts, caches, strict=True)]
+        prompts = [p[n:] for p, (_, n) in zip(prompts, caches, strict=True)]
     try:
-        uids = gen.insert(prompts, [max_tokens] * len(prompts), logits_processors=processors)
+        uids = gen.insert(prompts, [max_tokens] * len(prompts), **extra)
         tokens: dict[int, list[int]] = {uid: [] for uid in uids}
         while responses := gen.next_generated():
             for r in responses:
@@ -875,6 +885,39 @@ def _batch_decode(
     finally:
         gen.close()
     return [tokenizer.decode(tokens[uid]) for uid in uids]
+
+
+PREFILL_STEP = 2048  # tokens per forward pass of a prefill (mlx-lm's prefill_step_size)
+KV_NAMESPACE = "chunk eval"
+
+
+def kv_budget() -> int:
+    """The bytes of prompt KV an evaluation keeps for its decodes after the first: a quarter of
+    the machine's memory, at most 4 GiB. gemma3-270m holds ~37 KB per prompt token in float32
+    (18 layers, one KV head of 256), ~1.7 GB for chunk_seg4's test split; past the budget the
+    least recently used prompts are dropped and prefilled again when needed."""
+    from mlxlab.serve.engine.admission import total_memory_bytes
+
+    return min(4 << 30, total_memory_bytes() // 4)
+
+
+def prefilled(model, prompt: list[int], kv) -> tuple[list, int]:
+    """(a prompt cache holding `prompt[:n]`, n = len(prompt) - 1): the longest prefix `kv` (serving's
+    PromptCache) has, the rest run here in steps of PREFILL_STEP tokens as mlx-lm prefills one
+    row, and what was run stored back in `kv` (a copy: the caller's cache is the decode's)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    head = list(prompt[:-1])
+    cache, n = kv.fetch(KV_NAMESPACE, prompt)
+    if cache is None:
+        cache, n = make_prompt_cache(model), 0
+    if n < len(head):
+        for at in range(n, len(head), PREFILL_STEP):
+            model(mx.array([head[at : at + PREFILL_STEP]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        kv.insert(KV_NAMESPACE, head, cache)
+    return cache, len(head)
 
 
 def generate_all(
@@ -886,6 +929,7 @@ def generate_all(
     progress=None,
     processors=None,
     sampler=None,
+    kv=None,
 ) -> list[str]:
     """Completions of token-id prompts, in order: greedy, or drawn by `sampler` (mlx-lm's
     `make_sampler`; seed MLX's generator first for a repeatable draw).
@@ -895,20 +939,23 @@ def generate_all(
     batch_size = 1 uses mlx-lm's `generate` one prompt at a time. `processors(i)`, when given,
     returns prompt i's logits processors (fresh ones: a constraint holds its sequence's state),
     made when its group starts; the groups then run on mlx-lm's `BatchGenerator` with a list
-    per row. The model decodes in eval mode (no dropout) and is put back as it was.
+    per row. `kv` (serving's `PromptCache`, for one model): each prompt is prefilled on its own
+    (`prefilled`), reusing the KV a decode before stored there for the same prompt, and the
+    decode starts from it; a second decode of the same prompts then skips their prefill. The
+    model decodes in eval mode (no dropout) and is put back as it was.
     """
     was_training = model.training
     model.eval()
     try:
         return _decode_groups(
-            model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler
+            model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler, kv
         )
     finally:
         model.train(was_training)
 
 
 def _decode_groups(
-    model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler
+    model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler, kv=None
 ) -> list[str]:
     """generate_all's loop: length-sorted groups of `batch_size` prompts."""
     from mlx_lm import batch_generate, generate
@@ -919,20 +966,23 @@ def _decode_groups(
     for at in range(0, len(order), batch_size):
         group = order[at : at + batch_size]
         rows = [processors(i) for i in group] if processors else None
+        caches = [prefilled(model, prompts[i], kv) for i in group] if kv is not None else None
         if batch_size == 1:
+            cache, n = caches[0] if caches else (None, 0)
             outs = [
                 generate(
                     model,
                     tokenizer,
-                    prompts[group[0]],
+                    prompts[group[0]][n:],
                     max_tokens=max_tokens,
                     logits_processors=rows[0] if rows else None,
                     sampler=sampler,
+                    prompt_cache=cache,
                 )
             ]
-        elif rows:
+        elif rows or caches:
             outs = _batch_decode(
-                model, tokenizer, [prompts[i] for i in group], max_tokens, rows, sampler
+                model, tokenizer, [prompts[i] for i in group], max_tokens, rows, sampler, caches
             )
         else:
             outs = batch_generate(
@@ -1169,6 +1219,7 @@ def evaluate(
     starts: bool = False,
     split_bias: float = 0.0,
     fixed_starts: list[list[int]] | None = None,
+    kv=None,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
@@ -1180,7 +1231,8 @@ def evaluate(
     window decoded with a `SplitBias` (constrained or not); `fixed_starts` (per case, the shown
     messages where chunks start: mlxlab/eval/shifts.py `chunk_starts`) decodes each window under
     the grammar whose chunks start exactly there (`answer_grammar`'s `fixed`): only the labels
-    are the model's."""
+    are the model's. `kv`: `generate_all`'s store of prompt KV, shared by the decodes of one
+    model."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
@@ -1214,7 +1266,14 @@ def evaluate(
             return out
 
     texts = generate_all(
-        model, tokenizer, [w.prompt for w in windows], max_tokens, batch_size, progress, processors
+        model,
+        tokenizer,
+        [w.prompt for w in windows],
+        max_tokens,
+        batch_size,
+        progress,
+        processors,
+        kv=kv,
     )
     rows = []
     for i, case in enumerate(cases):
@@ -1529,6 +1588,7 @@ def evaluate_model(
             bool(getattr(settings, "starts", False)),
             float(getattr(settings, "split_bias", 0.0)),
             fixed_starts,
+            kv,
         )
         if getattr(settings, "label_model", ""):
             try:
@@ -1552,6 +1612,11 @@ def evaluate_model(
         rule = shift_rule(settings)
         starts = chunk_starts(records, settings.shifts, rule)
         detected = time.perf_counter() - t0
+    kv = None
+    if getattr(settings, "constrained", False) or starts is not None:
+        from mlxlab.serve.engine.prompt_cache import PromptCache
+
+        kv = PromptCache(kv_budget())  # the decodes after the first skip the prefill
     summary = run(False, out, label)
     if getattr(settings, "constrained", False):
         summary["constrained"] = run(True, constrained_path(out), f"{label}, constrained")
@@ -1561,6 +1626,12 @@ def evaluate_model(
         shifted["detector"] = detector_summary(records, starts)
         shifted["detector"].update(model=settings.shifts, rule=asdict(rule))
         summary["shifts"] = shifted
+    if kv is not None:
+        stats = kv.stats()
+        log.info(
+            f"[{label}] prompt KV: {stats['hits']} prompts reused, {stats['reused_tokens']} "
+            f"tokens not prefilled again, {stats['bytes'] / 1e9:.2f} GB held"
+        )
     return summary
 
 
