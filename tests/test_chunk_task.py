@@ -1203,6 +1203,18 @@ def test_decodes_after_the_first_reuse_the_prompt_kv(tiny_dir, tmp_path, batch_s
     second = kv.stats()
     assert second["hits"] == len(prompts) and second["entries"] == len(prompts)
     assert second["reused_tokens"] == sum(len(p) - 1 for p in prompts)
+    # a store too small for all: the prompts that fit stay (nothing is evicted for the next
+    # one, which the next decode would need first) and are reused by every later decode
+    first_bytes = first["bytes"] // len(prompts)
+    small = PromptCache(first_bytes * 3 // 2)
+    assert ev.generate_all(model, tokenizer, prompts, 12, batch_size, kv=small) == plain
+    kept = small.stats()
+    assert kept["entries"] == 1
+    for _ in range(2):
+        assert ev.generate_all(model, tokenizer, prompts, 12, batch_size, kv=small) == plain
+    shortest = min(len(p) for p in prompts)
+    assert small.stats()["entries"] == 1
+    assert small.stats()["reused_tokens"] - kept["reused_tokens"] >= 2 * (shortest - 1)
 
 
 def test_an_evaluation_with_two_decodes_prefills_each_prompt_once(tiny_dir, tmp_path, caplog):
@@ -1212,7 +1224,8 @@ def test_an_evaluation_with_two_decodes_prefills_each_prompt_once(tiny_dir, tmp_
     settings = EvalSettings(max_tokens=4, batch_size=2, constrained=True)
     with caplog.at_level(logging.INFO, logger="mlxlab.eval.chunk"):
         ev.evaluate_model(model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny")
-    assert "[tiny] prompt KV: 2 prompts reused" in caplog.text
+    assert "prompt tokens not prefilled again" in caplog.text
+    assert "2 prompts held in" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mlxlab.eval.chunk"):  # one decode: nothing kept
         ev.evaluate_model(

@@ -859,22 +859,22 @@ def _batch_decode(
     max_tokens: int,
     processors: list[list] | None,
     sampler=None,
-    caches: list | None = None,
+    held: list | None = None,
 ) -> list[str]:
     """`batch_generate`'s loop with one list of logits processors per row (its own keyword gives
     every row the same processors, and a grammar constraint holds one sequence's state).
-    `caches`: per row, (a prompt cache, the n prompt tokens it holds); the row's prefill then
-    runs only the prompt's tokens past n."""
+    `held`: per row, (a prompt cache, the n prompt tokens it holds: `prefilled`); the row's
+    prefill then runs only the prompt's tokens past n."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], sampler=sampler)
     extra = {}
     if processors is not None:
         extra["logits_processors"] = processors
-    if caches is not None:
-        extra["caches"] = [c for c, _ in caches]
-        extra["all_tokens"] = [list(p[:n]) for p, (_, n) in zip(prompts, caches, strict=True)]
-        prompts = [p[n:] for p, (_, n) in zip(prompts, caches, strict=True)]
+    if held is not None:
+        extra["caches"] = [c for c, _ in held]
+        extra["all_tokens"] = [list(p[:n]) for p, (_, n) in zip(prompts, held, strict=True)]
+        prompts = [p[n:] for p, (_, n) in zip(prompts, held, strict=True)]
     try:
         uids = gen.insert(prompts, [max_tokens] * len(prompts), **extra)
         tokens: dict[int, list[int]] = {uid: [] for uid in uids}
@@ -894,17 +894,21 @@ KV_NAMESPACE = "chunk eval"
 def kv_budget() -> int:
     """The bytes of prompt KV an evaluation keeps for its decodes after the first: a quarter of
     the machine's memory, at most 4 GiB. gemma3-270m holds ~37 KB per prompt token in float32
-    (18 layers, one KV head of 256), ~1.7 GB for chunk_seg4's test split; past the budget the
-    least recently used prompts are dropped and prefilled again when needed."""
+    (18 layers, one KV head of 256; a prompt prefilled in one step keeps all its tokens on the
+    sliding-window layers too), 1.72 GB for chunk_seg4's test split (36 windows of at most 1800
+    tokens). Prompts past the budget are not kept (`prefilled`) and are prefilled again."""
     from mlxlab.serve.engine.admission import total_memory_bytes
 
     return min(4 << 30, total_memory_bytes() // 4)
 
 
 def prefilled(model, prompt: list[int], kv) -> tuple[list, int]:
-    """(a prompt cache holding `prompt[:n]`, n = len(prompt) - 1): the longest prefix `kv` (serving's
-    PromptCache) has, the rest run here in steps of PREFILL_STEP tokens as mlx-lm prefills one
-    row, and what was run stored back in `kv` (a copy: the caller's cache is the decode's)."""
+    """(a prompt cache holding `prompt[:n]`, n = len(prompt) - 1): the longest prefix `kv`
+    (serving's PromptCache) has, the rest run here in steps of PREFILL_STEP tokens as mlx-lm
+    prefills one row. What was run is stored back in `kv` (a copy: the caller's cache is the
+    decode's) only where it fits without evicting anything: every decode walks the prompts in the
+    same order, so evicting would drop the entry the next decode needs first, and with none
+    evicted the first prompts stay and are reused by every decode after."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -916,7 +920,9 @@ def prefilled(model, prompt: list[int], kv) -> tuple[list, int]:
         for at in range(n, len(head), PREFILL_STEP):
             model(mx.array([head[at : at + PREFILL_STEP]]), cache=cache)
             mx.eval([c.state for c in cache])
-        kv.insert(KV_NAMESPACE, head, cache)
+            mx.clear_cache()
+        if kv.stats()["bytes"] + sum(c.nbytes for c in cache) <= kv.max_bytes:
+            kv.insert(KV_NAMESPACE, head, cache)
     return cache, len(head)
 
 
@@ -941,8 +947,12 @@ def generate_all(
     made when its group starts; the groups then run on mlx-lm's `BatchGenerator` with a list
     per row. `kv` (serving's `PromptCache`, for one model): each prompt is prefilled on its own
     (`prefilled`), reusing the KV a decode before stored there for the same prompt, and the
-    decode starts from it; a second decode of the same prompts then skips their prefill. The
-    model decodes in eval mode (no dropout) and is put back as it was.
+    decode starts from it; a second decode of the same prompts then skips their prefill. A
+    decode with `kv` prefills one row at a time instead of mlx-lm's batched prefill, so its texts
+    can differ from the decode without it in rare near-ties, as batched ones can from unbatched
+    (at batch size 1 the logits processors then see the prompt's last token as its start: both
+    of ours take the context at their first call as the prompt). The model decodes in eval mode
+    (no dropout) and is put back as it was.
     """
     was_training = model.training
     model.eval()
@@ -966,9 +976,9 @@ def _decode_groups(
     for at in range(0, len(order), batch_size):
         group = order[at : at + batch_size]
         rows = [processors(i) for i in group] if processors else None
-        caches = [prefilled(model, prompts[i], kv) for i in group] if kv is not None else None
+        held = [prefilled(model, prompts[i], kv) for i in group] if kv is not None else None
         if batch_size == 1:
-            cache, n = caches[0] if caches else (None, 0)
+            cache, n = held[0] if held else (None, 0)
             outs = [
                 generate(
                     model,
@@ -980,9 +990,9 @@ def _decode_groups(
                     prompt_cache=cache,
                 )
             ]
-        elif rows or caches:
+        elif rows or held:
             outs = _batch_decode(
-                model, tokenizer, [prompts[i] for i in group], max_tokens, rows, sampler, caches
+                model, tokenizer, [prompts[i] for i in group], max_tokens, rows, sampler, held
             )
         else:
             outs = batch_generate(
@@ -1562,9 +1572,17 @@ def evaluate_model(
     """Evaluate `records` (read_split) with `settings` (EvalSettings: max_tokens, batch_size,
     constrained), write per-case JSONL to `out`; return the summary (+ seconds, results path).
     With `settings.constrained` the split is decoded again under the answer grammar, written to
-    `constrained_path(out)`, and its summary is the summary's "constrained" entry."""
+    `constrained_path(out)`, and its summary is the summary's "constrained" entry. With more than
+    one decode, each window's prompt is prefilled once (`generate_all`'s `kv`, within
+    `kv_budget`): the held KV counts in the evaluation's peak memory."""
     from mlxlab.errors import UserError
     from mlxlab.fsutil import atomic_write_text
+
+    kv = None
+    if getattr(settings, "constrained", False) or getattr(settings, "shifts", ""):
+        from mlxlab.serve.engine.prompt_cache import PromptCache
+
+        kv = PromptCache(kv_budget())  # the decodes after the first skip the prefill
 
     def run(constrained: bool, path: Path, tag: str, fixed_starts=None, t0=None) -> dict:
         t0 = time.perf_counter() if t0 is None else t0
@@ -1612,11 +1630,6 @@ def evaluate_model(
         rule = shift_rule(settings)
         starts = chunk_starts(records, settings.shifts, rule)
         detected = time.perf_counter() - t0
-    kv = None
-    if getattr(settings, "constrained", False) or starts is not None:
-        from mlxlab.serve.engine.prompt_cache import PromptCache
-
-        kv = PromptCache(kv_budget())  # the decodes after the first skip the prefill
     summary = run(False, out, label)
     if getattr(settings, "constrained", False):
         summary["constrained"] = run(True, constrained_path(out), f"{label}, constrained")
@@ -1629,8 +1642,9 @@ def evaluate_model(
     if kv is not None:
         stats = kv.stats()
         log.info(
-            f"[{label}] prompt KV: {stats['hits']} prompts reused, {stats['reused_tokens']} "
-            f"tokens not prefilled again, {stats['bytes'] / 1e9:.2f} GB held"
+            f"[{label}] prompt KV: {stats['reused_tokens']} prompt tokens not prefilled again "
+            f"({stats['hits']} lookups found a prefix, {stats['misses']} none), "
+            f"{stats['entries']} prompts held in {stats['bytes'] / 1e9:.2f} GB"
         )
     return summary
 
