@@ -1223,7 +1223,10 @@ def test_an_evaluation_with_two_decodes_prefills_each_prompt_once(tiny_dir, tmp_
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
     settings = EvalSettings(max_tokens=4, batch_size=2, constrained=True)
     with caplog.at_level(logging.INFO, logger="mlxlab.eval.chunk"):
-        ev.evaluate_model(model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny")
+        summary = ev.evaluate_model(
+            model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny"
+        )
+    assert summary["peak_mem_gb"] > 0  # the held KV included
     assert "prompt tokens not prefilled again" in caplog.text
     assert "2 prompts held in" in caplog.text
     caplog.clear()

@@ -1574,9 +1574,14 @@ def evaluate_model(
     With `settings.constrained` the split is decoded again under the answer grammar, written to
     `constrained_path(out)`, and its summary is the summary's "constrained" entry. With more than
     one decode, each window's prompt is prefilled once (`generate_all`'s `kv`, within
-    `kv_budget`): the held KV counts in the evaluation's peak memory."""
+    `kv_budget`): the held KV counts in the evaluation's peak memory (`peak_mem_gb`, from the
+    call's start, the model's weights included)."""
+    import mlx.core as mx
+
     from mlxlab.errors import UserError
     from mlxlab.fsutil import atomic_write_text
+
+    mx.reset_peak_memory()
 
     kv = None
     if getattr(settings, "constrained", False) or getattr(settings, "shifts", ""):
@@ -1646,6 +1651,7 @@ def evaluate_model(
             f"({stats['hits']} lookups found a prefix, {stats['misses']} none), "
             f"{stats['entries']} prompts held in {stats['bytes'] / 1e9:.2f} GB"
         )
+    summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
     return summary
 
 

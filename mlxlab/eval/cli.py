@@ -76,7 +76,10 @@ def run(cfg: EvalConfig) -> dict:
         model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
     )
     print(ev.table({name: summary}))
-    log.info(f"per-case results: {out} ({summary['seconds']:.0f} s)")
+    log.info(
+        f"per-case results: {out} ({summary['seconds']:.0f} s; "
+        f"peak memory {summary['peak_mem_gb']:.2f} GB)"
+    )
     for key, tag in ev.PASSES.items():
         if key in summary:
             c = summary[key]

@@ -138,7 +138,6 @@ class ChunkTask(Hooks):
         cached = run.run_dir / f"eval_{which}.json"
         if cached.is_file():
             return json.loads(cached.read_text())
-        import mlx.core as mx
 
         from mlxlab.eval.chunk import openings, training_window
 
@@ -153,7 +152,6 @@ class ChunkTask(Hooks):
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
             window = training_window(data_dir, run.tokenizer)
             settings = dataclasses.replace(settings, max_prompt_tokens=window)
-        mx.reset_peak_memory()
         summary = evaluate_model(
             run.model,
             run.tokenizer,
@@ -166,7 +164,6 @@ class ChunkTask(Hooks):
         summary["max_prompt_tokens"] = settings.max_prompt_tokens
         summary["turns"] = bool(settings.turns)
         summary["starts"] = bool(settings.starts)
-        summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
         atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
         return summary
 
