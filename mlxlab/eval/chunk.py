@@ -905,24 +905,23 @@ def kv_budget() -> int:
 def prefilled(model, prompt: list[int], kv) -> tuple[list, int]:
     """(a prompt cache holding `prompt[:n]`, n = len(prompt) - 1): the longest prefix `kv`
     (serving's PromptCache) has, the rest run here in steps of PREFILL_STEP tokens as mlx-lm
-    prefills one row. What was run is stored back in `kv` (a copy: the caller's cache is the
-    decode's) only where it fits without evicting anything: every decode walks the prompts in the
-    same order, so evicting would drop the entry the next decode needs first, and with none
-    evicted the first prompts stay and are reused by every decode after."""
+    prefills one row (serving's `prefill`). What was run is stored back in `kv` (a copy: the
+    caller's cache is the decode's) only where it fits without evicting anything: every decode
+    walks the prompts in the same order, so evicting would drop the entry the next decode needs
+    first, and with none evicted the first prompts stay and are reused by every decode after."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxlab.serve.engine.prompt_cache import prefill
 
     head = list(prompt[:-1])
     cache, n = kv.fetch(KV_NAMESPACE, prompt)
     if cache is None:
         cache, n = make_prompt_cache(model), 0
     if n < len(head):
-        for at in range(n, len(head), PREFILL_STEP):
-            model(mx.array([head[at : at + PREFILL_STEP]]), cache=cache)
-            mx.eval([c.state for c in cache])
-            mx.clear_cache()
-        if kv.stats()["bytes"] + sum(c.nbytes for c in cache) <= kv.max_bytes:
-            kv.insert(KV_NAMESPACE, head, cache)
+        prefill(model, cache, head[n:], PREFILL_STEP)
+        mx.clear_cache()
+        kv.insert(KV_NAMESPACE, head, cache, evict=False)
     return cache, len(head)
 
 

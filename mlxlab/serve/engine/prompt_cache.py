@@ -49,14 +49,23 @@ class PromptCache:
             return cache, n
 
     def insert(
-        self, namespace, tokens: list[int], cache, kind: str = "assistant", copy_cache: bool = True
+        self,
+        namespace,
+        tokens: list[int],
+        cache,
+        kind: str = "assistant",
+        copy_cache: bool = True,
+        evict: bool = True,
     ):
-        """Store the cache for exactly `tokens` (kind: system | user | assistant, for eviction order)."""
+        """Store the cache for exactly `tokens` (kind: system | user | assistant, for eviction order).
+        `evict=False`: store it only where it fits beside what is held (a caller that reads its
+        entries back in the order it stored them: evicting would drop the next one it needs)."""
         if not self.enabled or not tokens:
             return
-        entry = copy.deepcopy(cache) if copy_cache else cache
-        if sum(c.nbytes for c in entry) > self.max_bytes:  # from the shapes
+        room = self.max_bytes if evict else self.max_bytes - self._lru.nbytes
+        if sum(c.nbytes for c in cache) > room:  # from the shapes
             return
+        entry = copy.deepcopy(cache) if copy_cache else cache
         # Materialized now: a cache extracted from a batch is a lazy slice whose graph would
         # keep the whole batch's KV buffers alive, far more memory than the entry's nbytes.
         mx.eval([c.state for c in entry])
@@ -75,3 +84,15 @@ class PromptCache:
                 "misses": self.misses,
                 "reused_tokens": self.reused_tokens,
             }
+
+
+def prefill(model, cache, tokens: list[int], step: int) -> None:
+    """Run `tokens` into `cache`, `step` tokens a forward pass, on the stream mlx-lm's
+    `generate_step` uses (on a CPU the default stream ran this prefill ~4x slower: tiny-gemma3,
+    400 tokens, 2.5 s vs 0.6 s)."""
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        for at in range(0, len(tokens), step):
+            model(mx.array(tokens[at : at + step])[None], cache=cache)
+            mx.eval([c.state for c in cache])
