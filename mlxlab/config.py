@@ -539,7 +539,8 @@ class EvalConfig(EvalSettings):
     scored); default: the chunk dataset built with its defaults."""
     out: str | None = None
     """Per-case results (JSONL) path; default: eval_<task>_<split>.jsonl in the current directory
-    (with `decisions`, the counts as JSON; default decisions_<task>_<split>.json)."""
+    (with `decisions`, the counts as JSON; default decisions_<task>_<split>.json). A directory
+    means that default name inside it; the path is checked before the model loads."""
     decisions: bool = False
     """Instead of decoding: teacher-forced, at each place the gold answers decide where chunks
     are (every uuid's first characters, the character after every list item), how often the
@@ -761,7 +762,8 @@ class DiagConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     orpo: ORPOConfig = field(default_factory=ORPOConfig)
     out: str = "diag"
-    """Report path prefix: <out>_<action>.json (and .png)."""
+    """Report path prefix: <out>_<action>.json (and .png); an existing directory:
+    <out>/<action>.json. Checked before the run."""
 
     def __post_init__(self):
         check_choice(
@@ -1062,7 +1064,8 @@ class TranscribeConfig:
     word_timestamps: bool = False
     """Word-level timestamps (verbose_json's `words`)."""
     out: str | None = None
-    """Write the output to this file (atomically) instead of stdout."""
+    """Write the output to this file (atomically) instead of stdout; a directory means
+    <file's stem>.<txt, json, srt or vtt> inside it. Checked before the model loads."""
     progress: bool = True
     """A progress bar on stderr, advancing one 30 s window at a time."""
     dtype: str = "auto"

@@ -22,6 +22,26 @@ def writable_dir(path: Path) -> Path:
     return path
 
 
+def output_file(out: str | os.PathLike | None, default_name: str) -> Path:
+    """The file a command will write its result to, checked before any work is done.
+
+    `out` names the file; without it, `default_name` in the working directory. An existing
+    directory (or a path that ends in a separator) means `default_name` inside it. The file's
+    directory is created if needed and must be writable; a UserError says why not, so a long
+    run cannot end by failing to write what it computed.
+    """
+    raw = os.fspath(out) if out else ""
+    path = Path(raw or default_name).expanduser().absolute()
+    if raw.endswith(("/", os.sep)) or path.is_dir():
+        path = path / default_name
+    if path.is_dir():
+        raise UserError(f"out={raw}: {path} is a directory")
+    writable_dir(path.parent)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"out={raw or path}: {path} is not writable")
+    return path
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     """`write(tmp)` to a temp file beside `path`, flush it to disk, then rename it over `path`."""
     path = Path(path)

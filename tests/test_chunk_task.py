@@ -618,6 +618,15 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
     assert len(rows) == 3 and {"wellformed", "boundary_f1", "exact_match", "output"} <= set(rows[0])
     missing = run_cli("eval", "chunk", "model=tiny-gemma3", f"data={tmp_path}")
     assert missing.returncode == 1 and "no test.cases.json" in missing.stderr
+    # out= a directory: the default name inside it; an unwritable one fails before any decode
+    into = run_cli(
+        "eval", "chunk", "model=tiny-gemma3", f"data={out}", "max_tokens=2", f"out={out}"
+    )
+    assert into.returncode == 0, into.stderr
+    assert len((out / "eval_chunk_test.jsonl").read_text().splitlines()) == 3
+    under_file = run_cli("eval", "chunk", f"data={out}", f"out={res}/x.jsonl")
+    assert under_file.returncode == 1 and "cannot create directory" in under_file.stderr
+    assert "Traceback" not in under_file.stderr and "prompts" not in under_file.stderr
 
 
 @pytest.mark.slow  # end to end: data, base eval, training, tuned eval, report

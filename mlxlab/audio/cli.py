@@ -21,11 +21,13 @@ def run(cfg: TranscribeConfig) -> None:
     from mlxlab.audio import formats
     from mlxlab.audio.decode import decode, format_hint
     from mlxlab.audio.speech import Speech, language_code
-    from mlxlab.fsutil import atomic_write_text
+    from mlxlab.fsutil import atomic_write_text, output_file
 
     if not cfg.file:
         raise UserError("transcribe needs a file: `python -m mlxlab transcribe FILE`")
     language = language_code(cfg.language)  # a bad one fails before anything loads
+    ext = {"verbose_json": "json", "text": "txt"}.get(cfg.format, cfg.format)
+    target = output_file(cfg.out, f"{Path(cfg.file).stem}.{ext}") if cfg.out else None
     audio = decode(cfg.file, format_hint(cfg.file), repr(cfg.file))
     speech = Speech(cfg.model, cfg.dtype)
     transcript = speech.transcribe(
@@ -39,9 +41,9 @@ def run(cfg: TranscribeConfig) -> None:
     )
     out = formats.render(transcript, cfg.format, words=cfg.word_timestamps)
     text = json.dumps(out, ensure_ascii=False, indent=2) + "\n" if isinstance(out, dict) else out
-    if cfg.out:
-        atomic_write_text(Path(cfg.out), text)
-        print(f"{cfg.out}  ({transcript.duration:.1f} s of audio)", file=sys.stderr)
+    if target is not None:
+        atomic_write_text(target, text)
+        print(f"{target}  ({transcript.duration:.1f} s of audio)", file=sys.stderr)
     else:
         sys.stdout.write(text)
 

@@ -6,8 +6,8 @@
     python -m mlxlab diag decode model=gemma3-270m length=256          # a decode step by op group
     python -m mlxlab diag profile model=gemma3-270m length=1152        # a training step by phase
 
-Each prints a table, writes <out>_<action>.json (and a PNG for leak, memory and profile), and exits
-non-zero when a gate fails.
+Each prints a table, writes <out>_<action>.json (`out` a directory: <out>/<action>.json; and a PNG
+for leak, memory and profile), and exits non-zero when a gate fails.
 """
 
 from __future__ import annotations
@@ -20,16 +20,23 @@ from mlxlab.cli import run_hydra
 from mlxlab.config import DiagConfig
 
 
+def _report_path(out: str, action: str) -> Path:
+    """<out>_<action>.json (`out` a directory: <out>/<action>.json), checked before the run."""
+    from mlxlab.fsutil import output_file
+
+    return output_file(f"{out}_{action}.json" if not Path(out).is_dir() else out, f"{action}.json")
+
+
 def _write(report: dict, out: str, action: str) -> Path:
     from mlxlab.fsutil import atomic_write_text
 
-    path = Path(f"{out}_{action}.json").absolute()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = _report_path(out, action)
     atomic_write_text(path, json.dumps(report, indent=2) + "\n")
     return path
 
 
 def run(cfg: DiagConfig) -> None:
+    _report_path(cfg.out, cfg.action)  # a report that cannot be written fails before the work
     if cfg.action == "parity":
         from mlxlab.diag import parity
 

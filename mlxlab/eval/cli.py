@@ -35,6 +35,7 @@ from pathlib import Path
 
 from mlxlab.cli import run_hydra
 from mlxlab.config import EvalConfig
+from mlxlab.fsutil import output_file
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.decisions:
         return decisions(cfg, data)
     records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
+    out = output_file(cfg.out, f"eval_{cfg.task}_{cfg.split}.jsonl")  # and a bad out= too
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
     if cfg.adapter:
@@ -71,7 +73,6 @@ def run(cfg: EvalConfig) -> dict:
         setattr(cfg, key, value)
         if value:
             log.info(f"{key}=true: the adapter was trained to open its answers with {key}")
-    out = Path(cfg.out or f"eval_{cfg.task}_{cfg.split}.jsonl").expanduser().absolute()
     summary = ev.evaluate_model(
         model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
     )
@@ -130,12 +131,12 @@ def decisions(cfg: EvalConfig, data: Path) -> dict:
     if not examples:
         raise UserError(f"{path}: no examples")
     examples = examples[: cfg.cases or None]
+    out = output_file(cfg.out, f"decisions_{cfg.task}_{cfg.split}.json")
     model, tokenizer = load(cfg.model, cfg.dtype)
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
     result: dict = ev.decision_accuracy(model, tokenizer, examples)
     result["first end"] = ev.end_choice_summary(ev.end_choices(model, tokenizer, examples))
-    out = Path(cfg.out or f"decisions_{cfg.task}_{cfg.split}.json").expanduser().absolute()
     atomic_write_text(out, json.dumps(result, indent=1) + "\n")
     print(ev.decisions_table(result))
     print()

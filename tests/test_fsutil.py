@@ -1,0 +1,55 @@
+"""Output paths are checked before a command does its work (mlxlab/fsutil.py)."""
+
+import os
+
+import pytest
+
+from mlxlab.errors import UserError
+from mlxlab.fsutil import output_file
+
+
+def test_output_file_resolves_names_and_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert output_file(None, "eval.jsonl") == tmp_path / "eval.jsonl"
+    assert output_file(str(tmp_path / "a.jsonl"), "eval.jsonl") == tmp_path / "a.jsonl"
+    (tmp_path / "runs").mkdir()
+    assert output_file(str(tmp_path / "runs"), "eval.jsonl") == tmp_path / "runs" / "eval.jsonl"
+    made = output_file(str(tmp_path / "new" / "deeper") + "/", "eval.jsonl")
+    assert made == tmp_path / "new" / "deeper" / "eval.jsonl" and made.parent.is_dir()
+    assert output_file(str(tmp_path / "x" / "y.jsonl"), "e") == tmp_path / "x" / "y.jsonl"
+    assert (tmp_path / "x").is_dir()  # its directory is made up front
+
+
+def test_output_file_refuses_what_cannot_be_written(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="cannot create directory"):
+        output_file(str(tmp_path / "file" / "out.jsonl"), "eval.jsonl")
+    (tmp_path / "runs" / "eval.jsonl").mkdir(parents=True)  # the default name taken by a dir
+    with pytest.raises(UserError, match="is a directory"):
+        output_file(str(tmp_path / "runs"), "eval.jsonl")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            with pytest.raises(UserError, match="not writable"):
+                output_file(str(locked / "out.jsonl"), "eval.jsonl")
+        finally:
+            locked.chmod(0o700)
+
+
+def test_diag_and_transcribe_check_their_out_first(tmp_path):
+    from mlxlab.diag.cli import _report_path
+
+    assert _report_path(str(tmp_path / "r"), "leak") == tmp_path / "r_leak.json"
+    assert _report_path(str(tmp_path), "leak") == tmp_path / "leak.json"
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UserError):
+        _report_path(str(tmp_path / "f" / "r"), "leak")
+
+    from mlxlab.audio.cli import run
+    from mlxlab.config import TranscribeConfig
+
+    wav = tmp_path / "talk.wav"  # never decoded: the bad out= fails first
+    with pytest.raises(UserError, match="cannot create directory"):
+        run(TranscribeConfig(file=str(wav), out=str(tmp_path / "f" / "t.txt")))
