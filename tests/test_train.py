@@ -269,6 +269,9 @@ def test_resume_refuses_a_different_run(tiny_dir, session_home, tmp_path):
         run(_cfg(tmp_path, iters=2))
     s = run(_cfg(tmp_path, iters=4, resume=True))  # more iterations of the same run is fine
     assert s["start_step"] == 1
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UserError, match="is a file"):
+        run(_cfg(tmp_path, iters=2, out_dir=str(tmp_path / "a_file")))
 
 
 def test_a_timestamped_run_resumes_by_its_directory(tiny_dir, monkeypatch, tmp_path):

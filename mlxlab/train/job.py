@@ -180,6 +180,8 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             if task_config is not None and dataclasses.is_dataclass(task_cfg):
                 defaults["task"] = to_dict(type(task_cfg)())
             _check_resume_config(run_dir, config_dict, defaults)
+        elif run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"out_dir={run_dir} is a file; a run needs a directory")
         elif run_dir.exists() and any(run_dir.iterdir()):
             raise UserError(
                 f"{run_dir} is not empty; pick another out_dir, or resume=true to continue it"
