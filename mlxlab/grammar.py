@@ -135,6 +135,8 @@ def json_schema(schema: dict, what: str = "json schema") -> Grammar:
         text = llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_STYLE)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"{what}: {e}") from None
+    except RecursionError:  # `closed` walks the schema: deeper than Python's stack
+        raise GrammarError(f"{what}: the schema is nested too deeply") from None
     return _checked(text, what)
 
 

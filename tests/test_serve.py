@@ -149,11 +149,32 @@ def test_completions_and_logprobs(server):
         len(t) == 2 for t in c["logprobs"]["top_logprobs"]
     )
     assert "".join(c["logprobs"]["tokens"]) == c["text"]
+    offsets = c["logprobs"]["text_offset"]  # where each token starts in the text
+    assert [c["text"][o:] for o in offsets] == [
+        "".join(c["logprobs"]["tokens"][i:]) for i in range(6)
+    ]
     s = client.post(
         "/v1/completions",
         json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "stream": True},
     )
     assert "".join(e["choices"][0]["text"] for e in sse_events(s.text) if e["choices"]) == c["text"]
+    s = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "def f(x):",
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "logprobs": 1,
+        },
+    )
+    streamed = [
+        o
+        for e in sse_events(s.text)
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for o in e["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert streamed == offsets  # counted across the stream's chunks
     lp = client.post(
         "/v1/chat/completions", json=chat(logprobs=True, top_logprobs=3, max_tokens=5)
     ).json()
@@ -176,6 +197,7 @@ def test_seeded_sampling_is_reproducible(server):
 
     a = sample(7)
     assert sample(7) == a
+    assert sample(-1) == sample(2**64 - 1)  # int64 seeds: -1 is 2**64 - 1 as MLX's uint64
     # Sampling is really used: other seeds give other text (and greedy decoding a fixed one).
     others = {sample(seed) for seed in (8, 9, 10)}
     assert others - {a}, "three other seeds all gave the seed-7 text"
@@ -215,6 +237,15 @@ def test_seeded_sampling_is_reproducible(server):
         ),
         ({"messages": "hello"}, "messages"),
         ([1, 2, 3], None),
+        ({"messages": [{"role": "user", "content": "x"}], "seed": 2**64}, "seed"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"١٢": 1}}, "logit_bias"),
+        # found by a bad-input battery: each was a 500
+        (b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', None),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+            b'"function": {"name": "f", "description": "\\udc00"}}]}',
+            None,
+        ),
     ],
 )
 def test_bad_bodies_are_400_in_openai_shape(server, body, param):
@@ -229,6 +260,32 @@ def test_bad_bodies_are_400_in_openai_shape(server, body, param):
     if param:
         assert err["param"] == param
     assert r.headers["x-request-id"]
+
+
+def test_text_far_past_the_context_is_refused_before_tokenizing(server):
+    """Megabytes of text: a 400 from its length alone (each token spells at most
+    `token_chars` characters), never a tokenizer run that holds the render thread."""
+    client, gateway = server
+    loaded = gateway.loaded
+    chars = loaded.token_chars * pipeline.LENGTH_SLACK * (loaded.admission.max_safe_context + 2)
+    calls = []
+    encode = loaded.tokenizer.encode
+    loaded.tokenizer.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    try:
+        r = client.post("/v1/completions", json={"prompt": "a" * chars, "max_tokens": 2})
+        m = client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "a" * chars}]}]
+            },
+        )
+    finally:
+        loaded.tokenizer.encode = encode
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_over_budget"
+    assert r.json()["error"]["param"] == "prompt" and not calls
+    assert m.status_code == 400 and m.json()["error"]["param"] == "messages"
+    ok = client.post("/v1/completions", json={"prompt": "a" * 64, "max_tokens": 2})
+    assert ok.status_code == 200
 
 
 def test_unknown_routes_and_methods(server):

@@ -223,6 +223,24 @@ def test_messages_tool_blocks_map_onto_the_tool_path(client):
             },
             "video",
         ),
+        (  # a tool_result's content that is neither text nor blocks (a 500 before)
+            {
+                "model": "x",
+                "max_tokens": 5,
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+                    },
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}],
+                    },
+                ],
+            },
+            "must be a string or a list",
+        ),
     ],
 )
 def test_messages_errors_use_the_anthropic_shape(client, body, fragment):
@@ -301,6 +319,14 @@ def test_responses_chain_get_delete_and_stream(client):
         ),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": 5}, "input"),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": 5},
+            },
+            "tool_choice.tools",
+        ),
         (
             {
                 "input": [

@@ -82,6 +82,11 @@ def chat(client, **kw):
     return r.json()
 
 
+DEEP: dict = {"type": "string"}
+for _ in range(180):  # ~360 nested objects: past the recursion limit of a schema walk
+    DEEP = {"type": "object", "properties": {"a": DEEP}, "required": ["a"]}
+
+
 def fmt(schema, name="weather"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
@@ -276,6 +281,11 @@ def test_auto_with_a_schema_allows_a_call_or_the_json(client):
         ),
         ({"tool_choice": "required"}, "tool_choice", "at least one"),
         ({"tool_choice": {"type": "function"}}, "tool_choice", "tool_choice must be"),
+        (  # deeper than Python's stack (a 500 before)
+            {"response_format": fmt(DEEP)},
+            "response_format.json_schema.schema",
+            "nested too deeply",
+        ),
     ],
 )
 def test_unenforceable_requests_are_400_before_generation(client, body, param, fragment):

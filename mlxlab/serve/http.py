@@ -12,7 +12,9 @@ and, while the server drains, every new request (503 + Retry-After).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import uuid
 from collections.abc import Callable
 
@@ -76,6 +78,29 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param + ': ' if param else ''}{first.get('msg')}{more}", param=param)
 
 
+# A JSON \u escape of a UTF-16 surrogate (paired or not); a body without one cannot hold a lone
+# surrogate, so only those bodies are parsed a second time.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def unicode_problem(body: bytes) -> APIError | None:
+    """A 400 for a JSON body whose strings hold a lone surrogate ("\\ud800" with no pair): valid
+    JSON, but not text any tokenizer, template or log can encode."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return APIError(
+            400,
+            "the request body holds a lone UTF-16 surrogate escape (e.g. \\ud800 without "
+            "its pair): not valid Unicode text",
+        )
+    except ValueError:  # not JSON: the route's own parse says so
+        return None
+    return None
+
+
 def respond(err: APIError, shape: Shape) -> JSONResponse:
     status, body = shape(err)
     return JSONResponse(body, status_code=status, headers=dict(err.headers))
@@ -132,6 +157,12 @@ def protocol_route(
                     if refusal is not None:
                         return respond(refusal, shape)
                 try:
+                    if request.method == "POST" and "json" in request.headers.get(
+                        "content-type", "json"
+                    ):
+                        problem = unicode_problem(await request.body())
+                        if problem is not None:
+                            return respond(problem, shape)
                     return await handler(request)
                 except APIError as e:
                     return respond(e, shape)

@@ -120,6 +120,8 @@ def text_of(content, where: str, text_kinds=("text", "input_text", "output_text"
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of content parts", param=where)
     parts = []
     for part in content:
         if not isinstance(part, dict):
@@ -274,7 +276,7 @@ def resolve_sampling(ask: SamplingAsk, cfg: ServeConfig, loaded: Loaded) -> Samp
     if ask.logit_bias:
         bias = {}
         for k, v in ask.logit_bias.items():
-            if not k.lstrip("-").isdigit() or not 0 <= int(k) < loaded.tokenizer.vocab_size:
+            if not (k.isascii() and k.isdigit()) or int(k) >= loaded.tokenizer.vocab_size:
                 raise APIError(
                     400, f"logit_bias key {k!r} is not a token id of this model", param="logit_bias"
                 )
@@ -284,7 +286,7 @@ def resolve_sampling(ask: SamplingAsk, cfg: ServeConfig, loaded: Loaded) -> Samp
         top_p=float(values["top_p"]),
         top_k=int(values["top_k"]),
         min_p=float(values["min_p"]),
-        seed=ask.seed,
+        seed=None if ask.seed is None else ask.seed % 2**64,  # MLX seeds are uint64
         repetition_penalty=rep if rep and rep != 1.0 else None,
         presence_penalty=ask.presence_penalty or None,
         frequency_penalty=ask.frequency_penalty or None,
@@ -373,10 +375,50 @@ def check_request(cfg: ServeConfig, ask: Ask) -> None:
         check_tool_schema(params, where)
 
 
+def _text_chars(value) -> int:
+    """Characters of text in a message list (its `content` and text parts; not image data) or a
+    prompt string."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(value.get(k)) for k in ("content", "text"))
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+# Slack for normalizers that shorten text before it is split into tokens (NFKC composes
+# characters): the length bound refuses only text far past the context.
+LENGTH_SLACK = 4
+
+
+def check_length(loaded: Loaded, ask: Ask) -> None:
+    """A 400 before tokenizing for text too long to fit the context whatever its tokens: each
+    token stands for at most `loaded.token_chars` characters, so a prompt of many megabytes is
+    refused at once instead of holding the render thread for seconds."""
+    field, chars = (
+        (ask.messages_field, _text_chars(ask.messages))
+        if ask.messages is not None
+        else ("prompt", _text_chars(ask.prompt))
+    )
+    at_least = chars // (loaded.token_chars * LENGTH_SLACK)
+    ceiling = loaded.admission.max_safe_context
+    if at_least > ceiling:
+        raise APIError(
+            400,
+            f"{field}: {chars} characters are more than {at_least} tokens, past this server's "
+            f"context of {ceiling} tokens",
+            type="memory_admission",
+            param=field,
+            code="context_over_budget",
+        )
+
+
 def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     """The engine job for `ask`; a 4xx APIError for anything that cannot run, before queueing."""
     check_request(cfg, ask)
     loaded = ready_loaded(gateway)
+    check_length(loaded, ask)
     checkpoint, reasoning = 0, False
     seen = vision.plan(cfg, loaded, ask)  # images: checked, numbered, through the processor
     if seen is not None and seen.inputs is not None:

@@ -46,6 +46,7 @@ class Loaded:
         self.tool = tool_syntax(self.tokenizer)
         self.think = think_markers(self.tokenizer)
         self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)
+        self.token_chars = longest_token_chars(self.tokenizer)
         budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb else None
         self.kv = kv_quant.parse(cfg.kv_quant, self.model, self.model_dir)
         if self.vision is not None and self.vision.alone and self.kv.enabled:
@@ -86,6 +87,17 @@ class Loaded:
             grammar.vocab_for(self.tokenizer, self.n_vocab)
         except Exception as e:  # noqa: BLE001 - structured output then fails per request, with this message
             log.warning("mlxlab serve: the grammar engine cannot read this tokenizer (%s)", e)
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for: the longest vocabulary entry (an
+    entry's spelling is never shorter than the text it decodes to), at least 1. A text of C
+    characters is therefore at least C / this many tokens (`pipeline.check_length`)."""
+    backend = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return max(1, max(map(len, backend.get_vocab())))
+    except Exception:  # noqa: BLE001 - no vocabulary to read: no bound
+        return 1 << 30
 
 
 def hidden_token_ids(tokenizer, tool, think) -> set[int]:

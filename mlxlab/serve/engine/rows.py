@@ -133,8 +133,8 @@ class RowOutput:
         self.detok.finalize()
         if parser.stopped is None and finish != "cancelled":
             self._send(parser.feed(self.detok.last_segment) + parser.finish())
-        if parser.calls and finish != "cancelled":
-            finish = "tool_calls"
+        if parser.calls and finish != "cancelled" and parser.cut_call is None:
+            finish = "tool_calls"  # a call cut by max_tokens keeps "length": the answer is cut
         done = Done(
             finish,
             len(self.job.prompt),

@@ -120,22 +120,32 @@ def chat_body(head: dict, got: Collector, logprobs: bool) -> dict:
     }
 
 
-def legacy_logprobs(entries: list[dict]) -> dict | None:
-    """Chat-style logprob entries in the completions API's legacy layout."""
+def legacy_logprobs(entries: list[dict], start: int = 0) -> dict | None:
+    """Chat-style logprob entries in the completions API's legacy layout; `text_offset`: where
+    each token starts in the completion's text, counted from `start` (the length of the
+    tokens before these, in a stream)."""
     if not entries:
         return None
+    offsets = []
+    for e in entries:
+        offsets.append(start)
+        start += len(e["token"])
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": [],
+        "text_offset": offsets,
     }
 
 
 class CompletionStream(_Stream):
+    offset = 0  # text_offset of the next token
+
     def delta(self, ev: Delta) -> list[str]:
         if not ev.text and not ev.logprobs:
             return []
+        logprobs = legacy_logprobs(ev.logprobs, self.offset)
+        self.offset += sum(len(e["token"]) for e in ev.logprobs or [])
         return [
             sse(
                 {
@@ -144,7 +154,7 @@ class CompletionStream(_Stream):
                         {
                             "index": 0,
                             "text": ev.text,
-                            "logprobs": legacy_logprobs(ev.logprobs),
+                            "logprobs": logprobs,
                             "finish_reason": None,
                         }
                     ],

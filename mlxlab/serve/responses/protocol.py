@@ -172,9 +172,12 @@ def function_tools(body: ResponsesRequest) -> list[dict] | None:
         return None
     allowed = None
     if isinstance(body.tool_choice, dict) and body.tool_choice.get("type") == "allowed_tools":
-        allowed = {
-            t.get("name") for t in body.tool_choice.get("tools") or [] if isinstance(t, dict)
-        }
+        listed = body.tool_choice.get("tools") or []
+        if not isinstance(listed, list):
+            raise APIError(
+                400, "tool_choice.tools: must be a list of tools", param="tool_choice.tools"
+            )
+        allowed = {t.get("name") for t in listed if isinstance(t, dict)}
     out = []
     for i, t in enumerate(body.tools or []):
         if t.get("type") != "function" or (allowed is not None and t.get("name") not in allowed):
