@@ -161,3 +161,35 @@ def test_a_call_cut_by_max_tokens_after_complete_calls_is_dropped():
     # Alone, an unterminated call is still released as text (the answer is a cut prefix).
     events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), chars(cut))
     assert p.calls == [] and text(events) == cut
+
+
+def test_an_answer_cut_inside_a_later_call_finishes_length(tiny_dir):
+    """The finish reason a row reports: complete calls make it `tool_calls`, but a call cut by
+    max_tokens after them leaves it `length` (the client learns the answer was cut)."""
+    from types import SimpleNamespace
+
+    from mlx_lm.utils import load
+
+    from mlxlab.serve.engine.jobs import Job
+    from mlxlab.serve.engine.rows import RowOutput
+
+    _, tokenizer = load(str(tiny_dir("gemma3")))
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    cut = '\n<tool_call>\n{"name": "get_weather", "'
+    m = SimpleNamespace(
+        tool=syntax("json_tools"), think=None, tokenizer=tokenizer, hidden=set(), eos=set()
+    )
+
+    def finish(text: str, reason: str) -> tuple[str, list]:
+        events = []
+        row = RowOutput(m, Job(prompt=[1], max_tokens=99, sink=events.append, tools=TOOLS))
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            row.feed(t, None)
+        done = row.close(reason)
+        return done.finish_reason, done.tool_calls
+
+    reason, calls = finish(first + cut, "length")
+    assert reason == "length" and [c["name"] for c in calls] == ["get_weather"]  # call kept
+    reason, calls = finish(first, "length")  # max_tokens right after a complete call
+    assert reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather"]
+    assert finish(first, "stop")[0] == "tool_calls"
