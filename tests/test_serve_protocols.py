@@ -60,6 +60,7 @@ def test_same_text_on_all_three_surfaces(client):
         },
     ).json()
     assert resp["output"][0]["content"][0]["text"] == text and resp["status"] == "incomplete"
+    assert resp["output"][0]["status"] == "incomplete"  # the cut message item too
     assert (
         anthropic_prompt(msg["usage"])
         == chat["usage"]["prompt_tokens"]
@@ -288,6 +289,7 @@ def test_responses_chain_get_delete_and_stream(client):
         "response.incomplete",
     ]
     assert [d["sequence_number"] for _, d in ev] == list(range(len(ev)))
+    assert ev[-2][1]["item"]["status"] == "incomplete"
     final = ev[-1][1]["response"]
     # The chain carried the instructions and the first exchange: the cache reused it.
     assert (
@@ -319,6 +321,10 @@ def test_responses_chain_get_delete_and_stream(client):
         ),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": 5}, "input"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '"s"'}]},
+            "input[0]: function_call arguments must be a JSON object",
+        ),
         (
             {
                 "input": "x",
@@ -646,3 +652,24 @@ def test_consecutive_assistant_messages_render_where_the_template_takes_them(cli
     assert "two assistant messages in a row" in chat.json()["error"]["message"]
     assert msg.status_code == 400 and msg.json()["error"]["message"].startswith("messages[2]: ")
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "input[2]", resp.text
+
+
+@pytest.mark.parametrize(
+    "choice,tools,fragment",
+    [
+        ({"type": "any"}, None, "needs at least one offered function tool"),
+        ({"type": "tool", "name": "g"}, "f", "no offered tool is named 'g'"),
+        ({"type": "tool"}, "f", "needs a name"),
+    ],
+)
+def test_count_tokens_refuses_the_tool_choice_messages_refuses(client, choice, tools, fragment):
+    body = {"model": "x", "messages": CONVO, "tool_choice": choice}
+    if tools:
+        body["tools"] = [{"name": tools, "input_schema": {"type": "object"}}]
+    answers = [
+        client.post("/v1/messages/count_tokens", json=body),
+        client.post("/v1/messages", json={**body, "max_tokens": 2}),
+    ]
+    for r in answers:
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert fragment in r.json()["error"]["message"]

@@ -129,7 +129,7 @@ def _with_tools(shape: Shape, tools: list[dict], loaded: Loaded) -> G.Grammar:
     if forcing and not tools:
         raise APIError(
             400,
-            f"{where}: {shape.tool_choice.lstrip('=')!r} needs at least one function tool",
+            f"{where}: a forced tool call needs at least one offered function tool",
             param=where,
         )
     specs = _tool_specs(tools)

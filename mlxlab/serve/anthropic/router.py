@@ -13,11 +13,13 @@ from mlxlab.serve.anthropic.protocol import (
     CountRequest,
     MessagesRequest,
     error_shape,
+    shape_of,
     template_kwargs,
     to_ask,
     to_chat,
 )
 from mlxlab.serve.http import STREAMED, protocol_route
+from mlxlab.serve.structured import grammar_for
 
 router = APIRouter(route_class=protocol_route(error_shape, AnthropicError))
 
@@ -51,6 +53,9 @@ async def count_tokens(body: CountRequest, request: Request):
     def count(ask: pipeline.Ask) -> int:
         pipeline.check_request(cfg, ask)
         loaded = pipeline.ready_loaded(gateway)
+        shape = shape_of(body.tool_choice)
+        if shape.tool_choice != "auto":  # refused as /v1/messages refuses it
+            grammar_for(shape, ask.tools, loaded, False)
         seen = vision.plan(cfg, loaded, ask)  # with images: the processor's tokens
         if seen is not None and seen.inputs is not None:
             return len(seen.prompt)

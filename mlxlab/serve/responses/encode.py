@@ -71,7 +71,7 @@ class Draft:
                 {
                     "type": "message",
                     "id": self.ids["message"],
-                    "status": "completed",
+                    "status": "incomplete" if done.finish_reason == "length" else "completed",
                     "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": []}],
                 }
@@ -164,7 +164,7 @@ class ResponseStream(Encoder):
             )
         ]
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         ids, i = self.draft.ids, self.index
         if self.current == "content":
             t = self.texts["content"]
@@ -191,7 +191,7 @@ class ResponseStream(Encoder):
                     item={
                         "type": "message",
                         "id": ids["message"],
-                        "status": "completed",
+                        "status": status,
                         "role": "assistant",
                         "content": [part],
                     },
@@ -254,8 +254,8 @@ class ResponseStream(Encoder):
         out = []
         if self.current is None and not ev.tool_calls:  # an empty answer is still a message
             out += self._open("content")
-        if self.current:
-            out += self._close()
+        if self.current:  # a message cut by max_output_tokens is "incomplete", as on OpenAI
+            out += self._close("incomplete" if ev.finish_reason == "length" else "completed")
         for c in ev.tool_calls:
             self.index += 1
             item = {

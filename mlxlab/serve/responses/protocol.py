@@ -113,9 +113,11 @@ def to_chat(
             try:
                 args = json.loads(item.get("arguments") or "{}")
             except (TypeError, json.JSONDecodeError):
+                args = None
+            if not isinstance(args, dict):
                 raise APIError(
-                    400, f"{where}: function_call arguments are not JSON", param=where
-                ) from None
+                    400, f"{where}: function_call arguments must be a JSON object", param=where
+                )
             call = {
                 "id": call_id,
                 "type": "function",
