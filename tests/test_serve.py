@@ -290,6 +290,12 @@ def test_text_far_past_the_context_is_refused_before_tokenizing(server):
 
 def test_unknown_routes_and_methods(server):
     client, _ = server
+    form = client.post(
+        "/v1/chat/completions",
+        content=b'{"messages": []}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )  # what `curl -d` sends
+    assert form.status_code == 400 and "Content-Type: application/json" in form.text
     assert (
         client.get("/v1/nothing").status_code == 404 and "error" in client.get("/v1/nothing").json()
     )

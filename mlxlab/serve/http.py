@@ -18,6 +18,7 @@ import re
 import uuid
 from collections.abc import Callable
 
+from fastapi import params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -148,6 +149,10 @@ def protocol_route(
 
         def get_route_handler(self):
             handler = super().get_route_handler()
+            # a JSON body (not a form's): a body sent as another type is refused saying so
+            json_body = self.body_field is not None and not isinstance(
+                self.body_field.field_info, params.Form
+            )
 
             async def route(request):
                 if drains and request.app.state.draining:
@@ -167,6 +172,16 @@ def protocol_route(
                 except APIError as e:
                     return respond(e, shape)
                 except RequestValidationError as e:
+                    kind = request.headers.get("content-type", "")
+                    if json_body and kind and "json" not in kind:
+                        return respond(  # FastAPI did not read it as JSON: say why
+                            APIError(
+                                400,
+                                f"the body must be JSON sent as Content-Type: application/json "
+                                f"(got {kind.split(';')[0]})",
+                            ),
+                            shape,
+                        )
                     return respond(validation_error(e), shape)
                 except StarletteHTTPException as e:  # e.g. a body that is not UTF-8
                     return respond(APIError(e.status_code, str(e.detail)), shape)
