@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from mlxlab.errors import UserError  # also re-exported: `from mlxlab.config import UserError` works
 
@@ -503,10 +503,17 @@ class EvalSettings:
     build (topics disjoint from the training and test splits') that also scores well on 14
     realistic hand-written chats (experiments/chunk_seg4/topic-shifts.md)."""
 
+    auto_max_tokens: ClassVar[bool] = False  # max_tokens=0 may mean "as the adapter's run"
+
     def __post_init__(self):
         check_choice("split", self.split, ("train", "valid", "test"))
-        if self.cases < 0 or self.max_tokens < 1 or self.batch_size < 1:
-            raise UserError("cases must be >= 0, max_tokens and batch_size >= 1")
+        if self.cases < 0 or self.max_tokens < (0 if self.auto_max_tokens else 1):
+            raise UserError(
+                "cases must be >= 0, max_tokens >= 1"
+                + (" (or 0: the adapter's run's)" if self.auto_max_tokens else "")
+            )
+        if self.batch_size < 1:
+            raise UserError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_prompt_tokens < 0 or 0 < self.max_prompt_tokens < 256:
             raise UserError(
                 f"max_prompt_tokens must be 0 (auto) or >= 256, got {self.max_prompt_tokens}"
@@ -527,6 +534,11 @@ class EvalConfig(EvalSettings):
 
     task: str = "chunk"
     """The task scorer (chunk: well-formedness, boundary F1, exact chunks)."""
+    max_tokens: int = 0
+    """Most tokens generated per prompt (a case, or one window of a long one); 0: with an adapter
+    from a chunk-task run, the run's own task.eval.max_tokens (its table is then reproduced),
+    else 256."""
+    auto_max_tokens: ClassVar[bool] = True
     model: str = DEFAULT_MODEL
     """Zoo name, mlx-lm model directory, or .gguf file."""
     dtype: str = "auto"

@@ -524,6 +524,27 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
     assert task_run(run / "adapter") is None
 
 
+def test_eval_decodes_as_long_as_the_adapters_run_did(tmp_path):
+    """max_tokens unset (0) in `eval chunk`: the run's task.eval.max_tokens, else 256; a task
+    run's own settings may not be 0."""
+    from mlxlab.config import EvalConfig, EvalSettings
+    from mlxlab.errors import UserError
+    from mlxlab.eval.cli import max_tokens_for
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("task:\n  name: chunk\n  eval:\n    max_tokens: 512\n")
+    assert max_tokens_for(EvalConfig(), run) == 512
+    assert max_tokens_for(EvalConfig(max_tokens=64), run) == 64  # what the user sets wins
+    assert max_tokens_for(EvalConfig(), None) == 256 == EvalSettings.max_tokens
+    (run / "config.yaml").write_text("task:\n  name: chunk\n")
+    assert max_tokens_for(EvalConfig(), run) == 256
+    with pytest.raises(UserError, match="max_tokens"):
+        EvalSettings(max_tokens=0)
+    with pytest.raises(UserError, match="max_tokens"):
+        EvalConfig(max_tokens=-1)
+
+
 def test_claude_exports_are_read_as_cases(tmp_path):
     from mlxlab.config import EvalSettings
 

@@ -24,7 +24,8 @@ topic-shift detector of mlxlab/eval/shifts.py says, the model writing only the l
 adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
 set, windows as long as its training prompts; unless turns or starts is set, its answers' layout:
 with or without the `turn_topics` or `starts` opening); else the chunk dataset built with its
-defaults (what `train +exp=chunk_seg4` builds).
+defaults (what `train +exp=chunk_seg4` builds). With an adapter from a chunk-task run and no
+max_tokens set, the run's own max_tokens (512 in chunk_seg4), so its table is reproduced.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from mlxlab.cli import run_hydra
-from mlxlab.config import EvalConfig
+from mlxlab.config import EvalConfig, EvalSettings
 from mlxlab.fsutil import output_file
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def run(cfg: EvalConfig) -> dict:
         data = chunk.write_dataset(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
     if cfg.decisions:
         return decisions(cfg, data)
+    cfg.max_tokens = max_tokens_for(cfg, run_dir)
     records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
     out = output_file(cfg.out, f"eval_{cfg.task}_{cfg.split}.jsonl")  # and a bad out= too
     model, tokenizer = load(cfg.model, cfg.dtype)
@@ -179,19 +181,35 @@ def run_data(run_dir: Path) -> Path | None:
     return None
 
 
+def max_tokens_for(cfg: EvalConfig, run_dir: Path | None) -> int:
+    """cfg.max_tokens, or when it is 0: the adapter's task run's task.eval.max_tokens (so
+    `eval chunk adapter=RUN` decodes as the run did), else EvalSettings' default."""
+    if cfg.max_tokens:
+        return cfg.max_tokens
+    trained = run_eval_setting(run_dir, "max_tokens") if run_dir is not None else 0
+    if trained:
+        log.info(f"max_tokens={trained}: the adapter's run evaluated with it")
+    return trained or EvalSettings.max_tokens
+
+
+def run_eval_setting(run_dir: Path, key: str) -> int:
+    """A chunk-task run's task.eval.<key> from its config.yaml (an int), 0 when it has none."""
+    import yaml
+
+    try:
+        task = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("task") or {}
+        return max(0, int(((task.get("eval") or {}).get(key)) or 0))
+    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+        return 0
+
+
 def trained_window(run_dir: Path, tokenizer) -> int:
     """The window budget an adapter's chunk-task run used: its task.eval.max_prompt_tokens, else
     the longest prompt of its training examples (`training_window`), else 0 (auto): an adapter
     trained on windows reads a long conversation in windows of that length."""
-    import yaml
-
     from mlxlab.eval.chunk import training_window
 
-    try:
-        task = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("task") or {}
-        set_to = int(((task.get("eval") or {}).get("max_prompt_tokens")) or 0)
-    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
-        set_to = 0
+    set_to = run_eval_setting(run_dir, "max_prompt_tokens")
     data = run_data(run_dir)
     return set_to or (training_window(data, tokenizer) if data is not None else 0)
 
