@@ -36,9 +36,7 @@ def output_file(out: str | os.PathLike | None, default_name: str) -> Path:
         path = path / default_name
     if path.is_dir():
         raise UserError(f"out={raw}: {path} is a directory")
-    writable_dir(path.parent)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UserError(f"out={raw or path}: {path} is not writable")
+    writable_dir(path.parent)  # the file itself is replaced by a rename: its directory counts
     return path
 
 

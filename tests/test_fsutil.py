@@ -43,6 +43,7 @@ def test_diag_and_transcribe_check_their_out_first(tmp_path):
 
     assert _report_path(str(tmp_path / "r"), "leak") == tmp_path / "r_leak.json"
     assert _report_path(str(tmp_path), "leak") == tmp_path / "leak.json"
+    assert _report_path(str(tmp_path / "new") + "/", "leak") == tmp_path / "new" / "leak.json"
     (tmp_path / "f").write_text("")
     with pytest.raises(UserError):
         _report_path(str(tmp_path / "f" / "r"), "leak")

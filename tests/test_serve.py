@@ -283,9 +283,32 @@ def test_text_far_past_the_context_is_refused_before_tokenizing(server):
         loaded.tokenizer.encode = encode
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_over_budget"
     assert r.json()["error"]["param"] == "prompt" and not calls
-    assert m.status_code == 400 and m.json()["error"]["param"] == "messages"
+    err = m.json()["error"]
+    assert m.status_code == 400 and err["param"] == "messages"
+    assert err["code"] == "context_over_budget" and "characters are more than" in err["message"]
     ok = client.post("/v1/completions", json={"prompt": "a" * 64, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_surrogates_lone_and_paired(server):
+    """A lone surrogate escape (or its raw UTF-8 bytes) is a 400 saying so; a valid pair (an
+    escaped emoji, as json.dumps writes it) is ordinary text."""
+    client, _ = server
+    head = b'{"messages": [{"role": "user", "content": "'
+    tail = b'"}], "max_tokens": 2}'
+    for bad in (b"a\\ud800", b"\\udc00b", b"\xed\xa0\x80"):
+        r = client.post(
+            "/v1/chat/completions",
+            content=head + bad + tail,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and "lone UTF-16 surrogate" in r.text, (bad, r.text)
+    pair = client.post(
+        "/v1/chat/completions",
+        content=head + b"\\ud83d\\ude00" + tail,
+        headers={"content-type": "Application/JSON; charset=utf-8"},
+    )
+    assert pair.status_code == 200, pair.text
 
 
 def test_unknown_routes_and_methods(server):

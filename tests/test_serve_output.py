@@ -193,3 +193,4 @@ def test_an_answer_cut_inside_a_later_call_finishes_length(tiny_dir):
     reason, calls = finish(first, "length")  # max_tokens right after a complete call
     assert reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather"]
     assert finish(first, "stop")[0] == "tool_calls"
+    assert finish(first + cut, "stop")[0] == "tool_calls"  # an end of sequence mid-call: not cut

@@ -13,6 +13,7 @@ for leak, memory and profile), and exits non-zero when a gate fails.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from mlxlab.config import DiagConfig
 
 
 def _report_path(out: str, action: str) -> Path:
-    """<out>_<action>.json (`out` a directory: <out>/<action>.json), checked before the run."""
+    """<out>_<action>.json (`out` a directory, or ending in a separator: <out>/<action>.json),
+    checked before the run."""
     from mlxlab.fsutil import output_file
 
-    return output_file(f"{out}_{action}.json" if not Path(out).is_dir() else out, f"{action}.json")
+    folder = out.endswith(("/", os.sep)) or Path(out).expanduser().is_dir()
+    return output_file(out if folder else f"{out}_{action}.json", f"{action}.json")
 
 
 def _write(report: dict, out: str, action: str) -> Path:

@@ -5,8 +5,10 @@ reads each request's body within a size cap and a deadline before the app sees i
 
 Each protocol owns its error shape: its router is built with `protocol_route(shape)`, where
 `shape(err) -> (status, body)`. The route answers, in that shape: `APIError`s raised by the
-handler, body validation errors (400, the first problem named), unexpected exceptions (500),
-and, while the server drains, every new request (503 + Retry-After).
+handler, body validation errors (400, the first problem named; a JSON route's body sent under
+another Content-Type is a 400 that says so), a JSON body holding a lone UTF-16 surrogate (400,
+before the handler), unexpected exceptions (500), and, while the server drains, every new request
+(503 + Retry-After).
 """
 
 from __future__ import annotations
@@ -79,25 +81,40 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param + ': ' if param else ''}{first.get('msg')}{more}", param=param)
 
 
-# A JSON \u escape of a UTF-16 surrogate (paired or not); a body without one cannot hold a lone
-# surrogate, so only those bodies are parsed a second time.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# What can put a lone UTF-16 surrogate in a parsed JSON string: a high surrogate escape not
+# followed by a low one, a low one not after a high one, or the raw UTF-8 bytes of a surrogate
+# (json.loads reads bytes with "surrogatepass"). A valid pair (an escaped emoji) matches none,
+# so ordinary bodies are never parsed twice; a match is confirmed by a parse.
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+    rb"|\xed[\xa0-\xbf]"
+)
+
+
+def is_json_type(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON: application/json or
+    application/*+json, any case, parameters ignored (a missing header: no)."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    major, _, minor = kind.partition("/")
+    return major == "application" and (minor == "json" or minor.endswith("+json"))
 
 
 def unicode_problem(body: bytes) -> APIError | None:
     """A 400 for a JSON body whose strings hold a lone surrogate ("\\ud800" with no pair): valid
-    JSON, but not text any tokenizer, template or log can encode."""
-    if not _SURROGATE_ESCAPE.search(body):
+    JSON, but not text any tokenizer, template or log can encode. UTF-16 and UTF-32 bodies (which
+    json.loads also reads) are always parsed to check."""
+    if not (_LONE_SURROGATE.search(body) or b"\x00" in body[:4]):
         return None
     try:
         json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         return APIError(
             400,
-            "the request body holds a lone UTF-16 surrogate escape (e.g. \\ud800 without "
-            "its pair): not valid Unicode text",
+            "the request body holds a lone UTF-16 surrogate (e.g. \\ud800 without its pair): "
+            "not valid Unicode text",
         )
-    except ValueError:  # not JSON: the route's own parse says so
+    except (ValueError, RecursionError):  # not JSON, or too deep: the route's own parse says so
         return None
     return None
 
@@ -162,9 +179,7 @@ def protocol_route(
                     if refusal is not None:
                         return respond(refusal, shape)
                 try:
-                    if request.method == "POST" and "json" in request.headers.get(
-                        "content-type", "json"
-                    ):
+                    if json_body and is_json_type(request.headers.get("content-type")):
                         problem = unicode_problem(await request.body())
                         if problem is not None:
                             return respond(problem, shape)
@@ -172,13 +187,14 @@ def protocol_route(
                 except APIError as e:
                     return respond(e, shape)
                 except RequestValidationError as e:
-                    kind = request.headers.get("content-type", "")
-                    if json_body and kind and "json" not in kind:
+                    kind = request.headers.get("content-type")
+                    if json_body and not is_json_type(kind):
+                        got = kind.split(";")[0].strip() if kind else "none"
                         return respond(  # FastAPI did not read it as JSON: say why
                             APIError(
                                 400,
-                                f"the body must be JSON sent as Content-Type: application/json "
-                                f"(got {kind.split(';')[0]})",
+                                "the body must be JSON sent as Content-Type: application/json "
+                                f"(got {got})",
                             ),
                             shape,
                         )

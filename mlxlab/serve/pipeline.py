@@ -375,16 +375,23 @@ def check_request(cfg: ServeConfig, ask: Ask) -> None:
         check_tool_schema(params, where)
 
 
-def _text_chars(value) -> int:
-    """Characters of text in a message list (its `content` and text parts; not image data) or a
-    prompt string."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(value.get(k)) for k in ("content", "text"))
-    if isinstance(value, list):
-        return sum(_text_chars(v) for v in value)
-    return 0
+def _text_chars(messages: list[dict] | None, prompt) -> int:
+    """Characters of text in the messages (string contents and the `text` of content parts; not
+    image data) or in a prompt string."""
+    if messages is None:
+        return len(prompt) if isinstance(prompt, str) else 0
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(
+                len(p["text"])
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return total
 
 
 # Slack for normalizers that shorten text before it is split into tokens (NFKC composes
@@ -396,14 +403,12 @@ def check_length(loaded: Loaded, ask: Ask) -> None:
     """A 400 before tokenizing for text too long to fit the context whatever its tokens: each
     token stands for at most `loaded.token_chars` characters, so a prompt of many megabytes is
     refused at once instead of holding the render thread for seconds."""
-    field, chars = (
-        (ask.messages_field, _text_chars(ask.messages))
-        if ask.messages is not None
-        else ("prompt", _text_chars(ask.prompt))
-    )
+    field = ask.messages_field if ask.messages is not None else "prompt"
+    chars = _text_chars(ask.messages, ask.prompt)
     at_least = chars // (loaded.token_chars * LENGTH_SLACK)
     ceiling = loaded.admission.max_safe_context
     if at_least > ceiling:
+        loaded.admission.rejected += 1  # counted with the other context_over_budget refusals
         raise APIError(
             400,
             f"{field}: {chars} characters are more than {at_least} tokens, past this server's "

@@ -54,15 +54,16 @@ async def count_tokens(body: CountRequest, request: Request):
         pipeline.check_request(cfg, ask)
         loaded = pipeline.ready_loaded(gateway)
         shape = shape_of(body.tool_choice)
-        if shape.tool_choice != "auto":  # refused as /v1/messages refuses it
-            grammar_for(shape, ask.tools, loaded, False)
         seen = vision.plan(cfg, loaded, ask)  # with images: the processor's tokens
         if seen is not None and seen.inputs is not None:
-            return len(seen.prompt)
-        messages = seen.messages if seen is not None else ask.messages
-        prompt, _, _ = pipeline.render_chat(
-            loaded, messages, ask.tools, ask.template_kwargs, ask.origins
-        )
+            prompt, reasoning = seen.prompt, seen.reasoning
+        else:
+            messages = seen.messages if seen is not None else ask.messages
+            prompt, _, reasoning = pipeline.render_chat(
+                loaded, messages, ask.tools, ask.template_kwargs, ask.origins
+            )
+        if shape.tool_choice != "auto":  # refused as /v1/messages refuses it
+            grammar_for(shape, ask.tools, loaded, reasoning)
         return len(prompt)
 
     ask = await pipeline.off_loop(build)

@@ -133,7 +133,8 @@ class RowOutput:
         self.detok.finalize()
         if parser.stopped is None and finish != "cancelled":
             self._send(parser.feed(self.detok.last_segment) + parser.finish())
-        if parser.calls and finish != "cancelled" and parser.cut_call is None:
+        cut = finish == "length" and parser.cut_call is not None
+        if parser.calls and finish != "cancelled" and not cut:
             finish = "tool_calls"  # a call cut by max_tokens keeps "length": the answer is cut
         done = Done(
             finish,

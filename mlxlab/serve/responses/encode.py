@@ -71,7 +71,9 @@ class Draft:
                 {
                     "type": "message",
                     "id": self.ids["message"],
-                    "status": "incomplete" if done.finish_reason == "length" else "completed",
+                    "status": "incomplete"
+                    if done.finish_reason == "length" and not done.tool_calls
+                    else "completed",
                     "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": []}],
                 }
@@ -255,7 +257,8 @@ class ResponseStream(Encoder):
         if self.current is None and not ev.tool_calls:  # an empty answer is still a message
             out += self._open("content")
         if self.current:  # a message cut by max_output_tokens is "incomplete", as on OpenAI
-            out += self._close("incomplete" if ev.finish_reason == "length" else "completed")
+            cut = ev.finish_reason == "length" and not ev.tool_calls  # not a later call
+            out += self._close("incomplete" if cut else "completed")
         for c in ev.tool_calls:
             self.index += 1
             item = {
