@@ -174,6 +174,12 @@ def test_messages_tool_blocks_map_onto_the_tool_path(client):
     )  # tools, the call and the result are in the prompt
 
 
+def test_a_wrong_method_under_messages_is_an_invalid_request(client):
+    r = client.get("/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize(
     "body,fragment",
     [

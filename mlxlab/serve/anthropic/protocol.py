@@ -44,11 +44,17 @@ class AnthropicError(BaseModel):
 
 def error_shape(err: APIError) -> tuple[int, dict]:
     """(status, body) in the Anthropic shape: {"type": "error", "error": {"type", "message"}};
-    an overloaded server (503) answers 529, as Anthropic's API does."""
+    an overloaded server (503) answers 529, as Anthropic's API does; a 4xx Anthropic has no type
+    for (405, 422) is an invalid_request_error, a 5xx an api_error."""
     status = 529 if err.status == 503 else err.status
     return status, {
         "type": "error",
-        "error": {"type": ERROR_TYPES.get(err.status, "api_error"), "message": err.message},
+        "error": {
+            "type": ERROR_TYPES.get(
+                err.status, "invalid_request_error" if err.status < 500 else "api_error"
+            ),
+            "message": err.message,
+        },
     }
 
 
