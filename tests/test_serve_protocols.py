@@ -3,6 +3,8 @@ the response store, per-protocol errors, and one request path under all three su
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mlxlab.serve.responses.store import ResponseStore
@@ -375,6 +377,59 @@ def test_responses_function_call_items_round_trip(client):
         json={"input": items, "tools": tools, "max_output_tokens": 4, "store": False},
     )
     assert r.status_code == 200 and client.get(f"/v1/responses/{r.json()['id']}").status_code == 404
+
+
+def test_responses_input_items_list_the_chain_in_pages(client):
+    """GET /v1/responses/{id}/input_items: the chain's earlier turns and this request's input
+    as items (newest first by default), paged by limit / after / before, ids stable."""
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+    ]
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    first = client.post(
+        "/v1/responses", json={"input": items, "tools": tools, "max_output_tokens": 3}
+    ).json()
+    second = client.post(
+        "/v1/responses",
+        json={"input": "Thanks!", "previous_response_id": first["id"], "max_output_tokens": 3},
+    ).json()
+    url = f"/v1/responses/{second['id']}/input_items"
+    listed = client.get(url, params={"order": "asc"}).json()
+    assert listed["object"] == "list" and listed["has_more"] is False
+    data = listed["data"]
+    assert [i["type"] for i in data] == [
+        "message",
+        "function_call",
+        "function_call_output",
+        "message",  # the first answer
+        "message",  # this request's input
+    ]
+    assert data[0]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}]
+    assert data[1]["call_id"] == "call_1" and json.loads(data[1]["arguments"]) == {"city": "Paris"}
+    assert data[2]["output"] == "18 C"
+    assert data[3]["role"] == "assistant" and data[3]["content"][0]["type"] == "output_text"
+    assert data[3]["content"][0]["text"] == first["output"][0]["content"][0]["text"]
+    assert data[4]["content"][0]["text"] == "Thanks!"
+    newest = client.get(url).json()["data"]  # desc by default
+    assert [i["id"] for i in newest] == [i["id"] for i in reversed(data)]
+    page = client.get(url, params={"order": "asc", "limit": 2}).json()
+    assert [i["id"] for i in page["data"]] == [i["id"] for i in data[:2]] and page["has_more"]
+    rest = client.get(url, params={"order": "asc", "after": page["last_id"]}).json()
+    assert [i["id"] for i in rest["data"]] == [i["id"] for i in data[2:]]
+    back = client.get(url, params={"order": "asc", "before": data[3]["id"], "limit": 2}).json()
+    assert [i["id"] for i in back["data"]] == [i["id"] for i in data[1:3]]
+    # the first response's own input: the three items it was given
+    assert len(client.get(f"/v1/responses/{first['id']}/input_items").json()["data"]) == 3
+    assert client.get(url, params={"after": "nope"}).status_code == 404
+    assert client.get(url, params={"limit": 0}).status_code == 400
+    assert client.get("/v1/responses/resp_unknown/input_items").status_code == 404
 
 
 def test_response_store_ttl_and_byte_cap():

@@ -9,6 +9,7 @@ max_output_tokens cut it short, as OpenAI does).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Callable
@@ -108,6 +109,70 @@ class Draft:
 
 def call_item_id(call: dict) -> str:
     return "fc_" + call["id"].removeprefix("call_")
+
+
+def input_items(rid: str, messages: list[dict]) -> list[dict]:
+    """A stored response's input as Responses items, oldest first (what `GET
+    /v1/responses/{id}/input_items` lists): every earlier turn of its chain and the request's own
+    input, chat messages turned back into message, function_call and function_call_output
+    items. Ids are derived from the response id and the position, so pages stay stable. An
+    image is listed without its bytes (the store keeps only its hash), with its URL if it had
+    one."""
+
+    def item_id(prefix: str, i: int) -> str:
+        return f"{prefix}_{hashlib.sha256(f'{rid}:{i}'.encode()).hexdigest()[:24]}"
+
+    def parts(m: dict) -> list[dict]:
+        kind = "output_text" if m["role"] == "assistant" else "input_text"
+        content = m.get("content")
+        if isinstance(content, str):
+            return [{"type": kind, "text": content}] if content or kind == "input_text" else []
+        out = []
+        for p in content or []:
+            if isinstance(p, dict) and p.get("type") == "image":
+                out.append({"type": "input_image", "detail": "auto", "image_url": p.get("url")})
+            elif isinstance(p, dict) and isinstance(p.get("text"), str):
+                out.append({"type": kind, "text": p["text"]})
+        return out
+
+    items = []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "id": item_id("fco", i),
+                    "call_id": m.get("tool_call_id"),
+                    "output": m.get("content") if isinstance(m.get("content"), str) else "",
+                    "status": "completed",
+                }
+            )
+            continue
+        content = parts(m)
+        if content or not m.get("tool_calls"):
+            items.append(
+                {
+                    "type": "message",
+                    "id": item_id("msg", i),
+                    "role": m["role"],
+                    "status": "completed",
+                    "content": content,
+                }
+            )
+        for c in m.get("tool_calls") or []:
+            fn = c.get("function") or {}
+            args = fn.get("arguments", {})
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": call_item_id(c),
+                    "call_id": c.get("id"),
+                    "name": fn.get("name"),
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                    "status": "completed",
+                }
+            )
+    return items
 
 
 class ResponseStream(Encoder):

@@ -1,19 +1,21 @@
-"""OpenAI Responses: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`; errors in the OpenAI
-shape. The store (`app.state.response_store`) keeps what `previous_response_id` needs; an unknown
-or expired id is a 404."""
+"""OpenAI Responses: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`,
+`GET /v1/responses/{id}/input_items`; errors in the OpenAI shape. The store
+(`app.state.response_store`) keeps what `previous_response_id` needs; an unknown or expired id is
+a 404."""
 
 from __future__ import annotations
 
 import json
 import time
+from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from mlxlab.serve import pipeline, vision
 from mlxlab.serve.engine.jobs import Done
 from mlxlab.serve.http import STREAMED, APIError, protocol_route
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
-from mlxlab.serve.responses.encode import Draft, ResponseStream
+from mlxlab.serve.responses.encode import Draft, ResponseStream, input_items
 from mlxlab.serve.responses.protocol import ResponsesRequest, to_ask, to_chat
 from mlxlab.serve.responses.store import ResponseStore
 
@@ -53,7 +55,15 @@ def remember(
         )
     else:
         convo.append({"role": "assistant", "content": text})
-    store.put(resp["id"], {"messages": convo, "instructions": instructions, "response": resp})
+    store.put(
+        resp["id"],
+        {
+            "messages": convo,
+            "inputs": len(messages),  # the messages before this answer: its input items
+            "instructions": instructions,
+            "response": resp,
+        },
+    )
 
 
 @router.post("/v1/responses", responses=STREAMED)
@@ -105,6 +115,44 @@ async def get(rid: str, request: Request):
     if entry is None:
         raise not_found(rid)
     return entry["response"]
+
+
+@router.get("/v1/responses/{rid}/input_items")
+async def list_input_items(
+    rid: str,
+    request: Request,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    before: str | None = None,
+):
+    """The input items of a stored response (its chain's earlier turns included), a page of
+    `limit` in `order` (newest first by default, as OpenAI), after or before an item id."""
+    entry = request.app.state.response_store.get(rid)
+    if entry is None:
+        raise not_found(rid)
+    items = input_items(rid, entry["messages"][: entry.get("inputs", len(entry["messages"]))])
+    if order == "desc":
+        items.reverse()
+    ids = [i["id"] for i in items]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise APIError(404, f"no input item {cursor!r} in {rid!r}", param=name)
+    if after is not None:
+        items = items[ids.index(after) + 1 :]
+    if before is not None:  # the page just before the cursor
+        left = [i["id"] for i in items]
+        items = items[: left.index(before)] if before in left else []
+        page, more = items[-limit:], len(items) > limit
+    else:
+        page, more = items[:limit], len(items) > limit
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": more,
+    }
 
 
 @router.delete("/v1/responses/{rid}")
