@@ -163,9 +163,10 @@ def test_a_call_cut_by_max_tokens_after_complete_calls_is_dropped():
     assert p.calls == [] and text(events) == cut
 
 
-def test_an_answer_cut_inside_a_later_call_finishes_length(tiny_dir):
-    """The finish reason a row reports: complete calls make it `tool_calls`, but a call cut by
-    max_tokens after them leaves it `length` (the client learns the answer was cut)."""
+def test_an_answer_cut_inside_a_later_call_finishes_tool_calls(tiny_dir):
+    """The finish reason a row reports: complete calls make it `tool_calls`, also when a later
+    call was cut by max_tokens (dropped: the complete calls are the whole answer) or by an end of
+    sequence; without a complete call the cut markup is text and the reason stays."""
     from types import SimpleNamespace
 
     from mlx_lm.utils import load
@@ -188,9 +189,8 @@ def test_an_answer_cut_inside_a_later_call_finishes_length(tiny_dir):
         done = row.close(reason)
         return done.finish_reason, done.tool_calls
 
-    reason, calls = finish(first + cut, "length")
-    assert reason == "length" and [c["name"] for c in calls] == ["get_weather"]  # call kept
-    reason, calls = finish(first, "length")  # max_tokens right after a complete call
-    assert reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather"]
-    assert finish(first, "stop")[0] == "tool_calls"
-    assert finish(first + cut, "stop")[0] == "tool_calls"  # an end of sequence mid-call: not cut
+    for reason in ("length", "stop"):
+        got, calls = finish(first + cut, reason)
+        assert got == "tool_calls" and [c["name"] for c in calls] == ["get_weather"]
+        assert finish(first, reason)[0] == "tool_calls"
+    assert finish(cut, "length") == ("length", [])  # no complete call: a cut answer

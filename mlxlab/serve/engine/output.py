@@ -13,8 +13,7 @@ incomplete UTF-8 never reaches it) and returns `(kind, text)` deltas, kind "cont
   Markup that does not parse, or names a tool the request did not offer, is released as plain
   content instead, so a malformed call is never an error; whitespace between or after calls
   is not content; a call cut by the end of generation (max_tokens) after complete calls is
-  dropped (`cut_call`), the complete ones being the answer (its finish reason stays
-  `length`: the client learns that the answer was cut);
+  dropped (`cut_call`), the complete ones being the answer (finish reason `tool_calls`);
 - the reasoning markers: text between think-start and think-end is "reasoning".
 
 Stop sequences are matched on decoded text (so one spanning tokens fires) in content and

@@ -133,9 +133,11 @@ class RowOutput:
         self.detok.finalize()
         if parser.stopped is None and finish != "cancelled":
             self._send(parser.feed(self.detok.last_segment) + parser.finish())
-        cut = finish == "length" and parser.cut_call is not None
-        if parser.calls and finish != "cancelled" and not cut:
-            finish = "tool_calls"  # a call cut by max_tokens keeps "length": the answer is cut
+        if parser.calls and finish != "cancelled":
+            # Also when max_tokens cut a later call: that call is dropped and the complete ones
+            # are the whole answer (a small model forced to call repeats its call until cut;
+            # "length" would make SDK helpers such as chat.completions.parse raise).
+            finish = "tool_calls"
         done = Done(
             finish,
             len(self.job.prompt),
