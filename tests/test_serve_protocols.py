@@ -415,7 +415,7 @@ def test_responses_input_items_list_the_chain_in_pages(client):
     assert data[1]["call_id"] == "call_1" and json.loads(data[1]["arguments"]) == {"city": "Paris"}
     assert data[2]["output"] == "18 C"
     assert data[3]["role"] == "assistant" and data[3]["content"][0]["type"] == "output_text"
-    assert data[3]["content"][0]["text"] == first["output"][0]["content"][0]["text"]
+    assert data[3]["content"] == first["output"][0]["content"]  # text and annotations
     assert data[4]["content"][0]["text"] == "Thanks!"
     newest = client.get(url).json()["data"]  # desc by default
     assert [i["id"] for i in newest] == [i["id"] for i in reversed(data)]

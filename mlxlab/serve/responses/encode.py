@@ -125,14 +125,17 @@ def input_items(rid: str, messages: list[dict]) -> list[dict]:
     def parts(m: dict) -> list[dict]:
         kind = "output_text" if m["role"] == "assistant" else "input_text"
         content = m.get("content")
+        # an output_text part carries its (empty) annotations, as in a response's own output
+        extra = {"annotations": []} if kind == "output_text" else {}
         if isinstance(content, str):
-            return [{"type": kind, "text": content}] if content or kind == "input_text" else []
+            keep = content or kind == "input_text"
+            return [{"type": kind, "text": content, **extra}] if keep else []
         out = []
         for p in content or []:
             if isinstance(p, dict) and p.get("type") == "image":
                 out.append({"type": "input_image", "detail": "auto", "image_url": p.get("url")})
             elif isinstance(p, dict) and isinstance(p.get("text"), str):
-                out.append({"type": kind, "text": p["text"]})
+                out.append({"type": kind, "text": p["text"], **extra})
         return out
 
     items = []
