@@ -357,17 +357,21 @@ def test_responses_errors_use_the_openai_shape(client, body, fragment):
     assert fragment in r.json()["error"]["message"]
 
 
+# A user question, the model's call and the call's result, as Responses input items.
+WEATHER_ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    },
+    {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+]
+
+
 def test_responses_function_call_items_round_trip(client):
-    items = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "type": "function_call",
-            "call_id": "call_1",
-            "name": "get_weather",
-            "arguments": '{"city": "Paris"}',
-        },
-        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
-    ]
+    items = WEATHER_ROUND_TRIP
     tools = [
         {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
         {"type": "web_search_preview"},
@@ -382,16 +386,7 @@ def test_responses_function_call_items_round_trip(client):
 def test_responses_input_items_list_the_chain_in_pages(client):
     """GET /v1/responses/{id}/input_items: the chain's earlier turns and this request's input
     as items (newest first by default), paged by limit / after / before, ids stable."""
-    items = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "type": "function_call",
-            "call_id": "call_1",
-            "name": "get_weather",
-            "arguments": '{"city": "Paris"}',
-        },
-        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
-    ]
+    items = WEATHER_ROUND_TRIP
     tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
     first = client.post(
         "/v1/responses", json={"input": items, "tools": tools, "max_output_tokens": 3}

@@ -178,8 +178,9 @@ def protocol_route(
                     refusal = request.scope.get("state", {}).get(ADMIN_REFUSAL, UNGUARDED)
                     if refusal is not None:
                         return respond(refusal, shape)
+                kind = request.headers.get("content-type")
                 try:
-                    if json_body and is_json_type(request.headers.get("content-type")):
+                    if json_body and is_json_type(kind):
                         problem = unicode_problem(await request.body())
                         if problem is not None:
                             return respond(problem, shape)
@@ -187,7 +188,6 @@ def protocol_route(
                 except APIError as e:
                     return respond(e, shape)
                 except RequestValidationError as e:
-                    kind = request.headers.get("content-type")
                     if json_body and not is_json_type(kind):
                         got = kind.split(";")[0].strip() if kind else "none"
                         return respond(  # FastAPI did not read it as JSON: say why

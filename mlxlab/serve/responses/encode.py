@@ -72,9 +72,7 @@ class Draft:
                 {
                     "type": "message",
                     "id": self.ids["message"],
-                    "status": "incomplete"
-                    if done.finish_reason == "length" and not done.tool_calls
-                    else "completed",
+                    "status": status_of(done),
                     "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": []}],
                 }
@@ -90,8 +88,8 @@ class Draft:
                     "status": "completed",
                 }
             )
-        incomplete = done.finish_reason == "length"
-        resp = self.base("incomplete" if incomplete else "completed")
+        incomplete = status_of(done) == "incomplete"
+        resp = self.base(status_of(done))
         resp.update(
             output=output,
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
@@ -105,6 +103,12 @@ class Draft:
         )
         resp["output_text"] = text
         return resp
+
+
+def status_of(done: Done) -> str:
+    """The response's status, and its message item's: "incomplete" when max_output_tokens cut
+    it (finish reason length; complete tool calls finish tool_calls), as on OpenAI."""
+    return "incomplete" if done.finish_reason == "length" else "completed"
 
 
 def call_item_id(call: dict) -> str:
@@ -324,9 +328,8 @@ class ResponseStream(Encoder):
         out = []
         if self.current is None and not ev.tool_calls:  # an empty answer is still a message
             out += self._open("content")
-        if self.current:  # a message cut by max_output_tokens is "incomplete", as on OpenAI
-            cut = ev.finish_reason == "length" and not ev.tool_calls  # not a later call
-            out += self._close("incomplete" if cut else "completed")
+        if self.current:
+            out += self._close(status_of(ev))
         for c in ev.tool_calls:
             self.index += 1
             item = {
