@@ -377,6 +377,15 @@ class ChunkDataConfig:
     message's first 8 uuid characters and the topic it asks about, before `"chunks"`: the model
     names each question's topic where it reads it, and a chunk starts where the name changes
     (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the prompt is unchanged."""
+    turn_quotes: bool = False
+    """Answers (all splits' records) open with `"turns"` as one entry per shown message, in
+    order: a user message's `[uuid prefix, quote, k]` (its first words, at most 80 characters),
+    any other's `[uuid prefix, k]`, k the number of the chunk that holds it (from 1), before
+    `"chunks"`. Each decision is then local: the model copies a question's opening words into its
+    answer and says at once whether it starts chunk k + 1, and a chunk's first and last message
+    are the first and last entries with its number, a few lines up in the answer, not a message
+    to find in the prompt (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the
+    prompt is unchanged."""
     starts: bool = False
     """Answers (all splits' records) open with `"starts": [uuid prefix, ...]`, the first 8 uuid
     characters of each chunk's first message, before `"chunks"`: the model says where each topic
@@ -390,8 +399,10 @@ class ChunkDataConfig:
     never says that another topic starts (experiments/chunk_seg4/starts.md), so it stays off."""
 
     def __post_init__(self):
-        if self.starts and self.turn_topics:
-            raise UserError("starts and turn_topics are two openings of the answer: pick one")
+        if self.starts + self.turn_topics + self.turn_quotes > 1:
+            raise UserError(
+                "starts, turn_topics and turn_quotes are openings of the answer: pick one"
+            )
         if not 0 < self.boundary_weight <= MAX_LOSS_WEIGHT:
             raise UserError(
                 f"boundary_weight must be in (0, {MAX_LOSS_WEIGHT:g}], got {self.boundary_weight}"

@@ -827,7 +827,13 @@ def test_turn_topics_answer_and_grammar(gemma_tokenizer, tmp_path):
     with pytest.raises(UserError, match="in no gold chunk"):
         data.turns(msgs, gold[:1])
     # loss weights still find the chunks' decision characters behind the turns
-    rec = data.chat({"messages": msgs, "chunks": gold, "uuid": "c"}, None, None, 5.0, True)
+    rec = data.chat(
+        {"messages": msgs, "chunks": gold, "uuid": "c"},
+        None,
+        None,
+        5.0,
+        ChunkDataConfig(turn_topics=True),
+    )
     text = rec["messages"][1]["content"]
     assert text.startswith('{"turns"')
     spans = [text[a:b] for a, b, _ in rec["loss_weights"]]
@@ -875,7 +881,9 @@ def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
         ):
             bad = json.dumps({"starts": wrong, "chunks": json.loads(data.answer(GOLD))["chunks"]})
             assert not _allows(grammar, gemma_tokenizer, bad), wrong
-    rec = data.chat({"messages": [], "chunks": GOLD, "uuid": "c"}, None, None, 5.0, starts=True)
+    rec = data.chat(
+        {"messages": [], "chunks": GOLD, "uuid": "c"}, None, None, 5.0, ChunkDataConfig(starts=True)
+    )
     text = rec["messages"][1]["content"]
     spans = [text[a:b] for a, b, _ in rec["loss_weights"]]
     assert spans == ["aaaa", ",", "cccc", "]", "aaaa", "bbbb", ",", "cccc", "dddd", "]"]

@@ -51,6 +51,7 @@ KEYS = ("label", "start_message_uuid", "end_message_uuid")
 # uuid prefix (this many characters) and the topic it is on, before the chunks (`answer`); with
 # ChunkDataConfig.starts, with a "starts" list: each chunk's first message's uuid prefix.
 TURN_CHARS = 8
+QUOTE_CHARS = 80  # with ChunkDataConfig.turn_quotes: the most of a user message its entry quotes
 STARTS_OPENING = '{"starts": ['  # how an answer with the starts list begins (`answer`)
 TRUNCATED = "\n[...]"
 
@@ -548,15 +549,14 @@ def chat(
     messages: list[dict] | None = None,
     chunks: list[dict] | None = None,
     boundary_weight: float = 1.0,
-    turn_topics: bool = False,
-    starts: bool = False,
+    layout: ChunkDataConfig | None = None,
 ):
     """A chat-format training example: the prompt (for a window: its messages) and the gold
-    (with `turn_topics`, opened by its `turns`; with `starts`, by its `starts`); with
-    `boundary_weight` != 1, its `loss_weights` (`boundary_spans`)."""
+    in `layout`'s answer layout (`gold_answer`); with `boundary_weight` != 1, its `loss_weights`
+    (`boundary_spans`)."""
     gold = case["chunks"] if chunks is None else chunks
     msgs = case["messages"] if messages is None else messages
-    text = gold_answer(msgs, gold, turn_topics, starts)
+    text = gold_answer(msgs, gold, layout)
     record = {
         "messages": [
             {"role": "user", "content": prompt(case, messages)},
@@ -629,10 +629,7 @@ def training_examples(case: dict, cfg: ChunkDataConfig, weighted: bool = False) 
     """The chat examples of one case (`training_windows`), the windows evaluation reads it in;
     `weighted`: with `cfg.boundary_weight` on the tokens that place its chunks."""
     weight = cfg.boundary_weight if weighted else 1.0
-    return [
-        chat(case, msgs, gold, weight, cfg.turn_topics, cfg.starts)
-        for msgs, gold in training_windows(case, cfg)
-    ]
+    return [chat(case, msgs, gold, weight, cfg) for msgs, gold in training_windows(case, cfg)]
 
 
 def moved_boundary(gold: list[dict], uuids: list[str], rng: random.Random) -> list[dict] | None:
@@ -663,12 +660,25 @@ def asks(m: dict) -> bool:
     return m.get("sender") != "assistant"
 
 
-def turns(messages: list[dict], chunks: list[dict]) -> list[list[str]]:
+def quote(text: str) -> str:
+    """The opening of a message as a `turn_quotes` answer quotes it: its text with whitespace
+    runs as one space, cut at a word end to at most `QUOTE_CHARS` characters."""
+    flat = " ".join(text.split())
+    if len(flat) <= QUOTE_CHARS:
+        return flat
+    cut = flat[: QUOTE_CHARS + 1].rsplit(" ", 1)[0]
+    return cut if cut and len(cut) <= QUOTE_CHARS else flat[:QUOTE_CHARS]
+
+
+def turns(messages: list[dict], chunks: list[dict], quotes: bool = False) -> list[list]:
     """[[uuid prefix, topic], ...]: each shown user message of `messages` in order, its uuid's
     first `TURN_CHARS` characters and the topic of the gold chunk that holds it (the chunk's
     `topic`, what a user calls it: "numpy.argsort", "json"; else its label). The answer writes
     these before its chunks, so the model names each question's topic where it reads it, and a
-    chunk starts where the name changes."""
+    chunk starts where the name changes. With `quotes` (ChunkDataConfig.turn_quotes) an entry
+    per shown message instead, of every sender: a user message's `[uuid prefix, quote, k]`
+    (`quote`: its opening words), any other's `[uuid prefix, k]`, k the number (from 1) of the
+    gold chunk that holds it."""
     msgs = shown(messages)
     index = {m["uuid"]: i for i, m in enumerate(msgs)}
     spans = [
@@ -677,17 +687,22 @@ def turns(messages: list[dict], chunks: list[dict]) -> list[list[str]]:
     ]
     out = []
     for i, m in enumerate(msgs):
-        if asks(m):
-            topic = next((t for s, e, t in spans if s <= i <= e), None)
-            if topic is None:
-                raise UserError(f"message {m['uuid']} is in no gold chunk: turns need a cover")
-            out.append([m["uuid"][:TURN_CHARS], topic])
+        if not (quotes or asks(m)):
+            continue
+        k = next((k for k, (s, e, _) in enumerate(spans) if s <= i <= e), None)
+        if k is None:
+            raise UserError(f"message {m['uuid']} is in no gold chunk: turns need a cover")
+        prefix = m["uuid"][:TURN_CHARS]
+        if not quotes:
+            out.append([prefix, spans[k][2]])
+        else:
+            out.append([prefix, quote(m["text"]), k + 1] if asks(m) else [prefix, k + 1])
     return out
 
 
-def answer(chunks: list[dict], turns: list[list[str]] | None = None, starts: bool = False) -> str:
+def answer(chunks: list[dict], turns: list[list] | None = None, starts: bool = False) -> str:
     """The answer's JSON text, keys in `KEYS` order (what training teaches the model to write);
-    with `turns`, opened by `{"turns": [[uuid prefix, topic], ...]` (`turns`); with `starts`, by
+    with `turns`, opened by `{"turns": [...]` (`turns`); with `starts`, by
     `{"starts": [uuid prefix, ...]` (each chunk's first message, `TURN_CHARS` characters). Both
     scorers read only "chunks"."""
     body = {"chunks": [{k: c[k] for k in KEYS} for c in chunks]}
@@ -697,11 +712,15 @@ def answer(chunks: list[dict], turns: list[list[str]] | None = None, starts: boo
 
 
 def gold_answer(
-    messages: list[dict], chunks: list[dict], turn_topics: bool = False, starts: bool = False
+    messages: list[dict], chunks: list[dict], layout: ChunkDataConfig | None = None
 ) -> str:
-    """The answer to `chunks` over `messages` as the data writes it: opened by their `turns`
-    with `turn_topics`, by their `starts` with `starts`, else the chunks alone."""
-    return answer(chunks, turns(messages, chunks) if turn_topics else None, starts)
+    """The answer to `chunks` over `messages` as data built with `layout` writes it (None: the
+    chunks alone): opened by their `turns` with `turn_topics` or `turn_quotes`, by their `starts`
+    with `starts`."""
+    topics = bool(layout and layout.turn_topics)
+    quotes = bool(layout and layout.turn_quotes)
+    opened = turns(messages, chunks, quotes) if topics or quotes else None
+    return answer(chunks, opened, bool(layout and layout.starts))
 
 
 BINS = {

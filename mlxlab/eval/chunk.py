@@ -1039,17 +1039,17 @@ def window_messages(max_tokens: int) -> int:
     return min(TURNS_WINDOW_MESSAGES, max(8, max_tokens // ANSWER_TOKENS_PER_MESSAGE))
 
 
-# the answer-opening eval settings and the ChunkDataConfig option each follows
-OPENINGS = {"turns": "turn_topics", "starts": "starts"}
+# the answer-opening eval settings and the ChunkDataConfig options each follows
+OPENINGS = {"turns": ("turn_topics", "turn_quotes"), "starts": ("starts",)}
 
 
 def openings(settings, data) -> dict[str, bool]:
     """The answer-opening settings (`OPENINGS`) that `settings` leaves None, each as the chunk
-    dataset directory `data` was built (`built_with`; false when `data` is None): what a run's
-    evaluation and `eval chunk` with a run's adapter fill in."""
+    dataset directory `data` was built (`built_with` one of its options; false when `data` is
+    None): what a run's evaluation and `eval chunk` with a run's adapter fill in."""
     return {
-        key: data is not None and built_with(data, option)
-        for key, option in OPENINGS.items()
+        key: data is not None and any(built_with(data, option) for option in options)
+        for key, options in OPENINGS.items()
         if getattr(settings, key, None) is None
     }
 

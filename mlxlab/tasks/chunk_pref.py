@@ -180,7 +180,7 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
         uuids = [m["uuid"] for m in msgs]
         user = [{"role": "user", "content": data.prompt(case, msgs)}]
         # as the SFT data writes it
-        chosen = data.gold_answer(msgs, gold, dcfg.turn_topics, dcfg.starts)
+        chosen = data.gold_answer(msgs, gold, dcfg)
         if is_right(text, uuids, gold, data.conversation_uuid(case)):
             right += 1
         elif text.strip():
@@ -194,7 +194,7 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
                 {
                     "messages": user,
                     "chosen": chosen,
-                    "rejected": data.gold_answer(msgs, moved, dcfg.turn_topics, dcfg.starts),
+                    "rejected": data.gold_answer(msgs, moved, dcfg),
                     "kind": "moved",
                 }
             )
