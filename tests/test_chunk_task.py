@@ -342,7 +342,7 @@ def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
     senders = {m["uuid"]: m["sender"] for m in case["messages"]}
     assert all(w.users == [u for u in w.uuids if senders[u] == "user"] for w in windows)
     # the answer's room caps the messages a window holds (a short conversation too)
-    assert ev.window_messages(512) == 25 and ev.window_messages(1) == 8
+    assert ev.window_messages(512) == 17 and ev.window_messages(1) == 8
     assert ev.window_messages(10**6) == ev.TURNS_WINDOW_MESSAGES
     capped = ev.plan_windows([case], tokenizer, budget, overlap=2, max_messages=8)
     assert len(capped) > len(windows) and all(len(w.uuids) <= 8 for w in capped)
@@ -919,6 +919,63 @@ def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
     assert [kind for _, _, kind in data.boundary_places(data.answer(GOLD), GOLD)] == [
         kind for _, kind in places[4:]
     ]
+
+
+def test_turn_quotes_answer_and_grammar(gemma_tokenizer, tmp_path):
+    """turn_quotes: the answer opens with an entry per message in order, a user message's uuid
+    prefix, opening words and chunk number, any other's prefix and number; the turns grammar
+    allows that layout too (every message once, in order, a quote only for a user message), the
+    data writes it on every split when asked and an evaluation of such data reads turns."""
+    from mlxlab import grammar as G
+    from mlxlab.config import EvalSettings
+
+    texts = ["Is assert   stripped under -O?", "Yes.", "x " * 60, "Sure."]
+    msgs = [
+        {"uuid": u, "sender": s, "text": t}
+        for u, s, t in zip(U, ["user", "assistant"] * 2, texts, strict=True)
+    ]
+    turns = data.turns(msgs, GOLD, quotes=True)
+    long_quote = ("x " * 40).strip()  # cut at a word end, within QUOTE_CHARS
+    assert turns == [
+        ["aaaaaaaa", "Is assert stripped under -O?", 1],
+        ["bbbbbbbb", 1],
+        ["cccccccc", long_quote, 2],
+        ["dddddddd", 2],
+    ]
+    assert len(long_quote) <= data.QUOTE_CHARS and data.quote("a" * 200) == "a" * data.QUOTE_CHARS
+    text = data.gold_answer(msgs, GOLD, ChunkDataConfig(turn_quotes=True))
+    assert json.loads(text) == {"turns": turns, "chunks": json.loads(data.answer(GOLD))["chunks"]}
+    assert ev.score_case(text, U, GOLD).boundary_f1 == 1 and ev.score_ref(text, U).ref == 100
+    grammar = G.lark(ev.answer_grammar(U, True, [U[0], U[2]]), "answer with quotes")
+    assert _allows(grammar, gemma_tokenizer, text)
+    assert _allows(grammar, gemma_tokenizer, data.answer(GOLD, data.turns(msgs, GOLD)))
+    for wrong in (
+        turns[:3],  # a message left out
+        [turns[1], turns[0], *turns[2:]],  # out of order
+        [turns[0], ["bbbbbbbb", "Yes.", 1], *turns[2:]],  # a quote for the assistant
+        [["aaaaaaaa", 1], *turns[1:]],  # none for a user
+        [["aaaaaaaa", "q", 0], *turns[1:]],  # chunks count from 1
+        [["aaaaaaaa", "q" * (data.QUOTE_CHARS + 1), 1], *turns[1:]],
+    ):
+        assert not _allows(grammar, gemma_tokenizer, data.answer(GOLD, wrong)), wrong
+    with pytest.raises(UserError, match="pick one"):
+        ChunkDataConfig(turn_quotes=True, turn_topics=True)
+    cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, turn_quotes=True)
+    for cases in data.build(cfg).values():
+        ex = data.training_examples(cases[0], cfg)[0]
+        answer = json.loads(ex["messages"][1]["content"])
+        prompt = ex["messages"][0]["content"]
+        assert [t[0] for t in answer["turns"]] == [
+            m["uuid"][:8] for m in cases[0]["messages"] if m["uuid"][:8] in prompt
+        ]
+        for k, chunk in enumerate(answer["chunks"], 1):
+            mine = [t[0] for t in answer["turns"] if t[-1] == k]
+            assert (mine[0], mine[-1]) == (
+                chunk["start_message_uuid"][:8],
+                chunk["end_message_uuid"][:8],
+            )
+    built = data.write_dataset(tmp_path / "d", cfg)
+    assert ev.openings(EvalSettings(), built) == {"turns": True, "starts": False}
 
 
 class _Oracle:

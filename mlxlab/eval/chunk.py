@@ -620,15 +620,16 @@ TOPIC_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})'
 # constrained window's grammar inside llguidance's parser limit of 2000 items per row, which its
 # chain of end rules reaches at about 660 messages)
 WINDOW_MESSAGES = 500
-# A `turns` answer's tokens per message of its window (`window_messages`): a turns entry takes
-# about 14 Gemma 3 tokens a user message, 7 a message; the rest is room for its chunks (about
-# 100 tokens each: a label and two uuids). A heuristic, not a bound: a 512-token answer reads at
-# most 25 messages, which fits up to 3 chunks there; a window of many short topics (the
-# training split has 13 messages in 5 chunks, 620 tokens) can still outgrow it.
-ANSWER_TOKENS_PER_MESSAGE = 20
-# and at most this many (the grammar's turns opening takes 4 items a user message in its start
-# rule, so a window of all-user messages stays inside llguidance's 2000 items a row)
-TURNS_WINDOW_MESSAGES = 400
+# A `turns` answer's tokens per message of its window (`window_messages`): a turn_topics entry
+# takes about 14 Gemma 3 tokens a user message, 7 a message; a turn_quotes entry about 19 a
+# message (chunk_seg4's training answers: median 18.7, at most 41); the rest is room for its
+# chunks (about 100 tokens each: a label and two uuids). A heuristic, not a bound: a 512-token
+# answer reads at most 17 messages; a window of many short topics can still outgrow it.
+ANSWER_TOKENS_PER_MESSAGE = 30
+# and at most this many (the grammar's turns openings take about 10 items a user message in its
+# start rule, 4 for the topics and 6 for the quotes layout, so a window of all-user messages
+# stays inside llguidance's 2000 items a row)
+TURNS_WINDOW_MESSAGES = 180
 
 
 def answer_grammar(
@@ -650,14 +651,17 @@ def answer_grammar(
     where chunks end and what they are called (and, with an opening, what it says), nothing
     else. Without messages the only answer is an empty chunk list. With `users` (the uuids of
     the user messages among `uuids`, in order) the answer may instead open with the `"turns"` list a `turn_topics` adapter writes: each of
-    those messages' uuid prefix in order, with a topic the model names (1-120 characters). With
+    those messages' uuid prefix in order, with a topic the model names (1-120 characters); or
+    with the one a `turn_quotes` adapter writes: every message's uuid prefix in order, with a
+    quote the model writes (at most `QUOTE_CHARS` characters) for a user message, and a chunk
+    number (1-999) for each; the chunks that follow are free as above. With
     `starts` it may instead open with the `"starts"` list a `starts` adapter writes: the uuid
     prefixes of the first message and of any later ones the model picks, in order, each once (the
     chunks that follow are free as above: it is the model that ends each chunk before the next
     start it wrote). With `fixed` (indices into `uuids` where chunks start, 0 first, ascending:
     a topic-shift detector's, mlxlab/eval/shifts.py) the chunks are exactly those, to the last
     message, with no opening: the model writes only their labels."""
-    from mlxlab.data.chunk import KEYS, STARTS_OPENING, TURN_CHARS
+    from mlxlab.data.chunk import KEYS, QUOTE_CHARS, STARTS_OPENING, TURN_CHARS
 
     assert KEYS == ("label", "start_message_uuid", "end_message_uuid"), KEYS
 
@@ -694,12 +698,22 @@ def answer_grammar(
             if i:
                 rules.append(f"p{i}: s{i}" + (f" | p{i + 1}" if i < n - 1 else ""))
     if users is not None:
-        turns = f" {lit(', ')} ".join(
+        turns_open, turns_close = lit('{"turns": ['), lit('], "chunks": [')
+        topics = f" {lit(', ')} ".join(
             f"{lit('[' + json.dumps(u[:TURN_CHARS]) + ', ')} TOPIC {lit(']')}" for u in users
         )
-        turns_open, turns_close = lit('{"turns": ['), lit('], "chunks": [')
-        rules[0] += f" | {turns_open} {turns} {turns_close} c0 {closing}"
+        asking = set(users)
+        quotes = f" {lit(', ')} ".join(
+            f"{lit('[' + json.dumps(u[:TURN_CHARS]) + ', ')}"
+            + (f" QUOTE {lit(', ')}" if u in asking else "")
+            + f" CHUNK {lit(']')}"
+            for u in uuids
+        )
+        rules[0] += f" | {turns_open} {topics} {turns_close} c0 {closing}"
+        rules[0] += f" | {turns_open} {quotes} {turns_close} c0 {closing}"
         rules.append(f'TOPIC: /"{TOPIC_CHAR}{{1,120}}"/')
+        rules.append(f'QUOTE: /"{TOPIC_CHAR}{{0,{QUOTE_CHARS}}}"/')
+        rules.append("CHUNK: /[1-9][0-9]{0,2}/")
     # c{i}: a chunk that starts at message i; e{i}: its end, at message i or a later one (one
     # rule per message, not per pair, so the grammar grows linearly with the window)
     for i in range(n):
