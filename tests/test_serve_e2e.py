@@ -515,8 +515,9 @@ def test_batched_server_with_concurrent_sdk_clients(served, real_model_dir):
 
 
 def test_structured_output_and_forced_tools_with_the_sdks(served):
-    """On the base model: json_schema output that validates (openai SDK's parse() too), a tool call
-    forced where the model answers in text, through the openai, anthropic and Responses SDKs."""
+    """On the base model: json_schema output that validates (the openai and anthropic SDKs'
+    parse() too), a tool call forced where the model answers in text, through the openai,
+    anthropic and Responses SDKs."""
     import anthropic
     import jsonschema
     import pydantic
@@ -596,6 +597,10 @@ def test_structured_output_and_forced_tools_with_the_sdks(served):
     assert (
         msg.stop_reason == "tool_use" and uses[0].name == "get_weather" and "city" in uses[0].input
     )
+    film = claude.messages.parse(
+        model="x", max_tokens=64, messages=question, output_format=Film, temperature=0
+    )  # sent as output_config.format
+    assert film.stop_reason == "end_turn" and isinstance(film.parsed_output, Film)
     resp = client.responses.create(
         model="x",
         input="Hello! How are you today?",

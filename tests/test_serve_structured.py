@@ -207,6 +207,39 @@ def test_anthropic_tool_choice_any_and_tool(client):
     assert any(b["type"] == "tool_use" for b in starts)
 
 
+def test_anthropic_output_config_format_holds_the_answer_to_the_schema(client):
+    """`output_config.format` (what the anthropic SDK's messages.parse sends) and the beta's
+    `output_format`: the text block parses and validates, streamed the same; a bad schema, or
+    both at once, a 400 in the Anthropic shape naming the field."""
+    body = {"model": "x", "messages": ASK, "max_tokens": 160, "temperature": 0}
+    fmt = {"type": "json_schema", "schema": SCHEMA}
+    answers = []
+    for extra in ({"output_config": {"format": fmt, "effort": "low"}}, {"output_format": fmt}):
+        r = client.post("/v1/messages", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        (block,) = r.json()["content"]
+        assert block["type"] == "text" and r.json()["stop_reason"] == "end_turn"
+        jsonschema.validate(json.loads(block["text"]), SCHEMA)
+        answers.append(block["text"])
+    assert answers[0] == answers[1]
+    s = client.post("/v1/messages", json={**body, "output_config": {"format": fmt}, "stream": True})
+    deltas = [d["delta"] for e, d in named_events(s.text) if e == "content_block_delta"]
+    assert "".join(d["text"] for d in deltas) == answers[0]
+    free = client.post("/v1/messages", json=body).json()["content"][0]["text"]
+    assert free != answers[0]  # the random model's own text is not this JSON
+    bad = {"type": "json_schema", "schema": {"type": "banana"}}
+    for extra, fragment in (
+        ({"output_config": {"format": bad}}, "output_config.format.schema"),
+        ({"output_format": bad}, "output_format.schema"),
+        ({"output_config": {"format": fmt}, "output_format": fmt}, "once"),
+        ({"output_config": {"format": {"type": "yaml", "schema": {}}}}, "json_schema"),
+    ):
+        r = client.post("/v1/messages", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["type"] == "error", (extra, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert fragment in r.json()["error"]["message"], (fragment, r.text)
+
+
 def test_responses_text_format_and_tool_choice(client):
     r = client.post(
         "/v1/responses",

@@ -75,6 +75,21 @@ class ToolChoice(_Base):
     disable_parallel_tool_use: bool = False
 
 
+class OutputFormat(_Base):
+    """A structured answer: `{"type": "json_schema", "schema": {...}}`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Base):
+    """`output_config`: `format` holds the answer to a JSON schema; `effort` (how hard a hosted
+    model thinks) has nothing to steer here and is accepted as such."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class MessagesRequest(_Base):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
@@ -90,6 +105,8 @@ class MessagesRequest(_Base):
     metadata: dict[str, Any] | None = None
     adapter: str | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's name for it
 
 
 class CountRequest(_Base):
@@ -203,16 +220,28 @@ def template_kwargs(body) -> dict | None:
     return None
 
 
-def shape_of(choice: ToolChoice | None) -> Shape:
-    """tool_choice any / tool force a call (one unless parallel use is allowed)."""
+def shape_of(choice: ToolChoice | None, body=None) -> Shape:
+    """tool_choice any / tool force a call (one unless parallel use is allowed);
+    `output_config.format` (or the beta's `output_format`) of a MessagesRequest `body` holds the
+    answer to its JSON schema."""
+    shape = Shape(parallel=not (choice and choice.disable_parallel_tool_use))
+    config = getattr(body, "output_config", None)
+    if config is not None and config.format is not None:
+        if getattr(body, "output_format", None) is not None:
+            raise APIError(
+                400,
+                "output_format: give the schema once, in output_config.format",
+                param="output_format",
+            )
+        shape.schema, shape.schema_field = config.format.schema_, "output_config.format.schema"
+    elif getattr(body, "output_format", None) is not None:
+        shape.schema, shape.schema_field = body.output_format.schema_, "output_format.schema"
     if choice is None or choice.type in ("auto", "none"):
-        return Shape(parallel=not (choice and choice.disable_parallel_tool_use))
+        return shape
     if choice.type == "tool" and not choice.name:
         raise APIError(400, "tool_choice: type tool needs a name", param="tool_choice")
-    return Shape(
-        tool_choice=named(choice.name) if choice.type == "tool" else "required",
-        parallel=not choice.disable_parallel_tool_use,
-    )
+    shape.tool_choice = named(choice.name) if choice.type == "tool" else "required"
+    return shape
 
 
 def to_ask(body: MessagesRequest) -> Ask:
@@ -227,5 +256,5 @@ def to_ask(body: MessagesRequest) -> Ask:
         stops=list(body.stop_sequences or []),
         sampling=SamplingAsk.of(body),
         adapter=adapter_spec(body.adapter),
-        shape=shape_of(body.tool_choice),
+        shape=shape_of(body.tool_choice, body),
     )
