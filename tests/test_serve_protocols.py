@@ -260,6 +260,36 @@ def test_messages_errors_use_the_anthropic_shape(client, body, fragment):
     assert fragment in err["error"]["message"]
 
 
+def test_responses_logprobs_as_chat_completions_gives_them(client):
+    """include message.output_text.logprobs (or top_logprobs) fills the output_text part's
+    logprobs, one entry per answer token in chat completions' layout; streamed, the deltas carry
+    them and output_text.done has them all; unasked, the list is empty."""
+    ask = {"input": CONVO[0]["content"], "max_output_tokens": 8, "temperature": 0}
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"messages": CONVO, "max_tokens": 8, "logprobs": True, "top_logprobs": 2},
+    ).json()
+    layout = chat["choices"][0]["logprobs"]["content"][0]
+    asked = {**ask, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    resp = client.post("/v1/responses", json=asked).json()
+    part = resp["output"][0]["content"][0]
+    want = part["logprobs"]
+    assert len(want) == resp["usage"]["output_tokens"] == 8
+    assert all(e.keys() == layout.keys() and len(e["top_logprobs"]) == 2 for e in want)
+    assert all(e["top_logprobs"][0]["logprob"] == e["logprob"] for e in want)  # greedy
+    alone = client.post("/v1/responses", json={**ask, "top_logprobs": 2}).json()
+    assert alone["output"][0]["content"][0]["logprobs"] == want
+    plain = client.post("/v1/responses", json=ask).json()["output"][0]["content"][0]
+    assert plain["logprobs"] == [] and plain["text"] == part["text"]
+    ev = named_events(client.post("/v1/responses", json={**asked, "stream": True}).text)
+    streamed = [e for name, d in ev if name == "response.output_text.delta" for e in d["logprobs"]]
+    (done,) = [d for name, d in ev if name == "response.output_text.done"]
+    assert streamed == done["logprobs"] == want
+    assert ev[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == want
+    r = client.post("/v1/responses", json={**ask, "top_logprobs": 21})
+    assert r.status_code == 400 and "top_logprobs" in r.text
+
+
 def test_responses_chain_get_delete_and_stream(client):
     first = client.post(
         "/v1/responses",

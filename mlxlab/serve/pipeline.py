@@ -586,11 +586,14 @@ class Collector(Encoder):
     def __init__(self):
         self.parts: dict[str, list[str]] = {"content": [], "reasoning": []}
         self.logprobs: list[dict] = []
+        self.content_logprobs: list[dict] = []  # the answer's own, without the reasoning's
         self.finished: Done | None = None
 
     def delta(self, ev: Delta) -> list[str]:
         self.parts["reasoning" if ev.kind == "reasoning" else "content"].append(ev.text)
         self.logprobs.extend(ev.logprobs or [])
+        if ev.kind != "reasoning":
+            self.content_logprobs.extend(ev.logprobs or [])
         return []
 
     def done(self, ev: Done) -> list[str]:

@@ -56,7 +56,7 @@ class Draft:
             "usage": None,
         }
 
-    def final(self, done: Done, reasoning: str, text: str) -> dict:
+    def final(self, done: Done, reasoning: str, text: str, logprobs: list[dict] = ()) -> dict:
         output = []
         if reasoning:
             output.append(
@@ -74,7 +74,7 @@ class Draft:
                     "id": self.ids["message"],
                     "status": status_of(done),
                     "role": "assistant",
-                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                    "content": [output_text(text, logprobs)],
                 }
             )
         for c in done.tool_calls:
@@ -105,6 +105,12 @@ class Draft:
         return resp
 
 
+def output_text(text: str, logprobs=()) -> dict:
+    """A message's output_text part: its text, no annotations, and its tokens' logprobs (empty
+    unless the request asked: `include` message.output_text.logprobs or top_logprobs)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
+
+
 def status_of(done: Done) -> str:
     """The response's status, and its message item's: "incomplete" when max_output_tokens cut
     it (finish reason length; complete tool calls finish tool_calls), as on OpenAI."""
@@ -129,17 +135,19 @@ def input_items(rid: str, messages: list[dict]) -> list[dict]:
     def parts(m: dict) -> list[dict]:
         kind = "output_text" if m["role"] == "assistant" else "input_text"
         content = m.get("content")
-        # an output_text part carries its (empty) annotations, as in a response's own output
-        extra = {"annotations": []} if kind == "output_text" else {}
+        # an output_text part is shaped as in a response's own output (`output_text`)
+
+        def part(text: str) -> dict:
+            return output_text(text) if kind == "output_text" else {"type": kind, "text": text}
+
         if isinstance(content, str):
-            keep = content or kind == "input_text"
-            return [{"type": kind, "text": content, **extra}] if keep else []
+            return [part(content)] if content or kind == "input_text" else []
         out = []
         for p in content or []:
             if isinstance(p, dict) and p.get("type") == "image":
                 out.append({"type": "input_image", "detail": "auto", "image_url": p.get("url")})
             elif isinstance(p, dict) and isinstance(p.get("text"), str):
-                out.append({"type": kind, "text": p["text"], **extra})
+                out.append(part(p["text"]))
         return out
 
     items = []
@@ -193,6 +201,8 @@ class ResponseStream(Encoder):
             None,
         )  # event counter, output index, open item kind
         self.texts = {"reasoning": "", "content": ""}
+        self.logprobs: list[dict] = []  # the answer's, when asked
+        self.pending: list[dict] = []  # those of tokens no delta has shown yet
 
     def _ev(self, kind: str, **data) -> str:
         self.seq += 1
@@ -227,7 +237,7 @@ class ResponseStream(Encoder):
                     item_id=ids["message"],
                     output_index=self.index,
                     content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": []},
+                    part=output_text(""),
                 ),
             ]
         return [
@@ -242,7 +252,7 @@ class ResponseStream(Encoder):
         ids, i = self.draft.ids, self.index
         if self.current == "content":
             t = self.texts["content"]
-            part = {"type": "output_text", "text": t, "annotations": []}
+            part = output_text(t, self.logprobs)
             return [
                 self._ev(
                     "response.output_text.done",
@@ -250,7 +260,7 @@ class ResponseStream(Encoder):
                     output_index=i,
                     content_index=0,
                     text=t,
-                    logprobs=[],
+                    logprobs=self.logprobs,
                 ),
                 self._ev(
                     "response.content_part.done",
@@ -293,7 +303,9 @@ class ResponseStream(Encoder):
         ]
 
     def delta(self, ev: Delta) -> list[str]:
-        if not ev.text:
+        if not ev.text:  # a token that completes no character yet: its logprob goes with the next
+            if ev.kind != "reasoning":
+                self.pending += ev.logprobs or []
             return []
         out = []
         if ev.kind != self.current:
@@ -302,16 +314,7 @@ class ResponseStream(Encoder):
             out += self._open(ev.kind)
         self.texts[self.current] += ev.text
         if self.current == "content":
-            out.append(
-                self._ev(
-                    "response.output_text.delta",
-                    item_id=self.draft.ids["message"],
-                    output_index=self.index,
-                    content_index=0,
-                    delta=ev.text,
-                    logprobs=[],
-                )
-            )
+            out.append(self._text_delta(ev.text, ev.logprobs or []))
         else:
             out.append(
                 self._ev(
@@ -324,10 +327,25 @@ class ResponseStream(Encoder):
             )
         return out
 
+    def _text_delta(self, text: str, logprobs: list[dict]) -> str:
+        """An output_text.delta with its tokens' logprobs (and any held back before it)."""
+        logprobs, self.pending = self.pending + logprobs, []
+        self.logprobs += logprobs
+        return self._ev(
+            "response.output_text.delta",
+            item_id=self.draft.ids["message"],
+            output_index=self.index,
+            content_index=0,
+            delta=text,
+            logprobs=logprobs,
+        )
+
     def done(self, ev: Done) -> list[str]:
         out = []
         if self.current is None and not ev.tool_calls:  # an empty answer is still a message
             out += self._open("content")
+        if self.current == "content" and self.pending:  # the answer ended inside a character
+            out.append(self._text_delta("", []))
         if self.current:
             out += self._close(status_of(ev))
         for c in ev.tool_calls:
@@ -361,7 +379,7 @@ class ResponseStream(Encoder):
                     item={**item, "arguments": c["arguments"], "status": "completed"},
                 ),
             ]
-        final = self.draft.final(ev, self.texts["reasoning"], self.texts["content"])
+        final = self.draft.final(ev, self.texts["reasoning"], self.texts["content"], self.logprobs)
         self.on_final(final, ev, self.texts["content"])
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         out.append(self._ev(kind, response=final))

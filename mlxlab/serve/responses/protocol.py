@@ -61,6 +61,17 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     adapter: str | None = None
     reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output_text parts carry their tokens' logprobs: `include` asks for
+        message.output_text.logprobs, or top_logprobs asks for alternatives."""
+        return LOGPROBS_INCLUDE in (self.include or []) or bool(self.top_logprobs)
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def _item_text(content, where: str) -> str:
@@ -253,6 +264,8 @@ def to_ask(
         tools=function_tools(body),
         tool_schemas=tool_schemas(body),
         max_tokens=body.max_output_tokens,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
         sampling=SamplingAsk.of(body),
         adapter=adapter_spec(body.adapter),
         shape=shape_of(body),
