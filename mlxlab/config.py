@@ -361,7 +361,7 @@ class ChunkDataConfig:
     longest training prompt). Characters per token vary with the text (code and uuids take more
     tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
     2,000 Gemma 3 tokens with the answer (2,117 with `turn_topics`, which then needs
-    max_seq_length 2176; 2,280 with train_brief_rate 0.5, which needs 2304; 2,035 with
+    max_seq_length 2176; 2,235 with `turn_quotes`, 2304; 2,280 with train_brief_rate 0.5, which needs 2304; 2,035 with
     `starts`), and it sets on_too_long=error, so a setting that overflows stops at load time
     instead of cutting an answer."""
     window_overlap: int = 2
@@ -385,14 +385,18 @@ class ChunkDataConfig:
     answer and says at once whether it starts chunk k + 1, and a chunk's first and last message
     are the first and last entries with its number, a few lines up in the answer, not a message
     to find in the prompt (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the
-    prompt is unchanged."""
+    prompt is unchanged. The answers are longer (chunk_seg4's windows: median 271 tokens against
+    188, the longest 789; the test split's longest 494), so it needs data.max_seq_length 2304 and
+    room in eval.max_tokens; `boundary_weight` does not weight its chunk numbers and is refused
+    beside it."""
     starts: bool = False
     """Answers (all splits' records) open with `"starts": [uuid prefix, ...]`, the first 8 uuid
     characters of each chunk's first message, before `"chunks"`: the model says where each topic
     starts (a user message it can point at where it reads the change) before it writes any chunk,
     so a chunk's end is the message before the next start it has already written, not a message
     it must pick before reading on (mlxlab/data/chunk.py `answer`). Both scorers read only
-    "chunks"; the answer grammar allows this opening with eval.starts; not with `turn_topics`.
+    "chunks"; the answer grammar allows this opening with eval.starts; not with `turn_topics` or
+    `turn_quotes`.
     chunk_seg4 with it wrote one chunk on every test conversation (boundary F1 0.5, what always
     one chunk scores there; 0.333 without it): teacher-forced, the model picks the shifting
     message more often (0.48 against 0.23 for the end before it, in a pair of short runs) but
@@ -402,6 +406,11 @@ class ChunkDataConfig:
         if self.starts + self.turn_topics + self.turn_quotes > 1:
             raise UserError(
                 "starts, turn_topics and turn_quotes are openings of the answer: pick one"
+            )
+        if self.turn_quotes and self.boundary_weight != 1:
+            raise UserError(
+                "boundary_weight weights the chunks' uuids, not turn_quotes' chunk numbers: "
+                "leave it at 1 with turn_quotes"
             )
         if not 0 < self.boundary_weight <= MAX_LOSS_WEIGHT:
             raise UserError(
@@ -478,9 +487,10 @@ class EvalSettings:
     """Messages each window shares with the one before."""
     turns: bool | None = None
     """The answers open with a `turns` list (an adapter trained with the chunk data's
-    `turn_topics`): a window then also holds at most max_tokens // 20 messages (8..400), room for
-    a turns entry per user message and the chunks, and the answer grammar allows that opening.
-    None: as the dataset the model is judged against was built (its build.json `turn_topics`):
+    `turn_topics` or `turn_quotes`): a window then also holds at most max_tokens // 30 messages
+    (8..180), room for a turns entry per message and the chunks, and the answer grammar allows
+    either opening. None: as the dataset the model is judged against was built (its build.json
+    `turn_topics` or `turn_quotes`):
     in a chunk-task run the run's own data, for the base and the tuned model alike (same windows);
     in `eval chunk`, the adapter's run's data, and false without an adapter from a run."""
     starts: bool | None = None

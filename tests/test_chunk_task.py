@@ -958,8 +958,18 @@ def test_turn_quotes_answer_and_grammar(gemma_tokenizer, tmp_path):
         [["aaaaaaaa", "q" * (data.QUOTE_CHARS + 1), 1], *turns[1:]],
     ):
         assert not _allows(grammar, gemma_tokenizer, data.answer(GOLD, wrong)), wrong
+    # quotes as json.dumps writes them: escapes count one character, one past U+FFFF two (a
+    # surrogate pair), so a cut quote always fits the grammar's QUOTE
+    odd = 'say "hi" back\\slash caf\u00e9 ' + "\U0001f600" * 40
+    cut = data.quote(odd)
+    assert odd.startswith(cut) and len(cut.encode("utf-16-le")) // 2 <= data.QUOTE_CHARS
+    for text in (cut, data.quote("\U0001f600" * 41 + " x")):
+        entry = [["aaaaaaaa", text, 1], *turns[1:]]
+        assert _allows(grammar, gemma_tokenizer, data.answer(GOLD, entry)), text
     with pytest.raises(UserError, match="pick one"):
         ChunkDataConfig(turn_quotes=True, turn_topics=True)
+    with pytest.raises(UserError, match="boundary_weight"):
+        ChunkDataConfig(turn_quotes=True, boundary_weight=5.0)
     cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, turn_quotes=True)
     for cases in data.build(cfg).values():
         ex = data.training_examples(cases[0], cfg)[0]

@@ -257,6 +257,36 @@ def test_responses_stream_sequence_and_items():
     assert finals == [(final, "Hi")] and final["instructions"] == "Be brief."
 
 
+def test_responses_logprobs_are_the_answer_texts_own():
+    """Responses' output_text logprobs: the content deltas' only (a reasoning or tool-markup
+    token's, sent in a Delta of no text, stays out), a token that shows no character yet carried
+    by the next delta, one still held at the end flushed in a last empty delta; streamed and
+    collected agree."""
+    lp = [dict(LP[0], token=t) for t in "abcdef"]
+    one = [[e] for e in lp]
+    events = [
+        Delta("reasoning", "hm", one[0]),
+        Delta("reasoning", "", one[1]),  # the </think> marker
+        Delta("content", "", one[2]),  # half a character
+        Delta("content", "Hi", one[3]),
+        Delta("tool", "", one[4]),  # call markup
+        Delta("content", "", one[5]),  # the answer ends inside a character
+        done("tool_calls", [CALL]),
+    ]
+    out = named(pipeline.encode(ResponseStream(draft(), lambda *a: None), events))
+    deltas = [d["logprobs"] for n, d in out if n == "response.output_text.delta"]
+    assert deltas == [[lp[2], lp[3]], [lp[5]]]
+    (text_done,) = [d for n, d in out if n == "response.output_text.done"]
+    assert text_done["logprobs"] == [lp[2], lp[3], lp[5]] and text_done["text"] == "Hi"
+    final = out[-1][1]["response"]
+    assert final["output"][1]["content"][0]["logprobs"] == text_done["logprobs"]
+    got = pipeline.Collector()
+    pipeline.encode(got, events)
+    assert got.content_logprobs == text_done["logprobs"] and got.logprobs == lp
+    body = draft().final(got.finished, got.reasoning, got.content, got.content_logprobs)
+    assert body["output"][1]["content"][0] == final["output"][1]["content"][0]
+
+
 def test_responses_empty_answer_is_a_message():
     out = named(pipeline.encode(ResponseStream(draft(), lambda *a: None), [done("stop")]))
     assert [n for n, _ in out][2:] == [

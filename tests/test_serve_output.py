@@ -163,6 +163,48 @@ def test_a_call_cut_by_max_tokens_after_complete_calls_is_dropped():
     assert p.calls == [] and text(events) == cut
 
 
+def test_a_token_that_shows_no_text_sends_its_logprobs_as_the_part_it_belongs_to(tiny_dir):
+    """A row's Delta of no text (a think marker, call markup, text held back) carries its
+    token's logprobs under the part of the answer the token belongs to: reasoning, tool or
+    content; every token's logprobs are sent once, and the content ones are the answer text's."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from mlxlab.serve.engine.jobs import Job
+    from mlxlab.serve.engine.rows import RowOutput
+
+    _, tokenizer = load(str(tiny_dir("gemma3")))
+    m = SimpleNamespace(
+        tool=syntax("json_tools"),
+        think=("<think>", "</think>"),
+        tokenizer=tokenizer,
+        hidden=set(),
+        eos=set(),
+    )
+    events = []
+    job = Job(
+        prompt=[1], max_tokens=99, sink=events.append, tools=TOOLS, logprobs=True, reasoning=True
+    )
+    row = RowOutput(m, job)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tokenizer.encode("Let me see.</think>Sure. " + call, add_special_tokens=False)
+    flat = mx.zeros((len(tokenizer.vocab),))
+    for t in ids:
+        row.feed(t, flat)
+    row.close("stop")
+    events = [e for e in events if hasattr(e, "kind")]  # the Deltas
+    texts = {k: "".join(e.text for e in events if e.kind == k) for k in ("reasoning", "content")}
+    assert texts == {"reasoning": "Let me see.", "content": "Sure. "}
+    sent = [e for e in events if e.logprobs]
+    assert sum(len(e.logprobs) for e in sent) == len(ids)  # each token's once
+    silent = {e.kind for e in sent if not e.text}
+    assert {"reasoning", "tool"} <= silent <= {"reasoning", "tool", "content"}
+    answer = "".join(lp["token"] for e in sent if e.kind == "content" for lp in e.logprobs)
+    assert answer.startswith("Sure.") and "<tool_call>" not in answer and "think" not in answer
+
+
 def test_an_answer_cut_inside_a_later_call_finishes_tool_calls(tiny_dir):
     """The finish reason a row reports: complete calls make it `tool_calls`, also when a later
     call was cut by max_tokens (dropped: the complete calls are the whole answer) or by an end of

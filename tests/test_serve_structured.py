@@ -210,7 +210,7 @@ def test_anthropic_tool_choice_any_and_tool(client):
 def test_anthropic_output_config_format_holds_the_answer_to_the_schema(client):
     """`output_config.format` (what the anthropic SDK's messages.parse sends) and the beta's
     `output_format`: the text block parses and validates, streamed the same; a bad schema, or
-    both at once, a 400 in the Anthropic shape naming the field."""
+    both at once, a 400 in the Anthropic shape naming the field, from count_tokens too."""
     body = {"model": "x", "messages": ASK, "max_tokens": 160, "temperature": 0}
     fmt = {"type": "json_schema", "schema": SCHEMA}
     answers = []
@@ -228,16 +228,20 @@ def test_anthropic_output_config_format_holds_the_answer_to_the_schema(client):
     free = client.post("/v1/messages", json=body).json()["content"][0]["text"]
     assert free != answers[0]  # the random model's own text is not this JSON
     bad = {"type": "json_schema", "schema": {"type": "banana"}}
+    counted = {"model": "x", "messages": ASK}
     for extra, fragment in (
         ({"output_config": {"format": bad}}, "output_config.format.schema"),
         ({"output_format": bad}, "output_format.schema"),
         ({"output_config": {"format": fmt}, "output_format": fmt}, "once"),
         ({"output_config": {"format": {"type": "yaml", "schema": {}}}}, "json_schema"),
     ):
-        r = client.post("/v1/messages", json={**body, **extra})
-        assert r.status_code == 400 and r.json()["type"] == "error", (extra, r.text)
-        assert r.json()["error"]["type"] == "invalid_request_error"
-        assert fragment in r.json()["error"]["message"], (fragment, r.text)
+        for route, ask in (("/v1/messages", body), ("/v1/messages/count_tokens", counted)):
+            r = client.post(route, json={**ask, **extra})
+            assert r.status_code == 400 and r.json()["type"] == "error", (extra, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert fragment in r.json()["error"]["message"], (fragment, r.text)
+    n = client.post("/v1/messages/count_tokens", json={**counted, "output_config": {"format": fmt}})
+    assert n.status_code == 200 and n.json()["input_tokens"] > 0
 
 
 def test_responses_text_format_and_tool_choice(client):

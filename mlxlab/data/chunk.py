@@ -8,7 +8,8 @@ assistant answers at length with real documentation text (mlxlab/data/chunk_topi
 reference topics, the standard library's module docs, NumPy's docstrings; markdown lists and
 code). The gold answer has one chunk per stretch on one topic, labelled in the topic's own words
 (its title or the summary its documentation opens with, no fixed head; `label`); with
-`turn_topics` it opens with each user message's uuid prefix and topic (`turns`). Topics are
+`turn_topics` it opens with each user message's uuid prefix and topic, with `turn_quotes` with
+each message's uuid prefix, a user message's opening words and its chunk's number (`turns`). Topics are
 split between train / valid / test, so nothing in evaluation was seen in training. The number of
 topics per conversation is skewed toward one or two (`topic_weights`), conversations run from 4
 to `max_messages` messages (a share of training ones with `brief` answers: `train_brief_rate`),
@@ -49,7 +50,9 @@ INSTRUCTIONS = (
 KEYS = ("label", "start_message_uuid", "end_message_uuid")
 # With ChunkDataConfig.turn_topics the answer opens with a "turns" list: each user message's
 # uuid prefix (this many characters) and the topic it is on, before the chunks (`answer`); with
-# ChunkDataConfig.starts, with a "starts" list: each chunk's first message's uuid prefix.
+# ChunkDataConfig.turn_quotes, one entry per message (its prefix, a user message's opening words
+# and the number of its chunk); with ChunkDataConfig.starts, with a "starts" list: each chunk's
+# first message's uuid prefix.
 TURN_CHARS = 8
 QUOTE_CHARS = 80  # with ChunkDataConfig.turn_quotes: the most of a user message its entry quotes
 STARTS_OPENING = '{"starts": ['  # how an answer with the starts list begins (`answer`)
@@ -662,12 +665,22 @@ def asks(m: dict) -> bool:
 
 def quote(text: str) -> str:
     """The opening of a message as a `turn_quotes` answer quotes it: its text with whitespace
-    runs as one space, cut at a word end to at most `QUOTE_CHARS` characters."""
+    runs as one space, cut at a word end to at most `QUOTE_CHARS` characters as JSON counts them
+    (a character past U+FFFF is two: json.dumps writes it as a surrogate pair, and the answer
+    grammar's quote is that long at most)."""
+
+    def units(s: str) -> int:
+        return len(s.encode("utf-16-le")) // 2
+
     flat = " ".join(text.split())
-    if len(flat) <= QUOTE_CHARS:
+    if units(flat) <= QUOTE_CHARS:
         return flat
     cut = flat[: QUOTE_CHARS + 1].rsplit(" ", 1)[0]
-    return cut if cut and len(cut) <= QUOTE_CHARS else flat[:QUOTE_CHARS]
+    if not cut or units(cut) > QUOTE_CHARS:
+        cut = flat[:QUOTE_CHARS]
+    while units(cut) > QUOTE_CHARS:
+        cut = cut[:-1]
+    return cut
 
 
 def turns(messages: list[dict], chunks: list[dict], quotes: bool = False) -> list[list]:

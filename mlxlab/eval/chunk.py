@@ -1249,7 +1249,8 @@ def evaluate(
     `constrained` decodes each window under its `answer_grammar` (with `cover`: chunks up to its
     last message); `train_labels` (normalised training-set labels) adds the share of predicted
     labels that are one of them. `turns`: the answers open with a turns list (a `turn_topics`
-    adapter): windows of at most `window_messages` messages, a grammar that allows the opening;
+    or `turn_quotes` adapter): windows of at most `window_messages` messages, a grammar that
+    allows either opening;
     `starts`: the grammar allows the starts opening (a `starts` adapter); `split_bias` > 0: each
     window decoded with a `SplitBias` (constrained or not); `fixed_starts` (per case, the shown
     messages where chunks start: mlxlab/eval/shifts.py `chunk_starts`) decodes each window under

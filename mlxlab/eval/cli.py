@@ -23,7 +23,7 @@ topic-shift detector of mlxlab/eval/shifts.py says, the model writing only the l
 `<stem>.shifts.jsonl`, and a line with the detector's own boundary F1). Without `data=`: with an
 adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
 set, windows as long as its training prompts; unless turns or starts is set, its answers' layout:
-with or without the `turn_topics` or `starts` opening); else the chunk dataset built with its
+with or without the `turn_topics`, `turn_quotes` or `starts` opening); else the chunk dataset built with its
 defaults (what `train +exp=chunk_seg4` builds). With an adapter from a chunk-task run and no
 max_tokens set, the run's own max_tokens (512 in chunk_seg4), so its table is reproduced.
 """

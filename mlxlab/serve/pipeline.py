@@ -586,13 +586,13 @@ class Collector(Encoder):
     def __init__(self):
         self.parts: dict[str, list[str]] = {"content": [], "reasoning": []}
         self.logprobs: list[dict] = []
-        self.content_logprobs: list[dict] = []  # the answer's own, without the reasoning's
+        self.content_logprobs: list[dict] = []  # the answer text's own (not reasoning, markup)
         self.finished: Done | None = None
 
     def delta(self, ev: Delta) -> list[str]:
         self.parts["reasoning" if ev.kind == "reasoning" else "content"].append(ev.text)
         self.logprobs.extend(ev.logprobs or [])
-        if ev.kind != "reasoning":
+        if ev.kind == "content":
             self.content_logprobs.extend(ev.logprobs or [])
         return []
 

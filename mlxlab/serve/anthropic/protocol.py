@@ -87,7 +87,7 @@ class OutputConfig(_Base):
     model thinks) has nothing to steer here and is accepted as such."""
 
     format: OutputFormat | None = None
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    effort: str | None = None
 
 
 class MessagesRequest(_Base):
@@ -116,6 +116,8 @@ class CountRequest(_Base):
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None
 
 
 def to_chat(body) -> tuple[list[dict], list[dict] | None, list[str], list[tuple]]:
@@ -223,7 +225,8 @@ def template_kwargs(body) -> dict | None:
 def shape_of(choice: ToolChoice | None, body=None) -> Shape:
     """tool_choice any / tool force a call (one unless parallel use is allowed);
     `output_config.format` (or the beta's `output_format`) of a MessagesRequest `body` holds the
-    answer to its JSON schema."""
+    answer to its JSON schema (a CountRequest's too: count_tokens refuses what /v1/messages
+    refuses)."""
     shape = Shape(parallel=not (choice and choice.disable_parallel_tool_use))
     config = getattr(body, "output_config", None)
     if config is not None and config.format is not None:

@@ -53,7 +53,7 @@ async def count_tokens(body: CountRequest, request: Request):
     def count(ask: pipeline.Ask) -> int:
         pipeline.check_request(cfg, ask)
         loaded = pipeline.ready_loaded(gateway)
-        shape = shape_of(body.tool_choice)
+        shape = shape_of(body.tool_choice, body)
         seen = vision.plan(cfg, loaded, ask)  # with images: the processor's tokens
         if seen is not None and seen.inputs is not None:
             prompt, reasoning = seen.prompt, seen.reasoning
@@ -62,7 +62,7 @@ async def count_tokens(body: CountRequest, request: Request):
             prompt, _, reasoning = pipeline.render_chat(
                 loaded, messages, ask.tools, ask.template_kwargs, ask.origins
             )
-        if shape.tool_choice != "auto":  # refused as /v1/messages refuses it
+        if shape.constrained:  # refused as /v1/messages refuses it
             grammar_for(shape, ask.tools, loaded, reasoning)
         return len(prompt)
 

@@ -34,7 +34,7 @@ class Sampling:
 
 @dataclass
 class Delta:
-    kind: str  # content | reasoning
+    kind: str  # content | reasoning (| tool: a Delta of no text carrying markup tokens' logprobs)
     text: str
     logprobs: list[dict] | None = None
 

@@ -100,11 +100,21 @@ class RowOutput:
         self.t0 = time.perf_counter()
         self.ttft = 0.0
 
-    def _send(self, deltas, lp=None) -> None:
+    def _send(self, deltas, lp=None, before: str = "content") -> None:
+        """Sink the parser's (kind, text) deltas, this token's logprobs on the last; a token that
+        shows no text still sends its logprobs, in a Delta of no text whose kind is the part
+        of the answer the token belongs to: content only when the parser was in the answer's
+        text before and after it (`before`: its state before the token), else "reasoning" (a
+        think marker, reasoning held back) or "tool" (tool-call markup), so an encoder that
+        keeps the answer text's own logprobs (Responses' output_text) can leave those out."""
         for i, (kind, text) in enumerate(deltas):
             self.job.sink(Delta(kind, text, lp if i == len(deltas) - 1 else None))
         if not deltas and lp:
-            self.job.sink(Delta("content", "", lp))
+            states = {before, self.parser.state}
+            kind = (
+                "tool" if "tool" in states else "reasoning" if "reasoning" in states else "content"
+            )
+            self.job.sink(Delta(kind, "", lp))
 
     def feed(self, token: int, logprobs) -> str | None:
         """Take one generated token; the finish reason when the row must stop here, else None."""
@@ -121,11 +131,12 @@ class RowOutput:
             if job.logprobs
             else None
         )
+        before = self.parser.state
         if token in self.m.hidden:
-            self._send([], lp)
+            self._send([], lp, before)
             return None
         self.detok.add_token(token)
-        self._send(self.parser.feed(self.detok.last_segment), lp)
+        self._send(self.parser.feed(self.detok.last_segment), lp, before)
         return "stop" if self.parser.stopped is not None else None
 
     def close(self, finish: str) -> Done:

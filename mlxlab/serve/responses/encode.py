@@ -45,6 +45,7 @@ class Draft:
             "previous_response_id": b.previous_response_id,
             "temperature": b.temperature,
             "top_p": b.top_p,
+            "top_logprobs": b.top_logprobs,
             "parallel_tool_calls": b.parallel_tool_calls,
             "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [],
@@ -304,7 +305,7 @@ class ResponseStream(Encoder):
 
     def delta(self, ev: Delta) -> list[str]:
         if not ev.text:  # a token that completes no character yet: its logprob goes with the next
-            if ev.kind != "reasoning":
+            if ev.kind == "content":
                 self.pending += ev.logprobs or []
             return []
         out = []
