@@ -377,6 +377,19 @@ def test_openai_responses_sdk(served):
         ],
     )
     assert first.output_text == chat.choices[0].message.content
+    scored = client.responses.create(
+        model="x",
+        instructions="Answer briefly.",
+        input="Name the day after Monday.",
+        max_output_tokens=16,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=3,
+    )
+    part = scored.output[0].content[0]
+    assert part.text == first.output_text and scored.top_logprobs == 3
+    assert len(part.logprobs) == scored.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 3 and lp.logprob <= 0 for lp in part.logprobs)
     events = list(
         client.responses.create(
             model="x",
@@ -598,7 +611,11 @@ def test_structured_output_and_forced_tools_with_the_sdks(served):
         msg.stop_reason == "tool_use" and uses[0].name == "get_weather" and "city" in uses[0].input
     )
     film = claude.messages.parse(
-        model="x", max_tokens=64, messages=question, output_format=Film, temperature=0
+        model="x",
+        max_tokens=64,
+        messages=question,
+        output_format=Film,
+        extra_body={"temperature": 0},
     )  # sent as output_config.format
     assert film.stop_reason == "end_turn" and isinstance(film.parsed_output, Film)
     resp = client.responses.create(
