@@ -361,7 +361,7 @@ class ChunkDataConfig:
     longest training prompt). Characters per token vary with the text (code and uuids take more
     tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
     2,000 Gemma 3 tokens with the answer (2,117 with `turn_topics`, which then needs
-    max_seq_length 2176; 2,235 with `turn_quotes`, 2304; 2,280 with train_brief_rate 0.5, which needs 2304; 2,035 with
+    max_seq_length 2176; 2,235 with `turn_quotes`, which needs 2304; 2,280 with train_brief_rate 0.5, which needs 2304; 2,035 with
     `starts`), and it sets on_too_long=error, so a setting that overflows stops at load time
     instead of cutting an answer."""
     window_overlap: int = 2
@@ -379,7 +379,8 @@ class ChunkDataConfig:
     (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the prompt is unchanged."""
     turn_quotes: bool = False
     """Answers (all splits' records) open with `"turns"` as one entry per shown message, in
-    order: a user message's `[uuid prefix, quote, k]` (its first words, at most 80 characters),
+    order: a user message's `[uuid prefix, quote, k]` (its first words, at most 80 characters
+    as JSON counts them),
     any other's `[uuid prefix, k]`, k the number of the chunk that holds it (from 1), before
     `"chunks"`. Each decision is then local: the model copies a question's opening words into its
     answer and says at once whether it starts chunk k + 1, and a chunk's first and last message
@@ -388,7 +389,10 @@ class ChunkDataConfig:
     prompt is unchanged. The answers are longer (chunk_seg4's windows: median 271 tokens against
     188, the longest 789; the test split's longest 494), so it needs data.max_seq_length 2304 and
     room in eval.max_tokens; `boundary_weight` does not weight its chunk numbers and is refused
-    beside it."""
+    beside it. chunk_seg4 with it could not walk the message list unconstrained (14 of 24 test
+    answers never reached their chunks, ref 38.1); under the grammar its numbers moved on at 4 of
+    8 true shifts and 1 of 34 follow-ups, but its chunks did not follow them (boundary F1 0.288;
+    experiments/chunk_seg4/turn-quotes.md), so it stays off."""
     starts: bool = False
     """Answers (all splits' records) open with `"starts": [uuid prefix, ...]`, the first 8 uuid
     characters of each chunk's first message, before `"chunks"`: the model says where each topic

@@ -258,8 +258,8 @@ def test_responses_stream_sequence_and_items():
 
 
 def test_responses_logprobs_are_the_answer_texts_own():
-    """Responses' output_text logprobs: the content deltas' only (a reasoning or tool-markup
-    token's, sent in a Delta of no text, stays out), a token that shows no character yet carried
+    """Responses' output_text logprobs: the content deltas' only (a reasoning or markup token's,
+    sent in a Delta of no text, stays out), a token that shows no character yet carried
     by the next delta, one still held at the end flushed in a last empty delta; streamed and
     collected agree."""
     lp = [dict(LP[0], token=t) for t in "abcdef"]
@@ -269,7 +269,7 @@ def test_responses_logprobs_are_the_answer_texts_own():
         Delta("reasoning", "", one[1]),  # the </think> marker
         Delta("content", "", one[2]),  # half a character
         Delta("content", "Hi", one[3]),
-        Delta("tool", "", one[4]),  # call markup
+        Delta("markup", "", one[4]),  # call markup
         Delta("content", "", one[5]),  # the answer ends inside a character
         done("tool_calls", [CALL]),
     ]

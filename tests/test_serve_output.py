@@ -164,9 +164,11 @@ def test_a_call_cut_by_max_tokens_after_complete_calls_is_dropped():
 
 
 def test_a_token_that_shows_no_text_sends_its_logprobs_as_the_part_it_belongs_to(tiny_dir):
-    """A row's Delta of no text (a think marker, call markup, text held back) carries its
-    token's logprobs under the part of the answer the token belongs to: reasoning, tool or
-    content; every token's logprobs are sent once, and the content ones are the answer text's."""
+    """A row sends every token's logprobs once, in order; those of a token that shows no text
+    go out as what it turned out to be: reasoning (a think marker), markup (a call's markup, a
+    matched stop sequence) or content. A marker that takes several tokens (none of these is one
+    token in this tokenizer) is held back until it is one, so the content logprobs spell out
+    the answer's text (a token that straddles it and a marker counts with the text)."""
     from types import SimpleNamespace
 
     import mlx.core as mx
@@ -183,26 +185,47 @@ def test_a_token_that_shows_no_text_sends_its_logprobs_as_the_part_it_belongs_to
         hidden=set(),
         eos=set(),
     )
-    events = []
-    job = Job(
-        prompt=[1], max_tokens=99, sink=events.append, tools=TOOLS, logprobs=True, reasoning=True
-    )
-    row = RowOutput(m, job)
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    ids = tokenizer.encode("Let me see.</think>Sure. " + call, add_special_tokens=False)
     flat = mx.zeros((len(tokenizer.vocab),))
-    for t in ids:
-        row.feed(t, flat)
-    row.close("stop")
-    events = [e for e in events if hasattr(e, "kind")]  # the Deltas
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    def run(text: str, stops=()) -> tuple[list, list[int]]:
+        events = []
+        job = Job(
+            prompt=[1],
+            max_tokens=99,
+            sink=events.append,
+            tools=TOOLS,
+            stops=list(stops),
+            logprobs=True,
+            reasoning=True,
+        )
+        row = RowOutput(m, job)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for t in ids:
+            if row.feed(t, flat):
+                break
+        row.close("stop")
+        return [e for e in events if hasattr(e, "kind")], ids
+
+    def spelled(events, kind: str) -> str:
+        return "".join(lp["token"] for e in events if e.kind == kind for lp in e.logprobs or [])
+
+    events, ids = run("Let me see.</think>Sure, here. " + call + "\n")
     texts = {k: "".join(e.text for e in events if e.kind == k) for k in ("reasoning", "content")}
-    assert texts == {"reasoning": "Let me see.", "content": "Sure. "}
-    sent = [e for e in events if e.logprobs]
-    assert sum(len(e.logprobs) for e in sent) == len(ids)  # each token's once
-    silent = {e.kind for e in sent if not e.text}
-    assert {"reasoning", "tool"} <= silent <= {"reasoning", "tool", "content"}
-    answer = "".join(lp["token"] for e in sent if e.kind == "content" for lp in e.logprobs)
-    assert answer.startswith("Sure.") and "<tool_call>" not in answer and "think" not in answer
+    assert texts == {"reasoning": "Let me see.", "content": "Sure, here. "}
+    tokens = [lp["token"] for e in events for lp in e.logprobs or []]
+    assert tokens == [tokenizer.decode([t]) for t in ids]  # each once, in order
+    # a token that straddles the text and a marker (" <" here) counts with the text
+    answer = spelled(events, "content")
+    assert answer.startswith(texts["content"]) and answer in texts["content"] + call[:1]
+    assert answer + spelled(events, "markup") == texts["content"] + call + "\n"
+    assert spelled(events, "reasoning") == "Let me see.</think>"
+    # a stop sequence's tokens are markup; the text before it is the answer's
+    events, _ = run("Let me see.</think>Sure. STOP here", stops=["STOP"])
+    shown = "".join(e.text for e in events if e.kind == "content")
+    answer = spelled(events, "content")
+    assert shown == "Sure. " and answer.startswith(shown) and answer in shown + "STOP"[:1]
+    assert answer + spelled(events, "markup") == "Sure. STOP"  # nothing after the stop
 
 
 def test_an_answer_cut_inside_a_later_call_finishes_tool_calls(tiny_dir):

@@ -675,12 +675,11 @@ def quote(text: str) -> str:
     flat = " ".join(text.split())
     if units(flat) <= QUOTE_CHARS:
         return flat
-    cut = flat[: QUOTE_CHARS + 1].rsplit(" ", 1)[0]
-    if not cut or units(cut) > QUOTE_CHARS:
-        cut = flat[:QUOTE_CHARS]
-    while units(cut) > QUOTE_CHARS:
-        cut = cut[:-1]
-    return cut
+    room = flat[: QUOTE_CHARS + 1]
+    while units(room) > QUOTE_CHARS + 1:
+        room = room[:-1]
+    cut = room.rsplit(" ", 1)[0]  # at a word end, when the room holds one
+    return cut if cut != room and units(cut) <= QUOTE_CHARS else room[:-1]
 
 
 def turns(messages: list[dict], chunks: list[dict], quotes: bool = False) -> list[list]:

@@ -34,7 +34,7 @@ class Sampling:
 
 @dataclass
 class Delta:
-    kind: str  # content | reasoning (| tool: a Delta of no text carrying markup tokens' logprobs)
+    kind: str  # content | reasoning (| markup: no text, the logprobs of tokens that are neither)
     text: str
     logprobs: list[dict] | None = None
 

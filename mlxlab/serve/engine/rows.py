@@ -99,22 +99,45 @@ class RowOutput:
         self.tokens: list[int] = []
         self.t0 = time.perf_counter()
         self.ttft = 0.0
+        self.held: list[
+            dict
+        ] = []  # logprobs of tokens not yet known to be text or markup (`_send`)
 
-    def _send(self, deltas, lp=None, before: str = "content") -> None:
-        """Sink the parser's (kind, text) deltas, this token's logprobs on the last; a token that
-        shows no text still sends its logprobs, in a Delta of no text whose kind is the part
-        of the answer the token belongs to: content only when the parser was in the answer's
-        text before and after it (`before`: its state before the token), else "reasoning" (a
-        think marker, reasoning held back) or "tool" (tool-call markup), so an encoder that
-        keeps the answer text's own logprobs (Responses' output_text) can leave those out."""
+    def _send(self, deltas, lp=None, before: str = "content", final: bool = False) -> None:
+        """Sink the parser's (kind, text) deltas with the logprobs of the tokens that made them.
+
+        A token that shows no text still sends its logprobs, in a Delta of no text whose kind
+        says what the token was: "reasoning" (a think marker, reasoning held back), "markup"
+        (tool-call markup, a matched stop sequence, a special token never shown, whitespace
+        dropped after a call) or "content" (part of a character). While that is not yet known
+        (the parser holds back text that may start a marker, or is inside a call) the logprobs
+        wait in `held`, and go with the text when it is released, or as markup when it turns
+        out to be a marker, so an encoder that keeps the answer text's own logprobs (Responses'
+        output_text) gets exactly those. `before`: the parser's state before the token;
+        `final`: the answer is over, nothing held can become text any more."""
+        sink, parser = self.job.sink, self.parser
+        held, self.held = self.held + (lp or []), []
+        if parser.stopped is not None:  # the stop text is not the answer's, nor its logprobs
+            for kind, text in deltas:
+                sink(Delta(kind, text))
+            if held:
+                sink(Delta("markup", "", held))
+            return
         for i, (kind, text) in enumerate(deltas):
-            self.job.sink(Delta(kind, text, lp if i == len(deltas) - 1 else None))
-        if not deltas and lp:
-            states = {before, self.parser.state}
-            kind = (
-                "tool" if "tool" in states else "reasoning" if "reasoning" in states else "content"
-            )
-            self.job.sink(Delta(kind, "", lp))
+            sink(Delta(kind, text, (held or None) if i == len(deltas) - 1 else None))
+        if deltas or not held:
+            return
+        after = parser.state
+        if before != after:  # a marker: into or out of a call or the reasoning
+            sink(Delta("markup" if "tool" in (before, after) else "reasoning", "", held))
+        elif after == "reasoning":
+            sink(Delta("reasoning", "", held))
+        elif final:
+            sink(Delta("markup", "", held))
+        elif after == "tool" or parser.pending:
+            self.held = held  # a call's markup, or text that may yet start a marker
+        else:
+            sink(Delta("content", "", held))
 
     def feed(self, token: int, logprobs) -> str | None:
         """Take one generated token; the finish reason when the row must stop here, else None."""
@@ -132,8 +155,11 @@ class RowOutput:
             else None
         )
         before = self.parser.state
-        if token in self.m.hidden:
-            self._send([], lp, before)
+        if token in self.m.hidden:  # never shown: markup, in its place among any held tokens
+            if self.held:
+                self.held += lp or []
+            elif lp:
+                job.sink(Delta("markup", "", lp))
             return None
         self.detok.add_token(token)
         self._send(self.parser.feed(self.detok.last_segment), lp, before)
@@ -143,7 +169,8 @@ class RowOutput:
         parser = self.parser
         self.detok.finalize()
         if parser.stopped is None and finish != "cancelled":
-            self._send(parser.feed(self.detok.last_segment) + parser.finish())
+            tail = parser.feed(self.detok.last_segment) + parser.finish()
+            self._send(tail, None, parser.state, final=True)
         if parser.calls and finish != "cancelled":
             # Also when max_tokens cut a later call: that call is dropped and the complete ones
             # are the whole answer (a small model forced to call repeats its call until cut;
