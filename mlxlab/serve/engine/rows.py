@@ -99,9 +99,8 @@ class RowOutput:
         self.tokens: list[int] = []
         self.t0 = time.perf_counter()
         self.ttft = 0.0
-        self.held: list[
-            dict
-        ] = []  # logprobs of tokens not yet known to be text or markup (`_send`)
+        # the logprobs of tokens not yet known to be text or markup (`_send`)
+        self.held: list[dict] = []
 
     def _send(self, deltas, lp=None, before: str = "content", final: bool = False) -> None:
         """Sink the parser's (kind, text) deltas with the logprobs of the tokens that made them.
