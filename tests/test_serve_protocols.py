@@ -288,6 +288,10 @@ def test_responses_logprobs_as_chat_completions_gives_them(client):
     assert ev[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == want
     r = client.post("/v1/responses", json={**ask, "top_logprobs": 21})
     assert r.status_code == 400 and "top_logprobs" in r.text
+    r = client.post("/v1/responses", json={**ask, "include": ["message.output_text.logprob"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include.0"
+    r = client.post("/v1/responses", json={**ask, "include": ["reasoning.encrypted_content"]})
+    assert r.status_code == 200 and r.json()["output"][0]["content"][0]["logprobs"] == []
 
 
 def test_responses_chain_get_delete_and_stream(client):

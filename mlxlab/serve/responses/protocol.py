@@ -41,6 +41,21 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+# What `include` may name (OpenAI's list): only the logprobs change an answer here, the rest
+# name outputs of tools this server does not run (or, for images and encrypted reasoning, add
+# nothing), so they are accepted as OpenAI accepts them; anything else is a 400.
+INCLUDABLE = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -61,7 +76,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     adapter: str | None = None
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[INCLUDABLE] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
