@@ -359,13 +359,14 @@ def test_anthropic_sdk(served):
 
 def test_openai_responses_sdk(served):
     _, _, client = served
-    first = client.responses.create(
-        model="x",
-        instructions="Answer briefly.",
-        input="Name the day after Monday.",
-        max_output_tokens=16,
-        temperature=0,
-    )
+    ask = {
+        "model": "x",
+        "instructions": "Answer briefly.",
+        "input": "Name the day after Monday.",
+        "max_output_tokens": 16,
+        "temperature": 0,
+    }
+    first = client.responses.create(**ask)
     assert first.output_text and first.id.startswith("resp_")
     chat = client.chat.completions.create(
         model="x",
@@ -378,13 +379,7 @@ def test_openai_responses_sdk(served):
     )
     assert first.output_text == chat.choices[0].message.content
     scored = client.responses.create(
-        model="x",
-        instructions="Answer briefly.",
-        input="Name the day after Monday.",
-        max_output_tokens=16,
-        temperature=0,
-        include=["message.output_text.logprobs"],
-        top_logprobs=3,
+        **ask, include=["message.output_text.logprobs"], top_logprobs=3
     )
     part = scored.output[0].content[0]
     assert part.text == first.output_text and scored.top_logprobs == 3

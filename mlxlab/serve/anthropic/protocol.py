@@ -222,22 +222,21 @@ def template_kwargs(body) -> dict | None:
     return None
 
 
-def shape_of(choice: ToolChoice | None, body=None) -> Shape:
+def shape_of(body: MessagesRequest | CountRequest) -> Shape:
     """tool_choice any / tool force a call (one unless parallel use is allowed);
-    `output_config.format` (or the beta's `output_format`) of a MessagesRequest `body` holds the
-    answer to its JSON schema (a CountRequest's too: count_tokens refuses what /v1/messages
-    refuses)."""
+    `output_config.format` (or the beta's `output_format`) holds the answer to its JSON schema
+    (count_tokens refuses what /v1/messages refuses)."""
+    choice, config = body.tool_choice, body.output_config
     shape = Shape(parallel=not (choice and choice.disable_parallel_tool_use))
-    config = getattr(body, "output_config", None)
     if config is not None and config.format is not None:
-        if getattr(body, "output_format", None) is not None:
+        if body.output_format is not None:
             raise APIError(
                 400,
                 "output_format: give the schema once, in output_config.format",
                 param="output_format",
             )
         shape.schema, shape.schema_field = config.format.schema_, "output_config.format.schema"
-    elif getattr(body, "output_format", None) is not None:
+    elif body.output_format is not None:
         shape.schema, shape.schema_field = body.output_format.schema_, "output_format.schema"
     if choice is None or choice.type in ("auto", "none"):
         return shape
@@ -259,5 +258,5 @@ def to_ask(body: MessagesRequest) -> Ask:
         stops=list(body.stop_sequences or []),
         sampling=SamplingAsk.of(body),
         adapter=adapter_spec(body.adapter),
-        shape=shape_of(body.tool_choice, body),
+        shape=shape_of(body),
     )

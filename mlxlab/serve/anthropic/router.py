@@ -53,7 +53,7 @@ async def count_tokens(body: CountRequest, request: Request):
     def count(ask: pipeline.Ask) -> int:
         pipeline.check_request(cfg, ask)
         loaded = pipeline.ready_loaded(gateway)
-        shape = shape_of(body.tool_choice, body)
+        shape = shape_of(body)
         seen = vision.plan(cfg, loaded, ask)  # with images: the processor's tokens
         if seen is not None and seen.inputs is not None:
             prompt, reasoning = seen.prompt, seen.reasoning
