@@ -366,6 +366,13 @@ class ChunkDataConfig:
     instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
+    window_messages: int = 0
+    """> 0: a training example also holds at most this many messages; a conversation with more
+    becomes overlapping windows of at most that many (`window_overlap` shared), so each example
+    asks a local question: at 4 with overlap 2, whether the second exchange goes on with the
+    first's topic. Evaluation then reads every conversation in windows of at most as many
+    messages (EvalSettings.window_messages, by default the dataset's). 0: only `window_chars`
+    bounds a window."""
     boundary_weight: float = 1.0
     """Loss weight, in the training split's answers, of the tokens that place each chunk: the
     first characters of every uuid the answer writes (which message) and the character after each
@@ -441,6 +448,11 @@ class ChunkDataConfig:
             )
         if self.brief_chars < 40:
             raise UserError(f"brief_chars must be >= 40, got {self.brief_chars}")
+        if self.window_messages and self.window_messages <= max(self.window_overlap, 1):
+            raise UserError(
+                "window_messages must be 0 (no cap) or more than window_overlap (and 1), "
+                f"got {self.window_messages} with window_overlap {self.window_overlap}"
+            )
 
 
 @dataclass
@@ -489,6 +501,12 @@ class EvalSettings:
     what the model's context leaves after max_tokens, at most 8192."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
+    window_messages: int = 0
+    """> 0: every conversation with more messages is read in windows of at most this many (also
+    within max_prompt_tokens), their answers merged as a long conversation's are. 0: in a
+    chunk-task run, and in `eval chunk` with an adapter from one, the run's dataset's
+    `window_messages` (build.json; windows like the training examples); otherwise no cap but the
+    token budget's."""
     turns: bool | None = None
     """The answers open with a `turns` list (an adapter trained with the chunk data's
     `turn_topics` or `turn_quotes`): a window then also holds at most max_tokens // 30 messages
@@ -545,6 +563,11 @@ class EvalSettings:
             )
         if self.window_overlap < 0:
             raise UserError(f"window_overlap must be >= 0, got {self.window_overlap}")
+        if self.window_messages and self.window_messages <= max(self.window_overlap, 1):
+            raise UserError(
+                "window_messages must be 0 (auto) or more than window_overlap (and 1), "
+                f"got {self.window_messages} with window_overlap {self.window_overlap}"
+            )
         if not math.isfinite(self.split_bias) or self.split_bias < 0:
             raise UserError(f"split_bias must be a finite number >= 0, got {self.split_bias}")
         for key, low, high in (("drop", 0, 2), ("cap", -1, 1), ("floor", -1, 1)):

@@ -214,6 +214,33 @@ def test_training_examples_are_windows_with_clipped_gold():
     assert set(seen) == {m["uuid"] for m in long["messages"]}
 
 
+def test_window_messages_makes_every_training_example_a_local_question():
+    """window_messages=4, overlap 2: each example is two consecutive exchanges (the second new),
+    its gold clipped to them; every boundary of the conversation is some example's own."""
+    cfg = ChunkDataConfig(seed=3, train=30, valid=1, test=1, window_messages=4)
+    cases = data.build(cfg)["train"]
+    many = max(cases, key=lambda c: (len(c["chunks"]), len(data.shown(c["messages"]))))
+    uuids = [m["uuid"] for m in data.shown(many["messages"])]
+    wins = data.training_windows(many, cfg)
+    assert len(wins) >= len(uuids) // 2 - 1 and all(len(msgs) <= 4 for msgs, _ in wins)
+    starts = set()
+    for (msgs, gold), nxt in zip(wins, wins[1:] + [None], strict=True):
+        ids = [m["uuid"] for m in msgs]
+        assert gold[0]["start_message_uuid"] == ids[0] and gold[-1]["end_message_uuid"] == ids[-1]
+        if nxt is not None:
+            assert [m["uuid"] for m in nxt[0]][:2] == ids[-2:]  # shares one exchange
+        starts |= {uuids.index(c["start_message_uuid"]) for c in gold[1:]}
+    gold_starts = {uuids.index(c["start_message_uuid"]) for c in many["chunks"][1:]}
+    assert len(gold_starts) >= 2 and starts == gold_starts
+    assert all(len(ex["messages"][0]["content"]) for ex in data.training_examples(many, cfg))
+    from mlxlab.config import EvalSettings
+
+    with pytest.raises(UserError, match="window_messages"):
+        ChunkDataConfig(window_messages=2)  # no more than the overlap: windows cannot advance
+    with pytest.raises(UserError, match="window_messages"):
+        EvalSettings(window_messages=1, window_overlap=0)
+
+
 def test_gold_answer_scores_perfectly():
     s = ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD)
     assert (s.wellformed, s.boundary_f1, s.exact_match, s.repairs) == (100.0, 1.0, 1.0, 0)
@@ -305,6 +332,11 @@ def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     assert [r["case"] for r in results] == [0, 1, 2] and all(r["windows"] == 1 for r in results)
     one_by_one = ev.evaluate(model, tokenizer, cases, max_tokens=8, batch_size=1, budget=8192)
     assert [r["prompt_tokens"] for r in one_by_one] == [r["prompt_tokens"] for r in results]
+    # window_messages: every case read in windows of at most 4 messages, sharing an exchange
+    local = ev.evaluate(model, tokenizer, cases, 8, 2, budget=8192, max_messages=4)
+    n = [len(data.shown(c["messages"])) for c in cases]
+    assert [r["windows"] for r in local] == [len(data.windows([1] * k, 10**6, 2, 4)) for k in n]
+    assert max(n) > 4 and max(r["windows"] for r in local) > 1
     labels = ev.training_labels(out)
     assert labels and all(label == label.lower() for label in labels)
 
@@ -520,6 +552,11 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
     from mlxlab.eval.cli import run_data
 
     assert run_data(run) == elsewhere  # the run's own data.train wins over <run>/data
+    assert ev.built_window_messages(elsewhere) == 0
+    local = data.write_dataset(
+        tmp_path / "local", ChunkDataConfig(train=3, valid=1, test=1, window_messages=6)
+    )
+    assert ev.built_window_messages(local) == 6  # what eval chunk reads such an adapter in
     (run / "config.yaml").write_text("model: x\n")  # a plain training run
     assert task_run(run / "adapter") is None
 

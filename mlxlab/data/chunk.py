@@ -619,12 +619,16 @@ def char_cost(m: dict) -> int:
 
 
 def training_windows(case: dict, cfg: ChunkDataConfig) -> list[tuple[list[dict], list[dict]]]:
-    """[(messages, gold)] of one case: the whole conversation when it fits `window_chars`, else
-    each window of its shown messages with the gold clipped to it."""
+    """[(messages, gold)] of one case: the whole conversation when it fits `window_chars` (and
+    `window_messages`), else
+    each window of its shown messages (at most `window_messages` of them, when set) with the gold
+    clipped to it."""
     uuids = [m["uuid"] for m in shown(case["messages"])]
     return [
         (msgs, clip(case["chunks"], uuids, a, b))
-        for a, b, msgs in window_cases(case, char_cost, cfg.window_chars, cfg.window_overlap)
+        for a, b, msgs in window_cases(
+            case, char_cost, cfg.window_chars, cfg.window_overlap, cfg.window_messages
+        )
     ]
 
 

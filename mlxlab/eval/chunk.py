@@ -1068,6 +1068,16 @@ def openings(settings, data) -> dict[str, bool]:
     }
 
 
+def built_window_messages(data) -> int:
+    """A chunk dataset directory's `window_messages` (its build.json; 0 without one): the most
+    messages its training examples hold, so the most an adapter trained on it reads at once."""
+    try:
+        build = json.loads((Path(data) / "build.json").read_text())
+        return max(0, int(build.get("window_messages") or 0)) if isinstance(build, dict) else 0
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
 def built_with(data, option: str) -> bool:
     """Whether a chunk dataset directory was built with `option` (a ChunkDataConfig flag such as
     `turn_topics` or `starts`: its answers open that way) by its build.json; false without one."""
@@ -1243,6 +1253,7 @@ def evaluate(
     split_bias: float = 0.0,
     fixed_starts: list[list[int]] | None = None,
     kv=None,
+    max_messages: int = 0,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
@@ -1256,10 +1267,11 @@ def evaluate(
     messages where chunks start: mlxlab/eval/shifts.py `chunk_starts`) decodes each window under
     the grammar whose chunks start exactly there (`answer_grammar`'s `fixed`): only the labels
     are the model's. `kv`: `generate_all`'s store of prompt KV, shared by the decodes of one
-    model."""
+    model. `max_messages` > 0: no window holds more messages (a `window_messages` adapter's)."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
+    cap = min(cap, max_messages or cap)
     windows = plan_windows(cases, tokenizer, budget, overlap, cap)
     processors = None
     if fixed_starts is not None:
@@ -1626,6 +1638,7 @@ def evaluate_model(
             float(getattr(settings, "split_bias", 0.0)),
             fixed_starts,
             kv,
+            int(getattr(settings, "window_messages", 0) or 0),
         )
         if getattr(settings, "label_model", ""):
             try:

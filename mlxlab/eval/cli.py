@@ -70,8 +70,13 @@ def run(cfg: EvalConfig) -> dict:
         if trained:
             cfg.max_prompt_tokens = trained
             log.info(f"max_prompt_tokens={trained}: the windows the adapter was trained on")
+    trained_data = run_data(run_dir) if run_dir is not None else None
+    if trained_data is not None and not cfg.window_messages:
+        cfg.window_messages = ev.built_window_messages(trained_data)
+        if cfg.window_messages:
+            log.info(f"window_messages={cfg.window_messages}: the adapter's training windows")
     # answers as the adapter's run trained them
-    for key, value in ev.openings(cfg, run_data(run_dir) if run_dir is not None else None).items():
+    for key, value in ev.openings(cfg, trained_data).items():
         setattr(cfg, key, value)
         if value:
             log.info(f"{key}=true: the adapter was trained to open its answers with {key}")

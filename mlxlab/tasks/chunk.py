@@ -139,7 +139,7 @@ class ChunkTask(Hooks):
         if cached.is_file():
             return json.loads(cached.read_text())
 
-        from mlxlab.eval.chunk import openings, training_window
+        from mlxlab.eval.chunk import built_window_messages, openings, training_window
 
         train = Path(run.data.train)
         data_dir = train if train.is_dir() else train.parent
@@ -152,6 +152,9 @@ class ChunkTask(Hooks):
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
             window = training_window(data_dir, run.tokenizer)
             settings = dataclasses.replace(settings, max_prompt_tokens=window)
+        if not settings.window_messages:  # at most as many messages as a training example
+            cap = built_window_messages(data_dir)
+            settings = dataclasses.replace(settings, window_messages=cap)
         summary = evaluate_model(
             run.model,
             run.tokenizer,
@@ -164,6 +167,7 @@ class ChunkTask(Hooks):
         summary["max_prompt_tokens"] = settings.max_prompt_tokens
         summary["turns"] = bool(settings.turns)
         summary["starts"] = bool(settings.starts)
+        summary["window_messages"] = settings.window_messages
         atomic_write_text(cached, json.dumps(summary, indent=2) + "\n")
         return summary
 
