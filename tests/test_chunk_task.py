@@ -374,8 +374,8 @@ def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
     senders = {m["uuid"]: m["sender"] for m in case["messages"]}
     assert all(w.users == [u for u in w.uuids if senders[u] == "user"] for w in windows)
     # the answer's room caps the messages a window holds (a short conversation too)
-    assert ev.window_messages(512) == 17 and ev.window_messages(1) == 8
-    assert ev.window_messages(10**6) == ev.TURNS_WINDOW_MESSAGES
+    assert ev.turns_window_messages(512) == 17 and ev.turns_window_messages(1) == 8
+    assert ev.turns_window_messages(10**6) == ev.TURNS_WINDOW_MESSAGES
     capped = ev.plan_windows([case], tokenizer, budget, overlap=2, max_messages=8)
     assert len(capped) > len(windows) and all(len(w.uuids) <= 8 for w in capped)
     assert capped[-1].last == len(uuids) - 1

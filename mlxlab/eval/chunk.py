@@ -18,8 +18,9 @@ first message), the rate of gold chunks reproduced exactly, label F1 (`label_f1`
 embedding model, label similarity by meaning (`label_similarity`); with the training split's
 labels, the share of predicted labels that are verbatim training labels.
 `evaluate` reads a case longer than the prompt budget in windows of consecutive messages
-(`plan_windows`; for an adapter that writes `turns`, at most `window_messages` messages, so its
-answer has room within `max_tokens`) and merges their answers into one cover (`merge_windows`);
+(`plan_windows`; for an adapter that writes `turns`, at most `turns_window_messages` messages, so
+its answer has room within `max_tokens`; with `window_messages`, every case in windows of at most
+that many, as such an adapter's training examples are) and merges their answers into one cover (`merge_windows`);
 the merged answer is what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
 chunk` and the chunk task's base/tuned evaluations call); with
 `constrained=true` it decodes the split a second time under `answer_grammar` (mlxlab/grammar.py:
@@ -620,7 +621,7 @@ TOPIC_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})'
 # constrained window's grammar inside llguidance's parser limit of 2000 items per row, which its
 # chain of end rules reaches at about 660 messages)
 WINDOW_MESSAGES = 500
-# A `turns` answer's tokens per message of its window (`window_messages`): a turn_topics entry
+# A `turns` answer's tokens per message of its window (`turns_window_messages`): a turn_topics entry
 # takes about 14 Gemma 3 tokens a user message, 7 a message; a turn_quotes entry about 19 a
 # message (chunk_seg4's training answers: median 18.7, at most 41); the rest is room for its
 # chunks (about 100 tokens each: a label and two uuids). A heuristic, not a bound: a 512-token
@@ -1046,7 +1047,7 @@ class Window:
     users: list[str] = field(default_factory=list)  # its user messages' uuids, in order
 
 
-def window_messages(max_tokens: int) -> int:
+def turns_window_messages(max_tokens: int) -> int:
     """Most messages in one window when a `turns` answer may take `max_tokens`: about
     `ANSWER_TOKENS_PER_MESSAGE` each (a turns entry per user message and the chunks), at least 8,
     at most `TURNS_WINDOW_MESSAGES`."""
@@ -1260,7 +1261,7 @@ def evaluate(
     `constrained` decodes each window under its `answer_grammar` (with `cover`: chunks up to its
     last message); `train_labels` (normalised training-set labels) adds the share of predicted
     labels that are one of them. `turns`: the answers open with a turns list (a `turn_topics`
-    or `turn_quotes` adapter): windows of at most `window_messages` messages, a grammar that
+    or `turn_quotes` adapter): windows of at most `turns_window_messages` messages, a grammar that
     allows either opening;
     `starts`: the grammar allows the starts opening (a `starts` adapter); `split_bias` > 0: each
     window decoded with a `SplitBias` (constrained or not); `fixed_starts` (per case, the shown
@@ -1270,7 +1271,7 @@ def evaluate(
     model. `max_messages` > 0: no window holds more messages (a `window_messages` adapter's)."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
-    cap = window_messages(max_tokens) if turns else WINDOW_MESSAGES
+    cap = turns_window_messages(max_tokens) if turns else WINDOW_MESSAGES
     cap = min(cap, max_messages or cap)
     windows = plan_windows(cases, tokenizer, budget, overlap, cap)
     processors = None
