@@ -503,7 +503,10 @@ class EvalSettings:
     """Messages each window shares with the one before."""
     window_messages: int = 0
     """> 0: every conversation with more messages is read in windows of at most this many (also
-    within max_prompt_tokens), their answers merged as a long conversation's are. 0: in a
+    within max_prompt_tokens), their answers merged as a long conversation's are, except that a
+    window's answer that stops short of its last message starts a chunk after it (what an answer
+    over two exchanges that ends with the first one says; mlxlab/eval/chunk.py `merge_windows`'
+    `short_starts`). 0: in a
     chunk-task run, and in `eval chunk` with an adapter from one, the run's dataset's
     `window_messages` (build.json; windows like the training examples); otherwise no cap but the
     token budget's."""

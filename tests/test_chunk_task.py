@@ -464,6 +464,39 @@ def test_merging_windows_without_overlap():
     assert starts == [0, 4, 6] and labels[4] == "JSON parsing"
 
 
+def test_short_starts_read_a_window_answer_that_stops_short_as_a_topic_start():
+    """Windows of two exchanges sharing one (0-3, 2-5, 4-7, 6-9): an answer that ends its chunk
+    at the window's second message, inside what the window owns, starts a chunk at its third,
+    named by the next window; only with short_starts."""
+    uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(10)]
+    ws = [_window(a, a + 3, uuids) for a in (0, 2, 4, 6)]
+
+    def answer(a, b, label):
+        return json.dumps(
+            {"chunks": [{"label": label, "start_message_uuid": uuids[a],
+                         "end_message_uuid": uuids[b]}]}
+        )  # fmt: skip
+
+    texts = [
+        answer(0, 3, "Sorting"),
+        answer(2, 3, "Sorting"),  # stops at its second message: a topic starts at message 4
+        answer(4, 7, "Regular expressions"),
+        answer(6, 9, "Regular expressions"),
+    ]
+    assert ev.trailing_gap(texts[1], uuids[2:6], None) == 2
+    assert ev.trailing_gap(texts[0], uuids[0:4], None) is None
+    starts, labels, failed = ev.merge_windows(ws, texts, 10, None, short_starts=True)
+    assert (starts, labels[4], failed) == ([0, 4], "Regular expressions", 0)
+    assert ev.merge_windows(ws, texts, 10, None)[0] == [0]  # off: the gap is repaired away
+    # the window after names it as the chunk before: the same topic, no start
+    same = [*texts[:2], answer(4, 7, "sorting"), answer(6, 9, "Sorting")]
+    assert ev.merge_windows(ws, same, 10, None, short_starts=True)[0] == [0]
+    # a window with no label to read leaves it to the next one; the last window's gap is dropped
+    late = [*texts[:2], "no answer", answer(6, 8, "Regular expressions")]
+    starts, labels, failed = ev.merge_windows(ws, late, 10, None, short_starts=True)
+    assert (starts, labels[4], failed) == ([0, 4], "Regular expressions", 1)
+
+
 def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
     """End to end on the tiny model: a conversation over the budget is decoded window by window
     under the answer schema, and the merged answer is one contiguous cover of it."""

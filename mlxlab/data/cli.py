@@ -5,7 +5,8 @@
 
 Writes, atomically: <split>.cases.json (whole conversations with their gold chunks, what `eval
 chunk` reads), <split>.jsonl in mlx-lm's chat format (what `train data.train=DIR` reads; a
-conversation longer than chunk.window_chars as overlapping windows) and build.json (the
+conversation longer than chunk.window_chars, or of more than chunk.window_messages messages, as
+overlapping windows) and build.json (the
 settings and the histograms it prints: gold chunks, messages and length per conversation).
 """
 

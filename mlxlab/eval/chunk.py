@@ -1172,7 +1172,31 @@ def window_chunks(text: str, uuids: list[str], conversation_uuid):
     return sorted(starts.items()), labels
 
 
-def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
+def trailing_gap(text: str, uuids: list[str], conversation_uuid) -> int | None:
+    """The first message after everything one window's answer covers, when its chunks (some
+    anchor resolving, as `window_chunks` resolves them) stop before the window's last message;
+    else None. Every training answer covers its window to the last message, so one that stops
+    short says the messages after it are not its chunks' topic."""
+    obj = extract_json_ref(text)
+    chunks = obj.get("chunks") if isinstance(obj, dict) else None
+    index = {u: i for i, u in enumerate(uuids)}
+    reached = -1
+    for c in chunks if isinstance(chunks, list) else []:
+        if not isinstance(c, dict):
+            continue
+        for key, end in (("start_message_uuid", False), ("end_message_uuid", True)):
+            at, _ = _resolve_ref(c.get(key), uuids, index, conversation_uuid, end)
+            reached = max(reached, -1 if at is None else at)
+    return reached + 1 if 0 <= reached < len(uuids) - 1 else None
+
+
+def merge_windows(
+    windows: list[Window],
+    texts: list[str],
+    n_messages: int,
+    conversation_uuid,
+    short_starts: bool = False,
+):
     """(chunk starts, label per start, failed windows): one cover of messages 0..n_messages-1
     from the windows' answers. Each window owns the messages from the middle of its overlap with
     the one before (the earlier window keeps the first half, rounded up, so every owned message
@@ -1186,6 +1210,10 @@ def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conv
     it that answers, the chunk before it runs on. A chunk opened at a window's edge (its takeover
     point, message 0, the start of an unread stretch; or, without overlap, a chunk starting with
     the window) is a new one only under a label other than the chunk's it would continue.
+    With `short_starts` (windows of a few messages, `window_messages`), a window whose answer
+    stops short of its last message (`trailing_gap`) inside what it owns starts a chunk there, named by the next window that answers with a label: its chunk over that
+    message, else its first label; the start is dropped when that label is the chunk's before
+    it, or when no window after names it (the end of a conversation: the chunk before runs on).
     Message 0 always starts one (labelled None when no window answered)."""
     cuts = [0]
     for prev, cur in zip(windows, windows[1:], strict=False):
@@ -1199,12 +1227,23 @@ def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conv
             labels[at] = lab
 
     unread = None  # where a stretch of failed windows with no label began
+    pending = None  # a start a window's short answer implied, to be named by a later window
     failed, prev_failed = 0, False
     for k, (w, text) in enumerate(zip(windows, texts, strict=True)):
         if cuts[k] >= cuts[k + 1]:
             continue  # owns nothing
         starts, own_labels = window_chunks(text, w.uuids, conversation_uuid)
         starts = [(s + w.first, lab) for s, lab in starts]
+        if pending is not None:
+            over = [lab for s, lab in starts if s <= pending and isinstance(lab, str)]
+            name = over[-1] if over else (own_labels[0] if own_labels else None)
+            if name is not None:
+                before = labels[max(x for x in labels if x < pending)]
+                if _norm_label(name) == _norm_label(before):
+                    del labels[pending]  # the window after reads it as the same topic
+                else:
+                    labels[pending] = name
+                pending = None
         if not starts:
             failed += 1
             prev_failed = True
@@ -1231,7 +1270,14 @@ def merge_windows(windows: list[Window], texts: list[str], n_messages: int, conv
                 open_chunk(s, lab)  # no overlap with the window before
             else:
                 labels[s] = lab
+        gap = trailing_gap(text, w.uuids, conversation_uuid) if short_starts else None
+        if gap is not None and cuts[k] < gap + w.first < cuts[k + 1]:
+            gap += w.first
+            if gap not in labels and any(x < gap for x in labels):
+                labels[gap], pending = None, gap
         prev_failed = False
+    if pending is not None:
+        del labels[pending]  # no window after it named it
     labels.setdefault(0, None)
     starts = sorted(labels)
     return starts, labels, failed
@@ -1268,9 +1314,9 @@ def evaluate(
     messages where chunks start: mlxlab/eval/shifts.py `chunk_starts`) decodes each window under
     the grammar whose chunks start exactly there (`answer_grammar`'s `fixed`): only the labels
     are the model's. `kv`: `generate_all`'s store of prompt KV, shared by the decodes of one
-    model. `max_messages` > 0: no window holds more messages (a `window_messages` adapter's)."""
-    from mlxlab.data.chunk import conversation_uuid, shown
-
+    model. `max_messages` > 0: no window holds more messages (a `window_messages` adapter's),
+    and the merge reads a window's answer that stops short of its last message as a topic start
+    there (`merge_windows`' `short_starts`)."""
     cap = turns_window_messages(max_tokens) if turns else WINDOW_MESSAGES
     cap = min(cap, max_messages or cap)
     windows = plan_windows(cases, tokenizer, budget, overlap, cap)
@@ -1312,6 +1358,23 @@ def evaluate(
         processors,
         kv=kv,
     )
+    return score_windows(cases, windows, texts, train_labels, fixed_starts, bool(max_messages))
+
+
+def score_windows(
+    cases: list[dict],
+    windows: list[Window],
+    texts: list[str],
+    train_labels: set[str] | None = None,
+    fixed_starts: list[list[int]] | None = None,
+    short_starts: bool = False,
+) -> list[dict]:
+    """`evaluate`'s rows from its windows' answers (`texts`, one per window): a case read in one
+    window is scored on its answer as it is, one read in several on their merge
+    (`merge_windows`, with `short_starts`; with `fixed_starts`, `fixed_merge`). Saved `window_outputs` and the
+    windows `plan_windows` gives again re-score a run without decoding."""
+    from mlxlab.data.chunk import conversation_uuid, shown
+
     rows = []
     for i, case in enumerate(cases):
         mine = [k for k, w in enumerate(windows) if w.case == i]
@@ -1320,7 +1383,7 @@ def evaluate(
         row = {"case": i, "id": case.get("id", str(i)), "windows": len(mine)}
         ws, wt = [windows[k] for k in mine], [texts[k] for k in mine]
         points, labels, failed = (
-            merge_windows(ws, wt, len(uuids), conv) if len(mine) > 1 else ([], {}, 0)
+            merge_windows(ws, wt, len(uuids), conv, short_starts) if len(mine) > 1 else ([], {}, 0)
         )
         fixed = fixed_starts is not None and len(mine) > 1
         if fixed:  # the cover is the fixed one, even where no window answered

@@ -209,6 +209,7 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
     max_seq_length."""
     from mlxlab.data import chunk as data
     from mlxlab.data.datasets import read_records
+    from mlxlab.eval.chunk import built_window_messages
 
     per_split = {}
     for split in ("train", "valid", "test"):
@@ -223,12 +224,14 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
         for r in read_records(data_dir / "train.jsonl")
     ]
     over = sum(n > max_seq_length for n in lengths)
+    cap = built_window_messages(data_dir)
     return [
         "## Data",
         "",
         "Whole conversations per split (the prompt as `eval chunk` reads it, in "
-        "tokens; training reads a conversation longer than `window_chars` as overlapping "
-        f"windows: {len(lengths)} training examples from {per_split['train']['cases']} "
+        "tokens; training reads a conversation longer than `window_chars`"
+        + (f", or of more than {cap} messages (`window_messages`)," if cap else "")
+        + f" as overlapping windows: {len(lengths)} training examples from {per_split['train']['cases']} "
         f"conversations, the longest {max(lengths)} tokens with its answer; max_seq_length "
         f"{max_seq_length}, {over} examples over it"
         + (" (cut: see the training log)" if over else ", none cut")
