@@ -370,9 +370,10 @@ class ChunkDataConfig:
     """> 0: a training example also holds at most this many messages; a conversation with more
     becomes overlapping windows of at most that many (`window_overlap` shared), so each example
     asks a local question: at 4 with overlap 2, whether the second exchange goes on with the
-    first's topic. Evaluation then reads every conversation in windows of at most as many
-    messages (EvalSettings.window_messages, by default the dataset's), and its merge reads a
-    window's answer that stops short as a topic start. 0: only `window_chars` bounds a window.
+    first's topic. Evaluation then reads every conversation with more in windows of at most as
+    many messages (EvalSettings.window_messages, by default the adapter's training dataset's),
+    and its merge reads a window's answer that stops short as a topic start. 0: only
+    `window_chars` bounds a window.
     chunk_seg4 at 4 with 300 steps: test boundary F1 0.592, ref 99.7, but training alone took
     56 min, so the experiment keeps 0 until a setting within its 90 minutes is measured
     (experiments/chunk_seg4/local-windows.md)."""

@@ -8,7 +8,9 @@ RUN_DIR/eval_tuned.jsonl), CASES_JSON the conversations it read (default the run
 run's max_prompt_tokens, window_overlap and window_messages) and, for every message a window owns
 as `merge_windows` assigns them (but a conversation's first), whether a chunk of that window's
 own answer starts there, against whether a gold chunk does. Prints the places where either
-happens and the counts: true shifts found, missed, splits where no topic starts, and the rest.
+happens and the counts: true shifts found, missed, splits where no topic starts, and the rest;
+and the windows whose answers stop short of their last message inside what they own
+(`trailing_gap`), right before a gold topic start or elsewhere.
 Then it merges and scores the saved window answers again with the current code
 (`score_windows`, no decoding), with and without `short_starts`, and prints those summaries
 beside the one the rows hold, so a change to `merge_windows` can be measured on a run's
@@ -23,7 +25,7 @@ from pathlib import Path
 import mlxlab  # noqa: F401  (before mlx.core)
 from mlxlab.data import chunk as data
 from mlxlab.eval import chunk as ev
-from mlxlab.eval.cli import trained_window
+from mlxlab.eval.cli import run_data, trained_window
 from mlxlab.models.zoo import load
 
 
@@ -36,25 +38,28 @@ def main(run: Path, results: Path, cases_path: Path) -> None:
     rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     _, tokenizer = load(saved["model"], lazy=True)
     budget = ev_cfg.get("max_prompt_tokens") or trained_window(run, tokenizer)
-    cap = ev_cfg.get("window_messages") or ev.built_window_messages(run / "data")
+    data_dir = run_data(run) or run / "data"
+    cap = ev_cfg.get("window_messages") or ev.built_window_messages(data_dir)
     windows = ev.plan_windows(
         cases, tokenizer, budget, ev_cfg.get("window_overlap", 2), cap or ev.WINDOW_MESSAGES
     )
     counts = {"found": 0, "missed": 0, "false split": 0, "kept": 0}
+    counts |= {"short, at a topic start": 0, "short, elsewhere": 0}
     for i, (case, row) in enumerate(zip(cases, rows, strict=True)):
         ws = [w for w in windows if w.case == i]
         outs = row.get("window_outputs") or [row["output"]]
         assert len(ws) == len(outs), f"{row['id']}: {len(ws)} windows planned, {len(outs)} answers"
         uuids = [m["uuid"] for m in data.shown(case["messages"])]
         gold = {uuids.index(c["start_message_uuid"]) for c in case["chunks"]}
-        cuts = [0] + [
-            min(max((cur.first + prev.last + 2) // 2, cur.first), prev.last + 1)
-            for prev, cur in zip(ws, ws[1:], strict=False)
-        ]
-        cuts.append(len(uuids))
+        cuts = ev.window_cuts(ws, len(uuids))
         for k, (w, text) in enumerate(zip(ws, outs, strict=True)):
-            starts, _ = ev.window_chunks(text, w.uuids, case.get("uuid"))
+            starts, _ = ev.window_chunks(text, w.uuids, data.conversation_uuid(case))
             split = {s + w.first for s, _ in starts}
+            gap = ev.trailing_gap(text, w.uuids, data.conversation_uuid(case))
+            if gap is not None and cuts[k] < gap + w.first < cuts[k + 1]:  # a short answer
+                counts[
+                    "short, at a topic start" if gap + w.first in gold else "short, elsewhere"
+                ] += 1
             for m in range(max(cuts[k], 1), cuts[k + 1]):
                 g, p = m in gold, m in split
                 kind = ("found" if p else "missed") if g else ("false split" if p else "kept")
@@ -66,7 +71,7 @@ def main(run: Path, results: Path, cases_path: Path) -> None:
     print(json.dumps(counts))
     texts = [t for row in rows for t in row.get("window_outputs") or [row["output"]]]
     assert len(texts) == len(windows)
-    labels = ev.training_labels(run / "data")
+    labels = ev.training_labels(data_dir)
     keys = ("ref", "wellformed", "boundary_f1", "boundary_f1_multi", "exact_match", "label_f1")
     for name, summary in (
         ("saved", ev.summarize(rows)),

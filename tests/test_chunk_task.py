@@ -495,6 +495,26 @@ def test_short_starts_read_a_window_answer_that_stops_short_as_a_topic_start():
     late = [*texts[:2], "no answer", answer(6, 8, "Regular expressions")]
     starts, labels, failed = ev.merge_windows(ws, late, 10, None, short_starts=True)
     assert (starts, labels[4], failed) == ([0, 4], "Regular expressions", 1)
+    # a window that knows its users starts a chunk at a user message only (even ones: users)
+    users = [ev.Window(0, w.first, w.last, w.uuids, [], w.uuids[::2]) for w in ws]
+    assert ev.merge_windows(users, texts, 10, None, short_starts=True)[0] == [0, 4]
+    early = [answer(0, 0, "Sorting"), answer(2, 3, "Tuples"), *texts[2:]]  # stops at message 0
+    assert ev.merge_windows(users, early, 10, None, short_starts=True)[0] == [0, 4]
+    assert ev.merge_windows(ws, early, 10, None, short_starts=True)[0] == [0, 1, 4]
+    # a mangled end anchor is not a topic's end
+    mangled = json.dumps(
+        {"chunks": [{"label": "Sorting", "start_message_uuid": uuids[2], "end_message_uuid": "zz"}]}
+    )
+    assert ev.trailing_gap(mangled, uuids[2:6], None) is None
+    # the window after answers with starts but no label, and stops short itself: the unnamed
+    # start gives way to the newer one, named by the window after that
+    unnamed = json.dumps(
+        {"chunks": [{"label": None, "start_message_uuid": uuids[4], "end_message_uuid": uuids[5]}]}
+    )
+    starts, labels, _ = ev.merge_windows(
+        ws, [*texts[:2], unnamed, answer(6, 9, "JSON")], 10, None, short_starts=True
+    )
+    assert (starts, labels[6]) == ([0, 6], "JSON")
 
 
 def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):

@@ -1172,11 +1172,21 @@ def window_chunks(text: str, uuids: list[str], conversation_uuid):
     return sorted(starts.items()), labels
 
 
+def window_cuts(windows: list[Window], n_messages: int) -> list[int]:
+    """Where each of a case's windows takes over (`merge_windows`: window k owns messages
+    cuts[k] to cuts[k + 1] - 1), then `n_messages`."""
+    cuts = [0]
+    for prev, cur in zip(windows, windows[1:], strict=False):
+        cuts.append(min(max((cur.first + prev.last + 2) // 2, cur.first), prev.last + 1))
+    return [*cuts, n_messages]
+
+
 def trailing_gap(text: str, uuids: list[str], conversation_uuid) -> int | None:
     """The first message after everything one window's answer covers, when its chunks (some
     anchor resolving, as `window_chunks` resolves them) stop before the window's last message;
-    else None. Every training answer covers its window to the last message, so one that stops
-    short says the messages after it are not its chunks' topic."""
+    else None (also when a chunk's start resolves and its end does not: a mangled anchor). Every
+    training answer covers its window to the last message, so one that stops short says the
+    messages after it are not its chunks' topic."""
     obj = extract_json_ref(text)
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
     index = {u: i for i, u in enumerate(uuids)}
@@ -1184,9 +1194,11 @@ def trailing_gap(text: str, uuids: list[str], conversation_uuid) -> int | None:
     for c in chunks if isinstance(chunks, list) else []:
         if not isinstance(c, dict):
             continue
-        for key, end in (("start_message_uuid", False), ("end_message_uuid", True)):
-            at, _ = _resolve_ref(c.get(key), uuids, index, conversation_uuid, end)
-            reached = max(reached, -1 if at is None else at)
+        s, _ = _resolve_ref(c.get("start_message_uuid"), uuids, index, conversation_uuid, False)
+        e, _ = _resolve_ref(c.get("end_message_uuid"), uuids, index, conversation_uuid, True)
+        if s is not None and e is None:
+            return None  # a mangled end anchor, not a topic's end
+        reached = max(reached, -1 if s is None else s, -1 if e is None else e)
     return reached + 1 if 0 <= reached < len(uuids) - 1 else None
 
 
@@ -1211,14 +1223,15 @@ def merge_windows(
     point, message 0, the start of an unread stretch; or, without overlap, a chunk starting with
     the window) is a new one only under a label other than the chunk's it would continue.
     With `short_starts` (windows of a few messages, `window_messages`), a window whose answer
-    stops short of its last message (`trailing_gap`) inside what it owns starts a chunk there, named by the next window that answers with a label: its chunk over that
-    message, else its first label; the start is dropped when that label is the chunk's before
-    it, or when no window after names it (the end of a conversation: the chunk before runs on).
+    stops short of its last message (`trailing_gap`) inside what it owns, at a user message (when
+    the window knows its users), starts a chunk there, named by the next window that answers
+    with a label: its last labelled chunk that starts at or before that message, else its first
+    label. The start is dropped when that label is the chunk's before it, when the window after
+    answers with no label and a start of its own, or when no window after names it (the end of
+    a conversation: the chunk before runs on, so a topic that starts in the last window's own
+    stretch is not found).
     Message 0 always starts one (labelled None when no window answered)."""
-    cuts = [0]
-    for prev, cur in zip(windows, windows[1:], strict=False):
-        cuts.append(min(max((cur.first + prev.last + 2) // 2, cur.first), prev.last + 1))
-    cuts.append(n_messages)
+    cuts = window_cuts(windows, n_messages)
     labels: dict[int, str | None] = {}
 
     def open_chunk(at: int, lab) -> None:  # unless it continues the chunk before, same label
@@ -1271,9 +1284,12 @@ def merge_windows(
             else:
                 labels[s] = lab
         gap = trailing_gap(text, w.uuids, conversation_uuid) if short_starts else None
-        if gap is not None and cuts[k] < gap + w.first < cuts[k + 1]:
+        asks = gap is not None and (not w.users or w.uuids[gap] in w.users)
+        if asks and cuts[k] < gap + w.first < cuts[k + 1]:
             gap += w.first
             if gap not in labels and any(x < gap for x in labels):
+                if pending is not None:
+                    del labels[pending]  # the window after it answered with no label
                 labels[gap], pending = None, gap
         prev_failed = False
     if pending is not None:

@@ -71,8 +71,10 @@ def run(cfg: EvalConfig) -> dict:
             cfg.max_prompt_tokens = trained
             log.info(f"max_prompt_tokens={trained}: the windows the adapter was trained on")
     trained_data = run_data(run_dir) if run_dir is not None else None
-    if trained_data is not None and not cfg.window_messages:
-        cfg.window_messages = ev.built_window_messages(trained_data)
+    if run_dir is not None and not cfg.window_messages:
+        cfg.window_messages = run_eval_setting(run_dir, "window_messages") or (
+            ev.built_window_messages(trained_data) if trained_data is not None else 0
+        )
         if cfg.window_messages:
             log.info(f"window_messages={cfg.window_messages}: the adapter's training windows")
     # answers as the adapter's run trained them
