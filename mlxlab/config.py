@@ -46,6 +46,16 @@ def config_dir() -> Path:
     return Path(str(resources.files("mlxlab.configs"))).resolve()
 
 
+def check_window_messages(value: int, overlap: int, zero: str) -> None:
+    """UserError unless `value` is 0 (meaning `zero`) or more messages than `overlap` (and 1):
+    a window that holds no more than it shares with the one before cannot move on."""
+    if value and value <= max(overlap, 1):
+        raise UserError(
+            f"window_messages must be 0 ({zero}) or more than window_overlap (and 1), "
+            f"got {value} with window_overlap {overlap}"
+        )
+
+
 def check_choice(name: str, value, choices: Iterable[str], what: str | None = None) -> None:
     """UserError naming the field and the allowed values unless `value` is one of `choices`.
 
@@ -452,11 +462,7 @@ class ChunkDataConfig:
             )
         if self.brief_chars < 40:
             raise UserError(f"brief_chars must be >= 40, got {self.brief_chars}")
-        if self.window_messages and self.window_messages <= max(self.window_overlap, 1):
-            raise UserError(
-                "window_messages must be 0 (no cap) or more than window_overlap (and 1), "
-                f"got {self.window_messages} with window_overlap {self.window_overlap}"
-            )
+        check_window_messages(self.window_messages, self.window_overlap, "no cap")
 
 
 @dataclass
@@ -570,11 +576,7 @@ class EvalSettings:
             )
         if self.window_overlap < 0:
             raise UserError(f"window_overlap must be >= 0, got {self.window_overlap}")
-        if self.window_messages and self.window_messages <= max(self.window_overlap, 1):
-            raise UserError(
-                "window_messages must be 0 (auto) or more than window_overlap (and 1), "
-                f"got {self.window_messages} with window_overlap {self.window_overlap}"
-            )
+        check_window_messages(self.window_messages, self.window_overlap, "auto")
         if not math.isfinite(self.split_bias) or self.split_bias < 0:
             raise UserError(f"split_bias must be a finite number >= 0, got {self.split_bias}")
         for key, low, high in (("drop", 0, 2), ("cap", -1, 1), ("floor", -1, 1)):

@@ -1,11 +1,13 @@
-"""Where a windowed evaluation's answers split, place by place (experiments/chunk_seg4/local-windows.md).
+"""Where a windowed evaluation's answers split, place by place
+(experiments/chunk_seg4/local-windows.md).
 
     python scripts/chunk_window_splits.py RUN_DIR [RESULTS_JSONL [CASES_JSON]]
 
 RUN_DIR is a chunk-task run directory (its data/test.cases.json holds the gold, its config.yaml
 the window settings); RESULTS_JSONL the per-case rows an evaluation wrote (default
-RUN_DIR/eval_tuned.jsonl), CASES_JSON the conversations it read (default the run's test split). It plans the windows again as the evaluation did (`plan_windows`, the
-run's max_prompt_tokens, window_overlap and window_messages) and, for every message a window owns
+RUN_DIR/eval_tuned.jsonl), CASES_JSON the conversations it read (default the run's test split).
+It plans the windows again as the evaluation did (`plan_windows`, the run's max_prompt_tokens,
+window_overlap and window_messages) and, for every message a window owns
 as `merge_windows` assigns them (but a conversation's first), whether a chunk of that window's
 own answer starts there, against whether a gold chunk does. Prints the places where either
 happens and the counts: true shifts found, missed, splits where no topic starts, and the rest;
@@ -53,9 +55,8 @@ def main(run: Path, results: Path, cases_path: Path) -> None:
         gold = {uuids.index(c["start_message_uuid"]) for c in case["chunks"]}
         cuts = ev.window_cuts(ws, len(uuids))
         for k, (w, text) in enumerate(zip(ws, outs, strict=True)):
-            starts, _ = ev.window_chunks(text, w.uuids, data.conversation_uuid(case))
+            starts, _, gap = ev.window_chunks(text, w.uuids, data.conversation_uuid(case))
             split = {s + w.first for s, _ in starts}
-            gap = ev.trailing_gap(text, w.uuids, data.conversation_uuid(case))
             if gap is not None and cuts[k] < gap + w.first < cuts[k + 1]:  # a short answer
                 counts[
                     "short, at a topic start" if gap + w.first in gold else "short, elsewhere"

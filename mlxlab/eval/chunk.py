@@ -20,8 +20,8 @@ labels, the share of predicted labels that are verbatim training labels.
 `evaluate` reads a case longer than the prompt budget in windows of consecutive messages
 (`plan_windows`; for an adapter that writes `turns`, at most `turns_window_messages` messages, so
 its answer has room within `max_tokens`; with `window_messages`, every case in windows of at most
-that many, as such an adapter's training examples are) and merges their answers into one cover (`merge_windows`);
-the merged answer is what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
+that many, as such an adapter's training examples are) and merges their answers into one cover
+(`merge_windows`); the merged answer is what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
 chunk` and the chunk task's base/tuned evaluations call); with
 `constrained=true` it decodes the split a second time under `answer_grammar` (mlxlab/grammar.py:
 the answer's JSON whose chunks cover the conversation's messages in order, so only where chunks
@@ -1069,24 +1069,28 @@ def openings(settings, data) -> dict[str, bool]:
     }
 
 
+def _build(data) -> dict:
+    """A chunk dataset directory's build.json settings; {} without a readable one."""
+    try:
+        build = json.loads((Path(data) / "build.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return {}
+    return build if isinstance(build, dict) else {}
+
+
 def built_window_messages(data) -> int:
     """A chunk dataset directory's `window_messages` (its build.json; 0 without one): the most
     messages its training examples hold, so the most an adapter trained on it reads at once."""
     try:
-        build = json.loads((Path(data) / "build.json").read_text())
-        return max(0, int(build.get("window_messages") or 0)) if isinstance(build, dict) else 0
-    except (OSError, ValueError, TypeError):
+        return max(0, int(_build(data).get("window_messages") or 0))
+    except (ValueError, TypeError):
         return 0
 
 
 def built_with(data, option: str) -> bool:
     """Whether a chunk dataset directory was built with `option` (a ChunkDataConfig flag such as
     `turn_topics` or `starts`: its answers open that way) by its build.json; false without one."""
-    try:
-        build = json.loads((Path(data) / "build.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-    return bool(isinstance(build, dict) and build.get(option))
+    return bool(_build(data).get(option))
 
 
 def plan_windows(
@@ -1149,18 +1153,19 @@ def users(msgs: list[dict]) -> list[str]:
 
 
 def window_chunks(text: str, uuids: list[str], conversation_uuid):
-    """(starts, labels) of one window's answer: `starts` = [(start, label)], sorted, one per
+    """(starts, labels, gap) of one window's answer: `starts` = [(start, label)], sorted, one per
     message (the first chunk the answer starts there), for each chunk whose start anchor resolves
     as `validate_ref` resolves it (of a range whose end also resolves, the lower end), so a chunk
     whose end alone is past saving still says where a topic starts and what it is called;
     `labels` = every chunk's label that is a string, in order. A label that is not a string is
-    None."""
+    None. `gap`: the answer's `trailing_gap`."""
     obj = extract_json_ref(text)
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
     chunks = [c for c in chunks if isinstance(c, dict)] if isinstance(chunks, list) else []
     index = {u: i for i, u in enumerate(uuids)}
     starts: dict[int, str | None] = {}
     labels: list[str] = []
+    reached, mangled = -1, False  # the last message any anchor reaches; an end past saving
     for c in chunks:
         lab = c.get("label") if isinstance(c.get("label"), str) else None
         if lab is not None:
@@ -1169,7 +1174,10 @@ def window_chunks(text: str, uuids: list[str], conversation_uuid):
         e, _ = _resolve_ref(c.get("end_message_uuid"), uuids, index, conversation_uuid, True)
         if s is not None:
             starts.setdefault(s if e is None else min(s, e), lab)
-    return sorted(starts.items()), labels
+            mangled = mangled or e is None
+        reached = max(reached, -1 if s is None else s, -1 if e is None else e)
+    short = not mangled and 0 <= reached < len(uuids) - 1
+    return sorted(starts.items()), labels, reached + 1 if short else None
 
 
 def window_cuts(windows: list[Window], n_messages: int) -> list[int]:
@@ -1186,20 +1194,8 @@ def trailing_gap(text: str, uuids: list[str], conversation_uuid) -> int | None:
     anchor resolving, as `window_chunks` resolves them) stop before the window's last message;
     else None (also when a chunk's start resolves and its end does not: a mangled anchor). Every
     training answer covers its window to the last message, so one that stops short says the
-    messages after it are not its chunks' topic."""
-    obj = extract_json_ref(text)
-    chunks = obj.get("chunks") if isinstance(obj, dict) else None
-    index = {u: i for i, u in enumerate(uuids)}
-    reached = -1
-    for c in chunks if isinstance(chunks, list) else []:
-        if not isinstance(c, dict):
-            continue
-        s, _ = _resolve_ref(c.get("start_message_uuid"), uuids, index, conversation_uuid, False)
-        e, _ = _resolve_ref(c.get("end_message_uuid"), uuids, index, conversation_uuid, True)
-        if s is not None and e is None:
-            return None  # a mangled end anchor, not a topic's end
-        reached = max(reached, -1 if s is None else s, -1 if e is None else e)
-    return reached + 1 if 0 <= reached < len(uuids) - 1 else None
+    messages after it are not its chunks' topic (`window_chunks` finds it as it reads them)."""
+    return window_chunks(text, uuids, conversation_uuid)[2]
 
 
 def merge_windows(
@@ -1245,7 +1241,7 @@ def merge_windows(
     for k, (w, text) in enumerate(zip(windows, texts, strict=True)):
         if cuts[k] >= cuts[k + 1]:
             continue  # owns nothing
-        starts, own_labels = window_chunks(text, w.uuids, conversation_uuid)
+        starts, own_labels, gap = window_chunks(text, w.uuids, conversation_uuid)
         starts = [(s + w.first, lab) for s, lab in starts]
         if pending is not None:
             over = [lab for s, lab in starts if s <= pending and isinstance(lab, str)]
@@ -1283,8 +1279,7 @@ def merge_windows(
                 open_chunk(s, lab)  # no overlap with the window before
             else:
                 labels[s] = lab
-        gap = trailing_gap(text, w.uuids, conversation_uuid) if short_starts else None
-        asks = gap is not None and (not w.users or w.uuids[gap] in w.users)
+        asks = short_starts and gap is not None and (not w.users or w.uuids[gap] in w.users)
         if asks and cuts[k] < gap + w.first < cuts[k + 1]:
             gap += w.first
             if gap not in labels and any(x < gap for x in labels):
@@ -1387,8 +1382,9 @@ def score_windows(
 ) -> list[dict]:
     """`evaluate`'s rows from its windows' answers (`texts`, one per window): a case read in one
     window is scored on its answer as it is, one read in several on their merge
-    (`merge_windows`, with `short_starts`; with `fixed_starts`, `fixed_merge`). Saved `window_outputs` and the
-    windows `plan_windows` gives again re-score a run without decoding."""
+    (`merge_windows`, with `short_starts`; with `fixed_starts`, `fixed_merge`). Saved
+    `window_outputs` and the windows `plan_windows` gives again re-score a run without
+    decoding."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     rows = []

@@ -231,7 +231,8 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
         "Whole conversations per split (the prompt as `eval chunk` reads it, in "
         "tokens; training reads a conversation longer than `window_chars`"
         + (f", or of more than {cap} messages (`window_messages`)," if cap else "")
-        + f" as overlapping windows: {len(lengths)} training examples from {per_split['train']['cases']} "
+        + f" as overlapping windows: {len(lengths)} training examples from "
+        f"{per_split['train']['cases']} "
         f"conversations, the longest {max(lengths)} tokens with its answer; max_seq_length "
         f"{max_seq_length}, {over} examples over it"
         + (" (cut: see the training log)" if over else ", none cut")
