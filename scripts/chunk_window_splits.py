@@ -14,7 +14,7 @@ happens and the counts: true shifts found, missed, splits where no topic starts,
 and the windows whose answers stop short of their last message inside what they own
 (`trailing_gap`), right before a gold topic start or elsewhere.
 Then it merges and scores the saved window answers again with the current code
-(`score_windows`, no decoding), with and without `short_starts`, and prints those summaries
+(`score_windows`, no decoding), with and without `local` (`merge_local`), and prints those summaries
 beside the one the rows hold, so a change to `merge_windows` can be measured on a run's
 answers."""
 
@@ -78,8 +78,8 @@ def main(run: Path, results: Path, cases_path: Path) -> None:
         ("saved", ev.summarize(rows)),
         ("merged again", ev.summarize(ev.score_windows(cases, windows, texts, labels))),
         (
-            "merged again, short_starts",
-            ev.summarize(ev.score_windows(cases, windows, texts, labels, short_starts=True)),
+            "merged again, local",
+            ev.summarize(ev.score_windows(cases, windows, texts, labels, local=True)),
         ),
     ):
         print(name, json.dumps({k: round(summary[k], 3) for k in keys if k in summary}))

@@ -464,57 +464,70 @@ def test_merging_windows_without_overlap():
     assert starts == [0, 4, 6] and labels[4] == "JSON parsing"
 
 
-def test_short_starts_read_a_window_answer_that_stops_short_as_a_topic_start():
-    """Windows of two exchanges sharing one (0-3, 2-5, 4-7, 6-9): an answer that ends its chunk
-    at the window's second message, inside what the window owns, starts a chunk at its third,
-    named by the next window; only with short_starts."""
+def test_merge_local_reads_each_window_s_own_decision():
+    """Windows of two exchanges sharing one (0-3, 2-5, 4-7, 6-9; they own 0-2, 3-4, 5-6, 7-9): an
+    answer that ends its chunk at the window's second message, inside what the window owns,
+    starts a chunk at its third, named by the next window; an explicit chunk start inside what a
+    window owns is one; a failed window decides nothing. Only with `local`."""
     uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(10)]
     ws = [_window(a, a + 3, uuids) for a in (0, 2, 4, 6)]
 
-    def answer(a, b, label):
+    def answer(*chunks):
         return json.dumps(
-            {"chunks": [{"label": label, "start_message_uuid": uuids[a],
-                         "end_message_uuid": uuids[b]}]}
+            {"chunks": [{"label": x, "start_message_uuid": uuids[a], "end_message_uuid": uuids[b]}
+                        for a, b, x in chunks]}
         )  # fmt: skip
 
     texts = [
-        answer(0, 3, "Sorting"),
-        answer(2, 3, "Sorting"),  # stops at its second message: a topic starts at message 4
-        answer(4, 7, "Regular expressions"),
-        answer(6, 9, "Regular expressions"),
+        answer((0, 3, "Sorting")),
+        answer((2, 3, "Sorting")),  # stops at its second message: a topic starts at message 4
+        answer((4, 7, "Regular expressions")),
+        answer((6, 9, "Regular expressions")),
     ]
     assert ev.trailing_gap(texts[1], uuids[2:6], None) == 2
     assert ev.trailing_gap(texts[0], uuids[0:4], None) is None
-    starts, labels, failed = ev.merge_windows(ws, texts, 10, None, short_starts=True)
-    assert (starts, labels[4], failed) == ([0, 4], "Regular expressions", 0)
-    assert ev.merge_windows(ws, texts, 10, None)[0] == [0]  # off: the gap is repaired away
-    # the window after names it as the chunk before: the same topic, no start
-    same = [*texts[:2], answer(4, 7, "sorting"), answer(6, 9, "Sorting")]
-    assert ev.merge_windows(ws, same, 10, None, short_starts=True)[0] == [0]
-    # a window with no label to read leaves it to the next one; the last window's gap is dropped
-    late = [*texts[:2], "no answer", answer(6, 8, "Regular expressions")]
-    starts, labels, failed = ev.merge_windows(ws, late, 10, None, short_starts=True)
+    starts, labels, failed = ev.merge_windows(ws, texts, 10, None, local=True)
+    assert (starts, labels, failed) == ([0, 4], {0: "Sorting", 4: "Regular expressions"}, 0)
+    assert ev.merge_windows(ws, texts, 10, None)[0] == [0]  # not local: the gap is repaired away
+    # the window that stopped decides, not the labels: the next one's label only names the chunk
+    same = [*texts[:2], answer((4, 7, "sorting")), answer((6, 9, "Sorting"))]
+    starts, labels, _ = ev.merge_windows(ws, same, 10, None, local=True)
+    assert (starts, labels[4]) == ([0, 4], "sorting")
+    # a failed window leaves the name to the next one; the last window's gap (message 9) has no
+    # window after it to name it and is dropped
+    late = [*texts[:2], "no answer", answer((6, 8, "Regular expressions"))]
+    starts, labels, failed = ev.merge_windows(ws, late, 10, None, local=True)
     assert (starts, labels[4], failed) == ([0, 4], "Regular expressions", 1)
-    # a window that knows its users starts a chunk at a user message only (even ones: users)
+    # a failed window starts nothing (merged as long windows, its stretch opens a chunk under the
+    # next window's other label)
+    broken = [answer((0, 3, "Sorting")), answer((2, 5, "Sorting")), "{", answer((6, 9, "Tuples"))]
+    assert ev.merge_windows(ws, broken, 10, None, local=True)[:3:2] == ([0], 1)
+    assert ev.merge_windows(ws, broken, 10, None)[0] == [0, 5]
+    # a window that knows its users starts a chunk at a user message only (even ones: users),
+    # by a short answer or by a chunk of its own
     users = [ev.Window(0, w.first, w.last, w.uuids, [], w.uuids[::2]) for w in ws]
-    assert ev.merge_windows(users, texts, 10, None, short_starts=True)[0] == [0, 4]
-    early = [answer(0, 0, "Sorting"), answer(2, 3, "Tuples"), *texts[2:]]  # stops at message 0
-    assert ev.merge_windows(users, early, 10, None, short_starts=True)[0] == [0, 4]
-    assert ev.merge_windows(ws, early, 10, None, short_starts=True)[0] == [0, 1, 4]
+    assert ev.merge_windows(users, texts, 10, None, local=True)[0] == [0, 4]
+    early = [answer((0, 0, "Sorting")), answer((2, 3, "Tuples")), *texts[2:]]  # stops at msg 0
+    assert ev.merge_windows(users, early, 10, None, local=True)[0] == [0, 4]
+    starts, labels, _ = ev.merge_windows(ws, early, 10, None, local=True)
+    assert (starts, labels[1]) == ([0, 1, 4], "Tuples")
+    odd = [answer((0, 0, "Sorting"), (1, 3, "Tuples")), *texts[1:]]  # a chunk at message 1
+    assert ev.merge_windows(users, odd, 10, None, local=True)[0] == [0, 4]
+    assert ev.merge_windows(ws, odd, 10, None, local=True)[0] == [0, 1, 4]
+    # an explicit start inside what the window owns; one with no string label named after it
+    second = [*texts[:2], answer((4, 5, "Regex"), (6, 7, None)), answer((6, 9, "JSON"))]
+    starts, labels, _ = ev.merge_windows(ws, second, 10, None, local=True)
+    assert (starts, labels[6]) == ([0, 4, 6], "JSON")
+    # a start at the window's first message is not a decision (every answer starts there), nor
+    # is one outside what the window owns (message 2 belongs to window 0)
+    outside = [texts[0], answer((2, 2, "Tuples"), (3, 5, "Tuples")), *texts[2:]]
+    assert ev.merge_windows(ws, outside, 10, None, local=True)[0] == [0, 3]
     # a mangled end anchor is not a topic's end
     mangled = json.dumps(
         {"chunks": [{"label": "Sorting", "start_message_uuid": uuids[2], "end_message_uuid": "zz"}]}
     )
     assert ev.trailing_gap(mangled, uuids[2:6], None) is None
-    # the window after answers with starts but no label, and stops short itself: the unnamed
-    # start gives way to the newer one, named by the window after that
-    unnamed = json.dumps(
-        {"chunks": [{"label": None, "start_message_uuid": uuids[4], "end_message_uuid": uuids[5]}]}
-    )
-    starts, labels, _ = ev.merge_windows(
-        ws, [*texts[:2], unnamed, answer(6, 9, "JSON")], 10, None, short_starts=True
-    )
-    assert (starts, labels[6]) == ([0, 6], "JSON")
+    assert ev.merge_windows(ws, [texts[0], mangled, *texts[2:]], 10, None, local=True)[0] == [0]
 
 
 def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):

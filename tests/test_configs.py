@@ -63,7 +63,7 @@ def test_the_task_is_a_config_group_not_trainer_fields():
     assert seg4.task["report"] == "experiments/chunk_seg4/README.md"
     assert type(seg4.train_config()) is config.TrainConfig
     hooks = tasks.hooks_for(seg4.task)
-    assert hooks.cfg.eval.max_tokens == 512 and hooks.config()["name"] == "chunk"
+    assert hooks.cfg.eval.max_tokens == 256 and hooks.config()["name"] == "chunk"
     # the shift-boundaries decode is opt-in: with it the command ran past 90 minutes
     assert hooks.cfg.eval.shifts == "" and hooks.cfg.eval.constrained
     on = cli.compose("train", ["+exp=chunk_seg4", "task.eval.shifts=all-minilm-l6-v2"])

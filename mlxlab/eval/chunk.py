@@ -1198,15 +1198,60 @@ def trailing_gap(text: str, uuids: list[str], conversation_uuid) -> int | None:
     return window_chunks(text, uuids, conversation_uuid)[2]
 
 
+def merge_local(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
+    """`merge_windows` for windows of a few messages (`window_messages`): every boundary is one
+    window's own decision, about a place it owns (`window_cuts`) and sees both sides of. A
+    window's answer starts a topic at a user message it owns (any message, where the window does
+    not know its users) when one of its chunks starts there (not at the window's first message,
+    which every answer starts with), or when the answer stops short of its last message there
+    (`trailing_gap`): every training answer covers its window, so one that ends with the
+    first exchange says the second is not its topic (what these adapters do at a shift; a
+    second chunk is rare, experiments/chunk_seg4/local-windows.md). A window with no start to
+    read (failed, counted) decides nothing: the chunk before runs on over what it owns, since a
+    label read from a broken answer is no evidence of a new topic. A chunk is called by its own
+    answer's label; a start from a short answer (or a label that is not a string) by the first
+    window after it that answers with a label, its last labelled chunk starting at or before that
+    message, else its first label; with no such window (the conversation's end) a short answer's
+    start is dropped. Message 0 always starts one, called as window 0 calls it."""
+    cuts = window_cuts(windows, n_messages)
+    read = [
+        window_chunks(t, w.uuids, conversation_uuid) for w, t in zip(windows, texts, strict=True)
+    ]
+
+    def name(k: int, at: int):  # the label the first window from k that has one gives message at
+        for w, (starts, own, _) in zip(windows[k:], read[k:], strict=True):
+            over = [lab for s, lab in starts if s + w.first <= at and isinstance(lab, str)]
+            if over or own:
+                return over[-1] if over else own[0]
+        return None
+
+    labels: dict[int, str | None] = {}
+    for k, (w, (starts, _, gap)) in enumerate(zip(windows, read, strict=True)):
+        asks = set(w.users) if w.users else set(w.uuids)
+        for s, lab in starts:
+            if s > 0 and cuts[k] <= s + w.first < cuts[k + 1] and w.uuids[s] in asks:
+                labels[s + w.first] = lab if isinstance(lab, str) else name(k + 1, s + w.first)
+        if gap is None or w.uuids[gap] not in asks:
+            continue
+        at = gap + w.first
+        if cuts[k] < at < cuts[k + 1] and at not in labels:
+            lab = name(k + 1, at)
+            if lab is not None:
+                labels[at] = lab
+    labels[0] = name(0, 0)
+    return sorted(labels), labels, sum(not starts for starts, _, _ in read)
+
+
 def merge_windows(
     windows: list[Window],
     texts: list[str],
     n_messages: int,
     conversation_uuid,
-    short_starts: bool = False,
+    local: bool = False,
 ):
     """(chunk starts, label per start, failed windows): one cover of messages 0..n_messages-1
-    from the windows' answers. Each window owns the messages from the middle of its overlap with
+    from the windows' answers. With `local` (windows of a few messages, `window_messages`):
+    `merge_local`. Otherwise each window owns the messages from the middle of its overlap with
     the one before (the earlier window keeps the first half, rounded up, so every owned message
     has one message of context before it) to the middle of its overlap with the one after; the
     chunk starts a window's answer puts inside what it owns are the merged boundaries, with their
@@ -1218,15 +1263,11 @@ def merge_windows(
     it that answers, the chunk before it runs on. A chunk opened at a window's edge (its takeover
     point, message 0, the start of an unread stretch; or, without overlap, a chunk starting with
     the window) is a new one only under a label other than the chunk's it would continue.
-    With `short_starts` (windows of a few messages, `window_messages`), a window whose answer
-    stops short of its last message (`trailing_gap`) inside what it owns, at a user message (when
-    the window knows its users), starts a chunk there, named by the next window that answers
-    with a label: its last labelled chunk that starts at or before that message, else its first
-    label. The start is dropped when that label is the chunk's before it, when the window after
-    answers with no label and a start of its own, or when no window after names it (the end of
-    a conversation: the chunk before runs on, so a topic that starts in the last window's own
-    stretch is not found).
+    (A long window's answer that stops short is not read as a topic start: those are answers
+    that gave up, experiments/chunk_seg4/local-windows.md.)
     Message 0 always starts one (labelled None when no window answered)."""
+    if local:
+        return merge_local(windows, texts, n_messages, conversation_uuid)
     cuts = window_cuts(windows, n_messages)
     labels: dict[int, str | None] = {}
 
@@ -1236,23 +1277,12 @@ def merge_windows(
             labels[at] = lab
 
     unread = None  # where a stretch of failed windows with no label began
-    pending = None  # a start a window's short answer implied, to be named by a later window
     failed, prev_failed = 0, False
     for k, (w, text) in enumerate(zip(windows, texts, strict=True)):
         if cuts[k] >= cuts[k + 1]:
             continue  # owns nothing
-        starts, own_labels, gap = window_chunks(text, w.uuids, conversation_uuid)
+        starts, own_labels, _ = window_chunks(text, w.uuids, conversation_uuid)
         starts = [(s + w.first, lab) for s, lab in starts]
-        if pending is not None:
-            over = [lab for s, lab in starts if s <= pending and isinstance(lab, str)]
-            name = over[-1] if over else (own_labels[0] if own_labels else None)
-            if name is not None:
-                before = labels[max(x for x in labels if x < pending)]
-                if _norm_label(name) == _norm_label(before):
-                    del labels[pending]  # the window after reads it as the same topic
-                else:
-                    labels[pending] = name
-                pending = None
         if not starts:
             failed += 1
             prev_failed = True
@@ -1279,16 +1309,7 @@ def merge_windows(
                 open_chunk(s, lab)  # no overlap with the window before
             else:
                 labels[s] = lab
-        asks = short_starts and gap is not None and (not w.users or w.uuids[gap] in w.users)
-        if asks and cuts[k] < gap + w.first < cuts[k + 1]:
-            gap += w.first
-            if gap not in labels and any(x < gap for x in labels):
-                if pending is not None:
-                    del labels[pending]  # the window after it answered with no label
-                labels[gap], pending = None, gap
         prev_failed = False
-    if pending is not None:
-        del labels[pending]  # no window after it named it
     labels.setdefault(0, None)
     starts = sorted(labels)
     return starts, labels, failed
@@ -1326,8 +1347,7 @@ def evaluate(
     the grammar whose chunks start exactly there (`answer_grammar`'s `fixed`): only the labels
     are the model's. `kv`: `generate_all`'s store of prompt KV, shared by the decodes of one
     model. `max_messages` > 0: no window holds more messages (a `window_messages` adapter's),
-    and the merge reads a window's answer that stops short of its last message as a topic start
-    there (`merge_windows`' `short_starts`)."""
+    and the windows' answers are merged by `merge_local`."""
     cap = turns_window_messages(max_tokens) if turns else WINDOW_MESSAGES
     cap = min(cap, max_messages or cap)
     windows = plan_windows(cases, tokenizer, budget, overlap, cap)
@@ -1378,11 +1398,11 @@ def score_windows(
     texts: list[str],
     train_labels: set[str] | None = None,
     fixed_starts: list[list[int]] | None = None,
-    short_starts: bool = False,
+    local: bool = False,
 ) -> list[dict]:
     """`evaluate`'s rows from its windows' answers (`texts`, one per window): a case read in one
     window is scored on its answer as it is, one read in several on their merge
-    (`merge_windows`, with `short_starts`; with `fixed_starts`, `fixed_merge`). Saved
+    (`merge_windows`, with `local`; with `fixed_starts`, `fixed_merge`). Saved
     `window_outputs` and the windows `plan_windows` gives again re-score a run without
     decoding."""
     from mlxlab.data.chunk import conversation_uuid, shown
@@ -1395,7 +1415,7 @@ def score_windows(
         row = {"case": i, "id": case.get("id", str(i)), "windows": len(mine)}
         ws, wt = [windows[k] for k in mine], [texts[k] for k in mine]
         points, labels, failed = (
-            merge_windows(ws, wt, len(uuids), conv, short_starts) if len(mine) > 1 else ([], {}, 0)
+            merge_windows(ws, wt, len(uuids), conv, local) if len(mine) > 1 else ([], {}, 0)
         )
         fixed = fixed_starts is not None and len(mine) > 1
         if fixed:  # the cover is the fixed one, even where no window answered
