@@ -382,11 +382,8 @@ class ChunkDataConfig:
     asks a local question: at 4 with overlap 2, whether the second exchange goes on with the
     first's topic. Evaluation then reads every conversation with more in windows of at most as
     many messages (EvalSettings.window_messages, by default the adapter's training dataset's),
-    and its merge reads a window's answer that stops short as a topic start. 0: only
-    `window_chars` bounds a window.
-    chunk_seg4 at 4 with 300 steps: test boundary F1 0.592, ref 99.7, but training alone took
-    56 min, so the experiment keeps 0 until a setting within its 90 minutes is measured
-    (experiments/chunk_seg4/local-windows.md)."""
+    each boundary one window's own decision (mlxlab/eval/chunk.py `merge_local`). 0: only
+    `window_chars` bounds a window. chunk_seg4 uses 4 (experiments/chunk_seg4/local-windows.md)."""
     boundary_weight: float = 1.0
     """Loss weight, in the training split's answers, of the tokens that place each chunk: the
     first characters of every uuid the answer writes (which message) and the character after each
@@ -513,11 +510,10 @@ class EvalSettings:
     """Messages each window shares with the one before."""
     window_messages: int = 0
     """> 0: every conversation with more messages is read in windows of at most this many (also
-    within max_prompt_tokens), their answers merged as a long conversation's are, except that a
-    window's answer that stops short of its last message starts a chunk after it (what an answer
-    over two exchanges that ends with the first one says; mlxlab/eval/chunk.py `merge_windows`'
-    `short_starts`). 0: in a
-    chunk-task run, and in `eval chunk` with an adapter from one, the run's dataset's
+    within max_prompt_tokens), their answers merged by mlxlab/eval/chunk.py `merge_local`: each
+    boundary is one window's decision about the messages it owns, a chunk its answer starts at a
+    user message or an answer that stops short of its last message (what an answer over two
+    exchanges that ends with the first says). 0: in a chunk-task run, and in `eval chunk` with an adapter from one, the run's dataset's
     `window_messages` (build.json; windows like the training examples); otherwise no cap but the
     token budget's."""
     turns: bool | None = None
