@@ -528,6 +528,17 @@ def test_merge_local_reads_each_window_s_own_decision():
     )
     assert ev.trailing_gap(mangled, uuids[2:6], None) is None
     assert ev.merge_windows(ws, [texts[0], mangled, *texts[2:]], 10, None, local=True)[0] == [0]
+    # a window whose only resolving anchor is an end has failed: its gap decides nothing either
+    endonly = json.dumps(
+        {"chunks": [{"label": "Sorting", "start_message_uuid": "zz", "end_message_uuid": uuids[3]}]}
+    )
+    assert ev.merge_windows(ws, [texts[0], endonly, *texts[2:]], 10, None, local=True)[::2] == (
+        [0],
+        1,
+    )
+    # an explicit start that nothing after it names is dropped, not left unnamed
+    last = answer((6, 7, "Regular expressions"), (8, 9, None))
+    assert ev.merge_windows(ws, [*texts[:3], last], 10, None, local=True)[0] == [0, 4]
 
 
 def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):

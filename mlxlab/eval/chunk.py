@@ -1211,8 +1211,10 @@ def merge_local(windows: list[Window], texts: list[str], n_messages: int, conver
     label read from a broken answer is no evidence of a new topic. A chunk is called by its own
     answer's label; a start from a short answer (or a label that is not a string) by the first
     window after it that answers with a label, its last labelled chunk starting at or before that
-    message, else its first label; with no such window (the conversation's end) a short answer's
-    start is dropped. Message 0 always starts one, called as window 0 calls it."""
+    message, else its first label; with no such window (the conversation's end) the start is
+    dropped. Message 0 always starts one, called as window 0 calls it (else as the first window
+    with a label does; None when none has). Failed windows are counted among those that own
+    messages."""
     cuts = window_cuts(windows, n_messages)
     read = [
         window_chunks(t, w.uuids, conversation_uuid) for w, t in zip(windows, texts, strict=True)
@@ -1230,16 +1232,19 @@ def merge_local(windows: list[Window], texts: list[str], n_messages: int, conver
         asks = set(w.users) if w.users else set(w.uuids)
         for s, lab in starts:
             if s > 0 and cuts[k] <= s + w.first < cuts[k + 1] and w.uuids[s] in asks:
-                labels[s + w.first] = lab if isinstance(lab, str) else name(k + 1, s + w.first)
-        if gap is None or w.uuids[gap] not in asks:
-            continue
+                lab = lab if isinstance(lab, str) else name(k + 1, s + w.first)
+                if lab is not None:
+                    labels[s + w.first] = lab
+        if not starts or gap is None or w.uuids[gap] not in asks:
+            continue  # failed (no start to read: decides nothing), or no short answer
         at = gap + w.first
         if cuts[k] < at < cuts[k + 1] and at not in labels:
             lab = name(k + 1, at)
             if lab is not None:
                 labels[at] = lab
     labels[0] = name(0, 0)
-    return sorted(labels), labels, sum(not starts for starts, _, _ in read)
+    owners = [r for k, r in enumerate(read) if cuts[k] < cuts[k + 1]]
+    return sorted(labels), labels, sum(not starts for starts, _, _ in owners)
 
 
 def merge_windows(
