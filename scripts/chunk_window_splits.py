@@ -12,7 +12,7 @@ as `merge_windows` assigns them (but a conversation's first), whether a chunk of
 own answer starts there, against whether a gold chunk does. Prints the places where either
 happens and the counts: true shifts found, missed, splits where no topic starts, and the rest;
 and the windows whose answers stop short of their last message inside what they own
-(`trailing_gap`), right before a gold topic start or elsewhere.
+(`window_chunks`' gap), right before a gold topic start or elsewhere.
 Then it merges and scores the saved window answers again with the current code
 (`score_windows`, no decoding), with and without `local` (`merge_local`), and prints those summaries
 beside the one the rows hold, so a change to `merge_windows` can be measured on a run's

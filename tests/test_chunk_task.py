@@ -484,8 +484,8 @@ def test_merge_local_reads_each_window_s_own_decision():
         answer((4, 7, "Regular expressions")),
         answer((6, 9, "Regular expressions")),
     ]
-    assert ev.trailing_gap(texts[1], uuids[2:6], None) == 2
-    assert ev.trailing_gap(texts[0], uuids[0:4], None) is None
+    assert ev.window_chunks(texts[1], uuids[2:6], None)[2] == 2
+    assert ev.window_chunks(texts[0], uuids[0:4], None)[2] is None
     starts, labels, failed = ev.merge_windows(ws, texts, 10, None, local=True)
     assert (starts, labels, failed) == ([0, 4], {0: "Sorting", 4: "Regular expressions"}, 0)
     assert ev.merge_windows(ws, texts, 10, None)[0] == [0]  # not local: the gap is repaired away
@@ -526,7 +526,7 @@ def test_merge_local_reads_each_window_s_own_decision():
     mangled = json.dumps(
         {"chunks": [{"label": "Sorting", "start_message_uuid": uuids[2], "end_message_uuid": "zz"}]}
     )
-    assert ev.trailing_gap(mangled, uuids[2:6], None) is None
+    assert ev.window_chunks(mangled, uuids[2:6], None)[2] is None
     assert ev.merge_windows(ws, [texts[0], mangled, *texts[2:]], 10, None, local=True)[0] == [0]
     # a window whose only resolving anchor is an end has failed: its gap decides nothing either
     endonly = json.dumps(

@@ -1158,7 +1158,11 @@ def window_chunks(text: str, uuids: list[str], conversation_uuid):
     as `validate_ref` resolves it (of a range whose end also resolves, the lower end), so a chunk
     whose end alone is past saving still says where a topic starts and what it is called;
     `labels` = every chunk's label that is a string, in order. A label that is not a string is
-    None. `gap`: the answer's `trailing_gap`."""
+    None. `gap`: the first message after everything the answer covers, when its chunks (some
+    anchor resolving) stop before the window's last message; else None (also when a chunk's
+    start resolves and its end does not: a mangled anchor). Every training answer covers its
+    window to the last message, so one that stops short says the messages after it are not its
+    chunks' topic."""
     obj = extract_json_ref(text)
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
     chunks = [c for c in chunks if isinstance(c, dict)] if isinstance(chunks, list) else []
@@ -1189,22 +1193,13 @@ def window_cuts(windows: list[Window], n_messages: int) -> list[int]:
     return [*cuts, n_messages]
 
 
-def trailing_gap(text: str, uuids: list[str], conversation_uuid) -> int | None:
-    """The first message after everything one window's answer covers, when its chunks (some
-    anchor resolving, as `window_chunks` resolves them) stop before the window's last message;
-    else None (also when a chunk's start resolves and its end does not: a mangled anchor). Every
-    training answer covers its window to the last message, so one that stops short says the
-    messages after it are not its chunks' topic (`window_chunks` finds it as it reads them)."""
-    return window_chunks(text, uuids, conversation_uuid)[2]
-
-
 def merge_local(windows: list[Window], texts: list[str], n_messages: int, conversation_uuid):
     """`merge_windows` for windows of a few messages (`window_messages`): every boundary is one
     window's own decision, about a place it owns (`window_cuts`) and sees both sides of. A
     window's answer starts a topic at a user message it owns (any message, where the window does
     not know its users) when one of its chunks starts there (not at the window's first message,
     which every answer starts with), or when the answer stops short of its last message there
-    (`trailing_gap`): every training answer covers its window, so one that ends with the
+    (`window_chunks`' gap): every training answer covers its window, so one that ends with the
     first exchange says the second is not its topic (what these adapters do at a shift; a
     second chunk is rare, experiments/chunk_seg4/local-windows.md). A window with no start to
     read (failed, counted) decides nothing: the chunk before runs on over what it owns, since a
