@@ -509,8 +509,9 @@ class EvalSettings:
     window_overlap: int = 2
     """Messages each window shares with the one before."""
     window_messages: int = 0
-    """> 0: every conversation with more messages is read in windows of at most this many (also
-    within max_prompt_tokens), their answers merged by mlxlab/eval/chunk.py `merge_local`: each
+    """> 0: every conversation with more messages is read in windows of this many (the last may
+    hold fewer; where they do not fit max_prompt_tokens together, the longest are cut to fit:
+    mlxlab/data/chunk.py `filled_windows`), their answers merged by mlxlab/eval/chunk.py `merge_local`: each
     boundary is one window's decision about the messages it owns, a chunk its answer starts at a
     user message or an answer that stops short of its last message (what an answer over two
     exchanges that ends with the first says). 0: in a chunk-task run, and in `eval chunk` with an adapter from one, the run's dataset's

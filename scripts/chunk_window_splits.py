@@ -42,9 +42,26 @@ def main(run: Path, results: Path, cases_path: Path) -> None:
     budget = ev_cfg.get("max_prompt_tokens") or trained_window(run, tokenizer)
     data_dir = run_data(run) or run / "data"
     cap = ev_cfg.get("window_messages") or ev.built_window_messages(data_dir)
-    windows = ev.plan_windows(
-        cases, tokenizer, budget, ev_cfg.get("window_overlap", 2), cap or ev.WINDOW_MESSAGES
-    )
+    plans = [
+        ev.plan_windows(
+            cases,
+            tokenizer,
+            budget,
+            ev_cfg.get("window_overlap", 2),
+            cap or ev.WINDOW_MESSAGES,
+            fill,
+        )
+        for fill in ([True, False] if cap else [False])
+    ]
+
+    def planned(i: int, row: dict) -> list:  # the plan that gave the saved answers (a run
+        for plan in plans:  # evaluated before windows were filled was planned without it)
+            ws = [w for w in plan if w.case == i]
+            if sum(len(w.prompt) for w in ws) == row.get("prompt_tokens"):
+                return ws
+        return [w for w in plans[0] if w.case == i]
+
+    windows = [w for i, row in enumerate(rows) for w in planned(i, row)]
     counts = {"found": 0, "missed": 0, "false split": 0, "kept": 0}
     counts |= {"short, at a topic start": 0, "short, elsewhere": 0}
     for i, (case, row) in enumerate(zip(cases, rows, strict=True)):

@@ -354,6 +354,67 @@ def _long_case(n_cases: int = 40) -> dict:
     }
 
 
+def test_filled_windows_show_whole_exchanges_whatever_the_answers_length(tiny_dir):
+    """plan_windows with `fill`: every window of a conversation with answers too long for two
+    exchanges still holds two (user, assistant, user, assistant), the longest messages cut to one
+    length so the prompt fits; without it the same budget ends windows at a question without its
+    answer. Windows that fit are as without `fill`."""
+    from mlx_lm.utils import load
+
+    _, tokenizer = load(str(tiny_dir("gemma3")))
+    answer = "A long answer about something. " * 80
+    messages = [
+        {"uuid": f"{i:08x}-0000-4000-8000-000000000000", "sender": s, "text": t}
+        for i, (s, t) in enumerate(
+            (("user", f"question {k}?"), ("assistant", f"{k}: {answer}"))[j]
+            for k in range(5)
+            for j in range(2)
+        )
+    ]
+    case = {"id": "c", "name": "long answers", "messages": messages}
+    budget = 1200
+    cut = ev.plan_windows([case], tokenizer, budget, 2, 4)
+    assert any(len(w.uuids) < 4 and w.last < len(messages) - 1 for w in cut)
+    filled = ev.plan_windows([case], tokenizer, budget, 2, 4, fill=True)
+    assert [(w.first, w.last) for w in filled] == [(0, 3), (2, 5), (4, 7), (6, 9)]
+    assert all(len(w.prompt) <= budget for w in filled)
+    assert all(w.users == w.uuids[::2] for w in filled)
+    text = tokenizer.decode(filled[1].prompt)
+    assert text.count(data.TRUNCATED.strip()) == 2 and "question 1?" in text
+    assert "question 2?" in text
+    # both answers cut to one cost, the largest that fits: their kept text is as long
+    kept = [len(a.split(data.TRUNCATED.strip())[0]) for a in text.split("1: ")[1:]]
+    kept += [len(a.split(data.TRUNCATED.strip())[0]) for a in text.split("2: ")[1:]]
+    assert len(kept) == 2 and abs(kept[0] - kept[1]) <= 8
+    assert all(len(w.prompt) > budget - 40 for w in filled)
+    short = {**case, "messages": [{**m, "text": m["text"][:200]} for m in messages]}
+    assert [w.prompt for w in ev.plan_windows([short], tokenizer, budget, 2, 4, fill=True)] == [
+        w.prompt for w in ev.plan_windows([short], tokenizer, budget, 2, 4)
+    ]
+
+
+def test_filled_windows_cover_every_message_and_fall_back_when_nothing_fits():
+    """data.filled_windows by characters: windows of max_messages sharing `overlap`, the last
+    shorter on an odd count; a conversation of max_messages or fewer over the budget is one cut
+    window; a budget too small for max_messages messages cut to nothing plans as window_cases."""
+    msgs = [
+        {"uuid": f"u{i}", "sender": ("user", "assistant")[i % 2], "text": ("x" * 400, "q?")[i % 2]}
+        for i in range(9)
+    ]
+    case = {"id": "c", "messages": msgs}
+    out = data.filled_windows(case, data.char_cost, 900, 2, 4)
+    assert [(a, b) for a, b, _ in out] == [(0, 3), (2, 5), (4, 7), (6, 8)]
+    assert all(sum(data.char_cost(m) for m in part) <= 900 for _, _, part in out)
+    assert [m["uuid"] for m in out[1][2]] == ["u2", "u3", "u4", "u5"]
+    assert out[1][2][1]["text"] == "q?" and data.TRUNCATED in out[1][2][0]["text"]
+    four = {"id": "c", "messages": msgs[:4]}
+    ((a, b, part),) = data.filled_windows(four, data.char_cost, 900, 2, 4)
+    assert (a, b) == (0, 3) and sum(data.char_cost(m) for m in part) <= 900
+    assert data.filled_windows(case, data.char_cost, 120, 2, 4) == data.window_cases(
+        case, data.char_cost, 120, 2, 4
+    )
+
+
 def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
     """plan_windows keeps every prompt within the budget; answers that are each window's gold
     merge back into exactly the whole conversation's gold; a window whose answer cannot be read

@@ -139,6 +139,38 @@ def window_cases(
     ]
 
 
+def filled_windows(
+    case: dict, cost, budget: int, overlap: int, max_messages: int
+) -> list[tuple[int, int, list[dict]]]:
+    """`window_cases` for windows of a few messages that always hold `max_messages` of them
+    (the conversation's last may hold fewer), each after the first sharing `overlap` with the
+    one before: where a window's messages do not fit `budget` together, the longest are cut
+    (`fit`) to one common cost, the largest at which the window fits. On a chat that alternates
+    from a user message, with `max_messages` and `overlap` even, a window then shows whole
+    exchanges however long the answers, where `window_cases` would end it early, at a question
+    without its answer. Where a window cannot fit even so (messages cut to nothing would still
+    cost more than their share: a budget too small for `max_messages` messages), the case is
+    planned by `window_cases`."""
+    msgs = shown(case["messages"])
+    costs = [cost(m) for m in msgs]
+    out = []
+    for a, b in windows([1] * len(msgs), max_messages, overlap, max_messages):
+        part, own = msgs[a : b + 1], costs[a : b + 1]
+        if sum(own) > budget:
+            lo, hi = 0, max(own)  # the largest cap on one message's cost that fits them all
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if sum(min(c, mid) for c in own) <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            part = [fit(m, cost, lo) for m in part]
+            if any(cost(m) > lo for m, c in zip(part, own, strict=True) if c > lo):
+                return window_cases(case, cost, budget, overlap, max_messages)
+        out.append((a, b, part))
+    return out
+
+
 def clip(chunks: list[dict], uuids: list[str], first: int, last: int) -> list[dict]:
     """The gold chunks restricted to messages first..last (indices into `uuids`)."""
     index = {u: i for i, u in enumerate(uuids)}
@@ -633,7 +665,8 @@ def training_windows(case: dict, cfg: ChunkDataConfig) -> list[tuple[list[dict],
 
 
 def training_examples(case: dict, cfg: ChunkDataConfig, weighted: bool = False) -> list[dict]:
-    """The chat examples of one case (`training_windows`), the windows evaluation reads it in;
+    """The chat examples of one case (`training_windows`: evaluation reads the same windows,
+    except that it fills windows capped by `window_messages`, `filled_windows`);
     `weighted`: with `cfg.boundary_weight` on the tokens that place its chunks."""
     weight = cfg.boundary_weight if weighted else 1.0
     return [chat(case, msgs, gold, weight, cfg) for msgs, gold in training_windows(case, cfg)]

@@ -19,8 +19,9 @@ embedding model, label similarity by meaning (`label_similarity`); with the trai
 labels, the share of predicted labels that are verbatim training labels.
 `evaluate` reads a case longer than the prompt budget in windows of consecutive messages
 (`plan_windows`; for an adapter that writes `turns`, at most `turns_window_messages` messages, so
-its answer has room within `max_tokens`; with `window_messages`, every case in windows of at most
-that many, as such an adapter's training examples are) and merges their answers into one cover
+its answer has room within `max_tokens`; with `window_messages`, every case in windows of that
+many, as such an adapter's training examples are, a window's longest messages cut until it fits
+the budget where training would hold fewer: `filled_windows`) and merges their answers into one cover
 (`merge_windows`); the merged answer is what is scored. `evaluate_model` runs a whole split and writes per-case results (what `eval
 chunk` and the chunk task's base/tuned evaluations call); with
 `constrained=true` it decodes the split a second time under `answer_grammar` (mlxlab/grammar.py:
@@ -1094,11 +1095,21 @@ def built_with(data, option: str) -> bool:
 
 
 def plan_windows(
-    cases: list[dict], tokenizer, budget: int, overlap: int, max_messages: int = WINDOW_MESSAGES
+    cases: list[dict],
+    tokenizer,
+    budget: int,
+    overlap: int,
+    max_messages: int = WINDOW_MESSAGES,
+    fill: bool = False,
 ) -> list[Window]:
     """Each case as one prompt if it fits `budget` tokens and `max_messages`, else as
     overlapping windows of consecutive messages (mlxlab/data/chunk.py `window_cases`), each
-    within both."""
+    within both. `fill` (windows of a few messages, a small `max_messages`: `window_messages`):
+    every window holds `max_messages` messages (the last may hold fewer), its longest cut to one
+    cost until it fits the budget (mlxlab/data/chunk.py `filled_windows`), so on alternating
+    chats none ends at a question without its answer: a `window_messages` adapter split 34 of 50
+    such windows of long exported chats (experiments/chunk_seg4/local-windows.md)."""
+    assert not fill or max_messages < WINDOW_MESSAGES, "fill is for windows of a few messages"
     from mlxlab.data import chunk as data
 
     def encode(text: str) -> list[int]:
@@ -1120,7 +1131,8 @@ def plan_windows(
                 tokenizer.encode(data.message_block(m) + "\n---\n", add_special_tokens=False)
             )
 
-        for a, b, msgs in data.window_cases(case, cost, max(room, 16), overlap, max_messages):
+        plan = data.filled_windows if fill else data.window_cases
+        for a, b, msgs in plan(case, cost, max(room, 16), overlap, max_messages):
             prompt = encode(data.prompt(case, msgs))
             out.append(Window(i, a, b, [m["uuid"] for m in msgs], prompt, users(msgs)))
     return out
@@ -1350,7 +1362,7 @@ def evaluate(
     and the windows' answers are merged by `merge_local`."""
     cap = turns_window_messages(max_tokens) if turns else WINDOW_MESSAGES
     cap = min(cap, max_messages or cap)
-    windows = plan_windows(cases, tokenizer, budget, overlap, cap)
+    windows = plan_windows(cases, tokenizer, budget, overlap, cap, fill=bool(max_messages))
     processors = None
     if fixed_starts is not None:
         assert len(fixed_starts) == len(cases), "one list of chunk starts per case"
