@@ -241,6 +241,29 @@ def test_window_messages_makes_every_training_example_a_local_question():
         EvalSettings(window_messages=1, window_overlap=0)
 
 
+def test_a_task_run_stops_before_anything_when_its_evaluation_windows_cannot_advance(tmp_path):
+    """task.data.window_messages caps the evaluation's windows too (when eval.window_messages is
+    0): one no larger than eval.window_overlap fails at data preparation, before a dataset is
+    built, the base model evaluated or a step trained; so does a prebuilt dataset's cap."""
+    from mlxlab.config import DataConfig, EvalSettings
+    from mlxlab.tasks.chunk import ChunkTask, ChunkTaskConfig
+
+    small = ChunkDataConfig(train=3, valid=1, test=1, window_messages=3)
+    task = ChunkTask(ChunkTaskConfig(data=small, eval=EvalSettings(window_overlap=3)))
+    with pytest.raises(UserError, match="window_messages must be 0 .* got 3 with window_overlap 3"):
+        task.prepare_data(DataConfig(), tmp_path / "run")
+    assert not (tmp_path / "run" / "data").exists()
+    built = data.write_dataset(tmp_path / "built", small)
+    with pytest.raises(UserError, match="got 3 with window_overlap 3"):
+        task.prepare_data(DataConfig(train=str(built)), tmp_path / "run2")
+    ok = ChunkTask(
+        ChunkTaskConfig(data=small, eval=EvalSettings(window_overlap=3, window_messages=5))
+    )
+    assert ok.prepare_data(DataConfig(train=str(built)), tmp_path / "run3").train == str(built)
+    fine = ChunkTask(ChunkTaskConfig(data=small))  # overlap 2: three messages move on by one
+    assert fine.prepare_data(DataConfig(), tmp_path / "run4").train == str(tmp_path / "run4/data")
+
+
 def test_gold_answer_scores_perfectly():
     s = ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD)
     assert (s.wellformed, s.boundary_f1, s.exact_match, s.repairs) == (100.0, 1.0, 1.0, 0)

@@ -80,14 +80,30 @@ class ChunkTask(Hooks):
 
         writable_dir(run_dir)
         if data.train:
+            train = Path(data.train)
+            self.check_windows(train if train.is_dir() else train.parent)
             return data
         from mlxlab.data import chunk
 
         data_dir = run_dir / "data"
         if not (data_dir / "train.cases.json").is_file():
+            self.check_windows(None)
             chunk.write_dataset(data_dir, self.cfg.data)
             log.info(f"built the {self.cfg.name} dataset in {data_dir}")
+        self.check_windows(data_dir)
         return dataclasses.replace(data, train=str(data_dir))
+
+    def check_windows(self, data_dir: Path | None) -> None:
+        """UserError now, before the base evaluation and training, where the evaluation's windows
+        could not move on: eval.window_messages, or when 0 the dataset's (`data_dir`'s build.json,
+        or task.data's for the dataset about to be built), not above eval.window_overlap."""
+        from mlxlab.config import check_window_messages
+        from mlxlab.eval.chunk import built_window_messages
+
+        cap = self.cfg.eval.window_messages or (
+            built_window_messages(data_dir) if data_dir else self.cfg.data.window_messages
+        )
+        check_window_messages(cap, self.cfg.eval.window_overlap, "no cap")
 
     def before_lora(self, run: Run) -> None:
         if self.cfg.eval.shifts:  # a wrong embedding model fails now, not after training
