@@ -254,8 +254,9 @@ def test_a_task_run_stops_before_anything_when_its_evaluation_windows_cannot_adv
         task.prepare_data(DataConfig(), tmp_path / "run")
     assert not (tmp_path / "run" / "data").exists()
     built = data.write_dataset(tmp_path / "built", small)
-    with pytest.raises(UserError, match="got 3 with window_overlap 3"):
-        task.prepare_data(DataConfig(train=str(built)), tmp_path / "run2")
+    for train in (built, built / "train.jsonl"):  # a dataset directory or its training file
+        with pytest.raises(UserError, match="got 3 with window_overlap 3 .*takes the dataset's"):
+            task.prepare_data(DataConfig(train=str(train)), tmp_path / "run2")
     ok = ChunkTask(
         ChunkTaskConfig(data=small, eval=EvalSettings(window_overlap=3, window_messages=5))
     )

@@ -35,7 +35,8 @@ import tempfile
 from pathlib import Path
 
 from mlxlab.cli import run_hydra
-from mlxlab.config import EvalConfig, EvalSettings
+from mlxlab.config import EvalConfig, EvalSettings, check_window_messages
+from mlxlab.errors import UserError
 from mlxlab.fsutil import output_file
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,13 @@ def run(cfg: EvalConfig) -> dict:
         )
         if cfg.window_messages:
             log.info(f"window_messages={cfg.window_messages}: the adapter's training windows")
+        try:
+            check_window_messages(cfg.window_messages, cfg.window_overlap, "no cap")
+        except UserError as e:
+            raise UserError(
+                f"{e} (window_messages is the adapter's run's: set window_messages, or lower "
+                "window_overlap)"
+            ) from None
     # answers as the adapter's run trained them
     for key, value in ev.openings(cfg, trained_data).items():
         setattr(cfg, key, value)

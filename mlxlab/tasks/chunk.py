@@ -23,6 +23,7 @@ from mlxlab.config import (
     check_choice,
     to_dict,
 )
+from mlxlab.errors import UserError
 from mlxlab.train.job import Hooks, Run
 
 log = logging.getLogger(__name__)
@@ -94,16 +95,26 @@ class ChunkTask(Hooks):
         return dataclasses.replace(data, train=str(data_dir))
 
     def check_windows(self, data_dir: Path | None) -> None:
-        """UserError now, before the base evaluation and training, where the evaluation's windows
-        could not move on: eval.window_messages, or when 0 the dataset's (`data_dir`'s build.json,
-        or task.data's for the dataset about to be built), not above eval.window_overlap."""
+        """UserError now, before the base evaluation and training, where the evaluation's window
+        cap is no larger than eval.window_overlap (its windows would step one message at a
+        time): eval.window_messages, or when 0 the dataset's (`data_dir`'s build.json, or
+        task.data's for the dataset about to be built)."""
         from mlxlab.config import check_window_messages
         from mlxlab.eval.chunk import built_window_messages
 
-        cap = self.cfg.eval.window_messages or (
+        own = self.cfg.eval.window_messages
+        cap = own or (
             built_window_messages(data_dir) if data_dir else self.cfg.data.window_messages
         )
-        check_window_messages(cap, self.cfg.eval.window_overlap, "no cap")
+        try:
+            check_window_messages(cap, self.cfg.eval.window_overlap, "no cap")
+        except UserError as e:
+            if own:
+                raise
+            raise UserError(
+                f"{e} (task.eval.window_messages is 0, so it takes the dataset's: set it, or "
+                "lower task.eval.window_overlap)"
+            ) from None
 
     def before_lora(self, run: Run) -> None:
         if self.cfg.eval.shifts:  # a wrong embedding model fails now, not after training

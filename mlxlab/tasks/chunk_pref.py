@@ -244,8 +244,11 @@ class ChunkPrefTask(ChunkTask):
 
         writable_dir(run_dir)
         if data.train:
+            train = Path(data.train)
+            self.check_windows(train if train.is_dir() else train.parent)
             return data
         data_dir = run_dir / "data"
+        self.check_windows(self.sft / "data")  # its build.json is the one copied below
         data = dataclasses.replace(data, train=str(data_dir))
         reused = self._reuse_sft_eval(run_dir)
         if (data_dir / "train.jsonl").is_file() and reused:
