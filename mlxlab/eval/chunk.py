@@ -913,15 +913,15 @@ PREFILL_STEP = 512
 and mlx-lm's batched one), as serving's `prefill_step`. Measured on the 2-core CPU,
 gemma3-270m, random 1,400-token prompts: one row 326 tok/s at 512 against 230 at mlx-lm's 2048
 (1,000 tokens: 294 against 267); 32 rows batched 232 against 183, the decode steps after it
-unchanged (650 ms at 32 rows). Past 512 the attention's score matrices outgrow the caches."""
+unchanged (650 ms at 32 rows)."""
 KV_NAMESPACE = "chunk eval"
 
 
 def kv_budget() -> int:
     """The bytes of prompt KV an evaluation keeps for its decodes after the first: a quarter of
-    the machine's memory, at most 4 GiB. gemma3-270m holds at most ~37 KB per prompt token in float32
-    (18 layers, one KV head of 256; prefilled in steps of PREFILL_STEP, the sliding-window layers
-    keep at most their window plus a step of it). Prompts past the budget are not kept
+    the machine's memory, at most 4 GiB. gemma3-270m holds at most ~37 KB per prompt token in
+    float32 (18 layers, one KV head of 256; prefilled in steps of PREFILL_STEP, the
+    sliding-window layers keep at most their window plus a step of it). Prompts past the budget are not kept
     (`prefilled`) and are prefilled again."""
     from mlxlab.serve.engine.admission import total_memory_bytes
 

@@ -88,10 +88,11 @@ class ChunkTask(Hooks):
 
         data_dir = run_dir / "data"
         if not (data_dir / "train.cases.json").is_file():
-            self.check_windows(None)
+            self.check_windows(None)  # task.data's cap, before building
             chunk.write_dataset(data_dir, self.cfg.data)
             log.info(f"built the {self.cfg.name} dataset in {data_dir}")
-        self.check_windows(data_dir)
+        else:  # a resumed run's dataset: its own build.json
+            self.check_windows(data_dir)
         return dataclasses.replace(data, train=str(data_dir))
 
     def check_windows(self, data_dir: Path | None) -> None:
