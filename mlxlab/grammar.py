@@ -219,12 +219,14 @@ def vocab_for(tokenizer, n_vocab: int):
 
 
 class Constraint:
-    """An mlx-lm logits processor `(tokens, logits) -> logits` for one sequence."""
+    """An mlx-lm logits processor `(tokens, logits) -> logits` for one sequence. With `watch` it
+    also records where the grammar overruled the model (`refused`)."""
 
-    def __init__(self, grammar: Grammar, vocab, n_vocab: int):
+    def __init__(self, grammar: Grammar, vocab, n_vocab: int, watch: bool = False):
         import llguidance
 
         self.n_vocab = n_vocab
+        self.watch = watch
         self.matcher = llguidance.LLMatcher(vocab, grammar.text, log_level=0)
         if (
             self.matcher.is_error()
@@ -236,6 +238,10 @@ class Constraint:
             )
         self.mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self.seen: int | None = None  # tokens of the context already accounted for
+        # per step that chose a token while the answer was open, whether the grammar refused
+        # the model's top token there (the last step's flag pending: read at the next call)
+        self._refused: list[bool] = []
+        self._pending = None
 
     def advance(self, tokens: list[int]) -> None:
         """Consume tokens sampled under this constraint."""
@@ -256,15 +262,35 @@ class Constraint:
         if self.seen is not None and n > self.seen:
             self.advance(tokens.reshape(-1)[self.seen :].tolist())
         self.seen = n
+        self._settle()
         allowed = self.allowed()
         width = logits.shape[-1]
         if width > self.n_vocab:  # padded embedding rows are never allowed
             allowed = np.concatenate([allowed, np.zeros(width - self.n_vocab, dtype=bool)])
-        return mx.where(
-            mx.array(allowed[:width]), logits, mx.array(-float("inf"), dtype=logits.dtype)
-        )
+        keep = mx.array(allowed[:width])
+        if self.watch and not self.matcher.is_stopped():  # (stopped: only the end is left)
+            self._pending = mx.logical_not(keep[mx.argmax(logits.reshape(-1))])
+        return mx.where(keep, logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+    def _settle(self) -> None:
+        # the step before's flag: its logits are computed by now (its token was read), and
+        # reading it here frees them
+        if self._pending is not None:
+            self._refused.append(bool(self._pending.item()))
+            self._pending = None
+
+    @property
+    def refused(self) -> list[int]:
+        """The steps (0 = the answer's first token) at which the model's own top token, the one
+        it would have written unconstrained, was one the grammar refused, so the token written
+        there was the grammar's choice among what it allowed. Steps after the grammar has
+        closed the answer (only the end left to write) are not counted. Read it once the
+        sequence is done (with `watch`; without, it is empty)."""
+        self._settle()
+        return [i for i, r in enumerate(self._refused) if r]
 
 
-def constrain(grammar: Grammar, tokenizer, n_vocab: int) -> Constraint:
-    """A fresh logits processor (its own matcher state) for one generated sequence."""
-    return Constraint(grammar, vocab_for(tokenizer, n_vocab), n_vocab)
+def constrain(grammar: Grammar, tokenizer, n_vocab: int, watch: bool = False) -> Constraint:
+    """A fresh logits processor (its own matcher state) for one generated sequence; `watch`:
+    it records the steps where the grammar refused the model's top token (`refused`)."""
+    return Constraint(grammar, vocab_for(tokenizer, n_vocab), n_vocab, watch)

@@ -16,7 +16,9 @@ and the windows whose answers stop short of their last message inside what they 
 Then it merges and scores the saved window answers again with the current code
 (`score_windows`, no decoding), with and without `local` (`merge_local`), and prints those summaries
 beside the one the rows hold, so a change to `merge_windows` can be measured on a run's
-answers."""
+answers; a constrained decode's windows that the grammar overruled (`window_refused`) are merged
+as unread unless the run set `trust_forced`. The place-by-place counts read every answer as
+written."""
 
 from __future__ import annotations
 
@@ -89,14 +91,25 @@ def main(run: Path, results: Path, cases_path: Path) -> None:
     print(json.dumps(counts))
     texts = [t for row in rows for t in row.get("window_outputs") or [row["output"]]]
     assert len(texts) == len(windows)
+    refused = None  # a constrained decode's: where the grammar overruled each window
+    if any("window_refused" in row for row in rows):
+        refused = [
+            x
+            for i, row in enumerate(rows)
+            for x in row.get("window_refused") or [[]] * len(planned(i, row))
+        ]
+    forced = None if ev_cfg.get("trust_forced") else refused
     labels = ev.training_labels(data_dir)
     keys = ("ref", "wellformed", "boundary_f1", "boundary_f1_multi", "exact_match", "label_f1")
     for name, summary in (
         ("saved", ev.summarize(rows)),
-        ("merged again", ev.summarize(ev.score_windows(cases, windows, texts, labels))),
+        (
+            "merged again",
+            ev.summarize(ev.score_windows(cases, windows, texts, labels, None, False, forced)),
+        ),
         (
             "merged again, local",
-            ev.summarize(ev.score_windows(cases, windows, texts, labels, local=True)),
+            ev.summarize(ev.score_windows(cases, windows, texts, labels, None, True, forced)),
         ),
     ):
         print(name, json.dumps({k: round(summary[k], 3) for k in keys if k in summary}))

@@ -626,15 +626,94 @@ def test_merge_local_reads_each_window_s_own_decision():
     assert ev.merge_windows(ws, [*texts[:3], last], 10, None, local=True)[0] == [0, 4]
 
 
+def test_a_window_the_grammar_overruled_decides_nothing_in_the_merge():
+    """score_windows with `forced` (per window, the steps where the grammar refused the model's
+    top token): such a window is merged as one whose answer could not be read, its answer kept
+    in the row with the steps (`window_refused`); without `forced` it is read as written."""
+    uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(10)]
+    case = {
+        "id": "c",
+        "messages": [
+            {"uuid": u, "sender": "user" if i % 2 == 0 else "assistant", "text": f"m{i}"}
+            for i, u in enumerate(uuids)
+        ],
+        "chunks": [
+            {"label": "Sorting lists", "start_message_uuid": uuids[0], "end_message_uuid": uuids[9]}
+        ],
+    }
+    ws = [_window(a, a + 3, uuids) for a in (0, 2, 4, 6)]
+
+    def answer(a, b, label="Sorting lists"):
+        return json.dumps(
+            {"chunks": [{"label": label, "start_message_uuid": uuids[a],
+                         "end_message_uuid": uuids[b]}]}
+        )  # fmt: skip
+
+    # window 1 stops at its second message: read, a topic starts at message 4 (a false split)
+    texts = [answer(0, 3), answer(2, 3), answer(4, 7), answer(6, 9)]
+    refused = [[], [17], [], []]
+    trusted = ev.score_windows([case], ws, texts, local=True, refused=refused)[0]
+    assert len(json.loads(trusted["output"])["chunks"]) == 2 and trusted["boundary_f1"] < 1
+    assert trusted["window_refused"] == refused and trusted["window_forced"] == 0
+    held = ev.score_windows([case], ws, texts, local=True, forced=refused, refused=refused)[0]
+    assert len(json.loads(held["output"])["chunks"]) == 1 and held["boundary_f1"] == 1.0
+    assert held["window_outputs"] == texts and held["window_failures"] == 1
+    assert held["window_forced"] == 1 and held["window_refused"] == refused
+    summary = ev.summarize([held])
+    counts = (summary["overruled_windows"], summary["forced_windows"], summary["windows"])
+    assert counts == (1, 1, 4)
+    # one window: its answer is the case's, overruled or not
+    one = ev.score_windows([case], [_window(0, 9, uuids)], [answer(0, 9)], forced=[[3]])[0]
+    assert one["output"] == answer(0, 9) and "window_refused" not in one
+
+
+def test_a_watching_constraint_records_where_the_grammar_overruled_the_model(gemma_tokenizer):
+    """grammar.constrain(watch=True): `refused` lists the steps whose highest logit was a token
+    the grammar refuses (the token written there is the grammar's choice), none once the answer
+    is complete; without watch nothing is recorded."""
+    import mlx.core as mx
+
+    from mlxlab import grammar as G
+
+    tok = gemma_tokenizer
+    width = len(tok._tokenizer)
+    answer = '{"chunks": []}'
+    ids = tok.encode(answer, add_special_tokens=False)
+    g = G.lark(ev.answer_grammar([]), "empty answer")
+    stray = tok.encode(" zebra", add_special_tokens=False)[0]
+    for watch in (True, False):
+        c = G.constrain(g, tok, width, watch=watch)
+        context = [2]  # the prompt's last token
+        for step, want in enumerate([*ids, stray]):  # the model's favourite at each step
+            logits = mx.zeros((1, width)).at[0, want].add(5.0)
+            if step == 1:
+                logits = logits.at[0, stray].add(9.0)  # here it prefers a token the grammar refuses
+            out = c(mx.array([context]), logits)
+            chosen = int(mx.argmax(out, axis=-1).item())
+            assert chosen == (ids[step] if step < len(ids) else chosen)
+            context.append(chosen)
+        assert c.refused == ([1] if watch else [])
+        assert c.matcher.is_stopped() or c.matcher.is_accepting()
+
+
 def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
     """End to end on the tiny model: a conversation over the budget is decoded window by window
-    under the answer schema, and the merged answer is one contiguous cover of it."""
+    under the answer schema, and the merged answer is one contiguous cover of it. The random
+    model's answers are the grammar's (it overrules the model in every window): read as written
+    with trust_forced, and by default merged as unread, re-scored from the row alone."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(tiny_dir("gemma3")))
     case = _long_case(3)
     rows = ev.evaluate(
-        model, tokenizer, [case], max_tokens=2000, batch_size=4, constrained=True, budget=1024
+        model,
+        tokenizer,
+        [case],
+        max_tokens=2000,
+        batch_size=4,
+        constrained=True,
+        budget=1024,
+        trust_forced=True,
     )
     row = rows[0]
     assert row["windows"] > 2 and len(row["window_outputs"]) == row["windows"]
@@ -642,6 +721,19 @@ def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
     v = ev.validate(json.loads(row["output"])["chunks"], [m["uuid"] for m in case["messages"]])
     assert v.spans is not None and v.repairs == 0  # contiguous, from first to last message
     assert row["anchors"] == 1.0 and row["schema"] == 1.0
+    refused = row["window_refused"]
+    assert len(refused) == row["windows"] and all(refused) and row["window_forced"] == 0
+    windows = ev.plan_windows([case], tokenizer, 1024, 2, ev.WINDOW_MESSAGES)
+    again = ev.score_windows([case], windows, row["window_outputs"], refused=refused)[0]
+    assert again["output"] == row["output"]
+    # every window overruled: none is the model's alone, so they are merged as written
+    texts = row["window_outputs"]
+    held = ev.score_windows([case], windows, texts, forced=refused, refused=refused)[0]
+    assert held["output"] == row["output"] and held["window_forced"] == 0
+    # one that is not: the overruled ones are merged as unread
+    spared = [[], *refused[1:]]
+    held = ev.score_windows([case], windows, texts, forced=spared, refused=spared)[0]
+    assert held["window_forced"] == held["windows"] - 1 == held["window_failures"]
 
 
 def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):

@@ -503,13 +503,20 @@ METRICS = (
 def summarize(rows: list[dict]) -> dict:
     """Means of the per-case metrics (rows as `evaluate` returns them); a metric no row has (or
     that is None, as the accuracy without gold) is left out; `window_ref` is the mean over the
-    cases read in more than one window."""
+    cases read in more than one window. For a constrained decode, of the windows of the cases
+    read in several: `overruled_windows` (the grammar refused the model's top token somewhere),
+    `forced_windows` (of those, the ones merged as unread: `score_windows`) and `windows`."""
     out = {"cases": len(rows)}
     for k in METRICS:
         values = [r[k] for r in rows if r.get(k) is not None]
         if values:
             out[k] = sum(values) / len(values)
     out["windowed_cases"] = sum(r.get("windows", 1) > 1 for r in rows)
+    if any("window_refused" in r for r in rows):  # a constrained decode's windows
+        refused = [bool(x) for r in rows for x in r.get("window_refused", [])]
+        out["overruled_windows"] = sum(refused)
+        out["windows"] = len(refused)
+        out["forced_windows"] = sum(r.get("window_forced", 0) for r in rows)
     multi = [r["boundary_f1"] for r in rows if r.get("gold_chunks", 0) >= 2]
     if multi:  # on a one-topic case any one-chunk answer has F1 1: these are the telling ones
         out["boundary_f1_multi"] = sum(multi) / len(multi)
@@ -838,10 +845,26 @@ def constrained_note(settings) -> str:
     if not getattr(settings, "constrained", False):
         return ""
     order = "to the last message" if getattr(settings, "cover", True) else "closed anywhere"
+    trust = (
+        "a window the grammar overruled read as the grammar wrote it"
+        if getattr(settings, "trust_forced", False)
+        else "a window the grammar overruled merged as unread"
+    )
     return (
         "; also decoded under the answer's grammar (rows marked constrained: its chunks in "
-        f"order, {order})"
+        f"order, {order}; {trust})"
     )
+
+
+def overruled_note(summary: dict) -> str:
+    """For a constrained decode's summary (`summarize`): in how many of its windows the grammar
+    overruled the model, and whether those were merged as unread ("" for any other)."""
+    if "overruled_windows" not in summary:
+        return ""
+    n, total, forced = summary["overruled_windows"], summary["windows"], summary["forced_windows"]
+    if not n:
+        return f"; the grammar overruled the model in none of {total} windows"
+    return f"; the grammar overruled the model in {n} of {total} windows, {forced} merged as unread"
 
 
 def detector_lines(evals: dict[str, dict]) -> list[str]:
@@ -1357,6 +1380,7 @@ def evaluate(
     fixed_starts: list[list[int]] | None = None,
     kv=None,
     max_messages: int = 0,
+    trust_forced: bool = False,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
@@ -1371,11 +1395,14 @@ def evaluate(
     the grammar whose chunks start exactly there (`answer_grammar`'s `fixed`): only the labels
     are the model's. `kv`: `generate_all`'s store of prompt KV, shared by the decodes of one
     model. `max_messages` > 0: no window holds more messages (a `window_messages` adapter's),
-    and the windows' answers are merged by `merge_local`."""
+    and the windows' answers are merged by `merge_local`. Constrained, each window's steps where
+    the grammar refused the model's own top token are recorded (`grammar.Constraint.refused`):
+    unless `trust_forced`, a window so overruled decides nothing in the merge (`score_windows`)."""
     cap = turns_window_messages(max_tokens) if turns else WINDOW_MESSAGES
     cap = min(cap, max_messages or cap)
     windows = plan_windows(cases, tokenizer, budget, overlap, cap, fill=bool(max_messages))
     processors = None
+    constraints: dict[int, object] = {}  # window -> its grammar constraint, once decoded
     if fixed_starts is not None:
         assert len(fixed_starts) == len(cases), "one list of chunk starts per case"
         constrained, split_bias = True, 0.0  # the ends are fixed: nothing for a bias to move
@@ -1398,7 +1425,10 @@ def evaluate(
         ]
 
         def processors(i):
-            out = [grammar.constrain(grammars[i], tokenizer, width)] if constrained else []
+            out = []
+            if constrained:
+                constraints[i] = grammar.constrain(grammars[i], tokenizer, width, watch=True)
+                out.append(constraints[i])
             if split_bias > 0 and windows[i].uuids:
                 out.append(SplitBias(tokenizer, windows[i].uuids, split_bias))
             return out
@@ -1413,7 +1443,17 @@ def evaluate(
         processors,
         kv=kv,
     )
-    return score_windows(cases, windows, texts, train_labels, fixed_starts, bool(max_messages))
+    refused = [constraints[i].refused for i in range(len(windows))] if constraints else None
+    return score_windows(
+        cases,
+        windows,
+        texts,
+        train_labels,
+        fixed_starts,
+        bool(max_messages),
+        None if trust_forced or fixed_starts is not None else refused,
+        refused,
+    )
 
 
 def score_windows(
@@ -1423,12 +1463,22 @@ def score_windows(
     train_labels: set[str] | None = None,
     fixed_starts: list[list[int]] | None = None,
     local: bool = False,
+    forced: list | None = None,
+    refused: list | None = None,
 ) -> list[dict]:
     """`evaluate`'s rows from its windows' answers (`texts`, one per window): a case read in one
     window is scored on its answer as it is, one read in several on their merge
-    (`merge_windows`, with `local`; with `fixed_starts`, `fixed_merge`). Saved
-    `window_outputs` and the windows `plan_windows` gives again re-score a run without
-    decoding."""
+    (`merge_windows`, with `local`; with `fixed_starts`, `fixed_merge`). `forced` (per window,
+    the steps where a grammar overruled the model, `grammar.Constraint.refused`): a window with
+    any is merged as one whose answer could not be read, since where the model's own answer
+    would not parse the grammar chose for it, and that choice is not the model's decision (its
+    answer is kept in `window_outputs`). Greedy, a window never overruled is answered token for
+    token as without the grammar, so this merge differs from the unconstrained one only where
+    the grammar overruled. When it overruled every window of a case, they are merged as written
+    (no window is the model's alone; the grammar's answers still make one well-formed cover).
+    `refused` (the same lists, whether or not they count) is saved per window as
+    `window_refused`. Saved `window_outputs` (and `window_refused`) and
+    the windows `plan_windows` gives again re-score a run without decoding."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     rows = []
@@ -1438,8 +1488,10 @@ def score_windows(
         conv = conversation_uuid(case)
         row = {"case": i, "id": case.get("id", str(i)), "windows": len(mine)}
         ws, wt = [windows[k] for k in mine], [texts[k] for k in mine]
+        held = forced is not None and not all(forced[k] for k in mine)  # else: none to read
+        read = [("" if held and forced[k] else texts[k]) for k in mine]
         points, labels, failed = (
-            merge_windows(ws, wt, len(uuids), conv, local) if len(mine) > 1 else ([], {}, 0)
+            merge_windows(ws, read, len(uuids), conv, local) if len(mine) > 1 else ([], {}, 0)
         )
         fixed = fixed_starts is not None and len(mine) > 1
         if fixed:  # the cover is the fixed one, even where no window answered
@@ -1463,6 +1515,9 @@ def score_windows(
         if len(mine) > 1:
             row["window_failures"] = failed
             row["window_outputs"] = wt
+            if refused is not None:
+                row["window_refused"] = [refused[k] for k in mine]
+                row["window_forced"] = sum(bool(held and forced[k]) for k in mine)
             row["window_ref"] = sum(
                 score_ref(t, w.uuids, conv).ref for w, t in zip(ws, wt, strict=True)
             ) / len(ws)
@@ -1759,6 +1814,7 @@ def evaluate_model(
             fixed_starts,
             kv,
             int(getattr(settings, "window_messages", 0) or 0),
+            bool(getattr(settings, "trust_forced", False)),
         )
         if getattr(settings, "label_model", ""):
             try:

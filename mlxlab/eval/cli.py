@@ -101,7 +101,10 @@ def run(cfg: EvalConfig) -> dict:
     for key, tag in ev.PASSES.items():
         if key in summary:
             c = summary[key]
-            log.info(f"{tag} per-case results: {c['results']} ({c['seconds']:.0f} s)")
+            log.info(
+                f"{tag} per-case results: {c['results']} ({c['seconds']:.0f} s)"
+                + ev.overruled_note(c)
+            )
     if ev.detector_note(summary):
         print(ev.detector_note(summary))
     return summary

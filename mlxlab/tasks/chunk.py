@@ -379,7 +379,7 @@ def report(
                 lines.append(
                     f"- {tag}: {sm['windowed_cases']} of {sm['cases']} conversations read in "
                     f"windows; their windows' answers scored alone: ref "
-                    f"{ev._fmt(sm.get('window_ref'))}"
+                    f"{ev._fmt(sm.get('window_ref'))}" + ev.overruled_note(sm)
                 )
     lines += ev.detector_lines(evals)
     val0, val1 = summary.get("initial_val_loss"), summary.get("val_loss")

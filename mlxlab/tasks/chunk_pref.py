@@ -314,8 +314,10 @@ class ChunkPrefTask(ChunkTask):
             saved = yaml.safe_load((self.sft / "config.yaml").read_text())["task"]["eval"]
         except (OSError, KeyError, TypeError, yaml.YAMLError):
             return False
-        if self.cfg.eval.constrained and "cover" not in saved:
-            return False  # before eval.cover, the constrained decode was under a JSON schema
+        if self.cfg.eval.constrained and not {"cover", "trust_forced"} <= set(saved):
+            # before eval.cover the constrained decode was under a JSON schema; before
+            # eval.trust_forced its merge read the windows the grammar overruled
+            return False
         # settings added since the SFT run: their defaults; label_model only adds a score (a run
         # without it shows none for SFT alone), so it does not stop the reuse
         saved = {
