@@ -500,13 +500,15 @@ class EvalSettings:
     every answer is a cover the scorers accept without a repair, and a chunk that ends early is
     followed by another. false lets the answer close after any chunk (a trailing gap, repaired
     by the scorers at a cost)."""
-    trust_forced: bool = False
-    """Under `constrained`, a conversation read in windows: where the grammar overruled the
-    model in a window (at some step the model's most likely token was one the grammar refuses,
-    so its own answer would not have parsed or would have named no message of the window), the
-    grammar's answer is merged as written. false: such a window decides nothing in the merge, as
-    an unreadable unconstrained answer does (the grammar keeps every answer well formed; where
-    it had to choose for the model, the choice is not the model's decision)."""
+    read_overruled: bool = False
+    """Under `constrained`, a conversation read in windows: a window where the grammar overruled
+    the model (at some step the model's most likely token was one the grammar refuses: a label
+    of one word or more than 12, a character a label may not hold, a uuid of no message in the
+    window, a key skipped, ...; with `cover`, also an early close) is merged as the grammar
+    wrote it. false: such a window is merged as one whose answer could not be read, as an
+    unparsable unconstrained answer is (mlxlab/eval/chunk.py `score_windows`): the grammar keeps
+    every answer well formed, but where it chose tokens for the model, what follows is not the
+    model's decision."""
     max_prompt_tokens: int = 0
     """A conversation whose prompt is longer is read in windows of consecutive messages of at
     most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: in a

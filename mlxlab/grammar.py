@@ -261,14 +261,17 @@ class Constraint:
         n = int(tokens.shape[-1]) if tokens is not None else 0
         if self.seen is not None and n > self.seen:
             self.advance(tokens.reshape(-1)[self.seen :].tolist())
+            self._settle()  # the step before wrote a token: its flag counts
         self.seen = n
-        self._settle()
+        self._pending = None  # (a step asked again: only its last ask counts)
         allowed = self.allowed()
         width = logits.shape[-1]
         if width > self.n_vocab:  # padded embedding rows are never allowed
             allowed = np.concatenate([allowed, np.zeros(width - self.n_vocab, dtype=bool)])
         keep = mx.array(allowed[:width])
-        if self.watch and not self.matcher.is_stopped():  # (stopped: only the end is left)
+        # stopped: only the end is left to write (an error state is watched: it refuses all)
+        if self.watch and (self.matcher.is_error() or not self.matcher.is_stopped()):
+            assert logits.size == width, "one sequence's logits"
             self._pending = mx.logical_not(keep[mx.argmax(logits.reshape(-1))])
         return mx.where(keep, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
@@ -279,14 +282,15 @@ class Constraint:
             self._refused.append(bool(self._pending.item()))
             self._pending = None
 
-    @property
     def refused(self) -> list[int]:
         """The steps (0 = the answer's first token) at which the model's own top token, the one
         it would have written unconstrained, was one the grammar refused, so the token written
-        there was the grammar's choice among what it allowed. Steps after the grammar has
-        closed the answer (only the end left to write) are not counted. Read it once the
-        sequence is done (with `watch`; without, it is empty)."""
-        self._settle()
+        there was the grammar's choice among what it allowed (with `watch`; without, none).
+        Steps after the grammar has closed the answer (only the end left to write) are not
+        counted. Call it once the sequence is done: a step counts once the next call shows its
+        token written, so the step mlx-lm's loops compute past a sequence cut at max_tokens
+        (never written) is dropped here, with its logits."""
+        self._pending = None
         return [i for i, r in enumerate(self._refused) if r]
 
 

@@ -17,7 +17,7 @@ Then it merges and scores the saved window answers again with the current code
 (`score_windows`, no decoding), with and without `local` (`merge_local`), and prints those summaries
 beside the one the rows hold, so a change to `merge_windows` can be measured on a run's
 answers; a constrained decode's windows that the grammar overruled (`window_refused`) are merged
-as unread unless the run set `trust_forced`. The place-by-place counts read every answer as
+as unread unless the run set `read_overruled`. The place-by-place counts read every answer as
 written."""
 
 from __future__ import annotations
@@ -98,18 +98,22 @@ def main(run: Path, results: Path, cases_path: Path) -> None:
             for i, row in enumerate(rows)
             for x in row.get("window_refused") or [[]] * len(planned(i, row))
         ]
-    forced = None if ev_cfg.get("trust_forced") else refused
+    overruled = bool(ev_cfg.get("read_overruled"))
     labels = ev.training_labels(data_dir)
     keys = ("ref", "wellformed", "boundary_f1", "boundary_f1_multi", "exact_match", "label_f1")
     for name, summary in (
         ("saved", ev.summarize(rows)),
         (
             "merged again",
-            ev.summarize(ev.score_windows(cases, windows, texts, labels, None, False, forced)),
+            ev.summarize(
+                ev.score_windows(cases, windows, texts, labels, None, False, refused, overruled)
+            ),
         ),
         (
             "merged again, local",
-            ev.summarize(ev.score_windows(cases, windows, texts, labels, None, True, forced)),
+            ev.summarize(
+                ev.score_windows(cases, windows, texts, labels, None, True, refused, overruled)
+            ),
         ),
     ):
         print(name, json.dumps({k: round(summary[k], 3) for k in keys if k in summary}))

@@ -180,9 +180,10 @@ def test_sft_evaluation_is_reused_only_with_the_same_decode(tmp_path):
     task = ChunkPrefTask(ChunkPrefConfig(eval=settings))
     task.sft = sft
     old = {k: v for k, v in to_dict(settings).items() if k != "cover"}
-    for saved, reused in ((old, False), (to_dict(settings), True)):
+    older = {k: v for k, v in to_dict(settings).items() if k != "read_overruled"}
+    for k, (saved, reused) in enumerate(((old, False), (older, False), (to_dict(settings), True))):
         (sft / "config.yaml").write_text(yaml.safe_dump({"task": {"eval": saved}}))
-        run = tmp_path / f"run-{reused}"
+        run = tmp_path / f"run-{k}"
         run.mkdir()
         assert task._reuse_sft_eval(run) is reused
         assert (run / "eval_sft.jsonl").is_file() is reused

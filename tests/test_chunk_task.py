@@ -627,9 +627,9 @@ def test_merge_local_reads_each_window_s_own_decision():
 
 
 def test_a_window_the_grammar_overruled_decides_nothing_in_the_merge():
-    """score_windows with `forced` (per window, the steps where the grammar refused the model's
+    """score_windows with `refused` (per window, the steps where the grammar refused the model's
     top token): such a window is merged as one whose answer could not be read, its answer kept
-    in the row with the steps (`window_refused`); without `forced` it is read as written."""
+    in the row with the steps (`window_refused`); with `read_overruled` it is read as written."""
     uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(10)]
     case = {
         "id": "c",
@@ -652,18 +652,25 @@ def test_a_window_the_grammar_overruled_decides_nothing_in_the_merge():
     # window 1 stops at its second message: read, a topic starts at message 4 (a false split)
     texts = [answer(0, 3), answer(2, 3), answer(4, 7), answer(6, 9)]
     refused = [[], [17], [], []]
-    trusted = ev.score_windows([case], ws, texts, local=True, refused=refused)[0]
-    assert len(json.loads(trusted["output"])["chunks"]) == 2 and trusted["boundary_f1"] < 1
-    assert trusted["window_refused"] == refused and trusted["window_forced"] == 0
-    held = ev.score_windows([case], ws, texts, local=True, forced=refused, refused=refused)[0]
+    read = ev.score_windows([case], ws, texts, local=True, refused=refused, read_overruled=True)[0]
+    assert len(json.loads(read["output"])["chunks"]) == 2 and read["boundary_f1"] < 1
+    assert read["window_refused"] == refused and read["window_unread"] == 0
+    held = ev.score_windows([case], ws, texts, local=True, refused=refused)[0]
     assert len(json.loads(held["output"])["chunks"]) == 1 and held["boundary_f1"] == 1.0
     assert held["window_outputs"] == texts and held["window_failures"] == 1
-    assert held["window_forced"] == 1 and held["window_refused"] == refused
+    assert held["window_unread"] == 1 and held["window_refused"] == refused
     summary = ev.summarize([held])
-    counts = (summary["overruled_windows"], summary["forced_windows"], summary["windows"])
+    counts = (summary["overruled_windows"], summary["unread_windows"], summary["windows"])
     assert counts == (1, 1, 4)
+    assert "overruled the model in 1 of 4 windows, 1 merged as unread" in ev.overruled_note(summary)
+    # the windows the grammar did not overrule have nothing to read: all are read as written
+    lost = ev.score_windows([case], ws, ["no", *texts[1:]], local=True, refused=[[], [1], [2], [3]])
+    assert lost[0]["window_unread"] == 0 and lost[0]["output"] == read["output"]
+    # the shift-boundaries pass (fixed chunk starts) is never merged as unread
+    fixed = ev.score_windows([case], ws, texts, None, [[0]], True, refused)[0]
+    assert fixed["window_unread"] == 0
     # one window: its answer is the case's, overruled or not
-    one = ev.score_windows([case], [_window(0, 9, uuids)], [answer(0, 9)], forced=[[3]])[0]
+    one = ev.score_windows([case], [_window(0, 9, uuids)], [answer(0, 9)], refused=[[3]])[0]
     assert one["output"] == answer(0, 9) and "window_refused" not in one
 
 
@@ -692,7 +699,7 @@ def test_a_watching_constraint_records_where_the_grammar_overruled_the_model(gem
             chosen = int(mx.argmax(out, axis=-1).item())
             assert chosen == (ids[step] if step < len(ids) else chosen)
             context.append(chosen)
-        assert c.refused == ([1] if watch else [])
+        assert c.refused() == ([1] if watch else [])
         assert c.matcher.is_stopped() or c.matcher.is_accepting()
 
 
@@ -700,7 +707,7 @@ def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
     """End to end on the tiny model: a conversation over the budget is decoded window by window
     under the answer schema, and the merged answer is one contiguous cover of it. The random
     model's answers are the grammar's (it overrules the model in every window): read as written
-    with trust_forced, and by default merged as unread, re-scored from the row alone."""
+    with read_overruled, and by default merged as unread, re-scored from the row alone."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(tiny_dir("gemma3")))
@@ -713,7 +720,7 @@ def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
         batch_size=4,
         constrained=True,
         budget=1024,
-        trust_forced=True,
+        read_overruled=True,
     )
     row = rows[0]
     assert row["windows"] > 2 and len(row["window_outputs"]) == row["windows"]
@@ -722,18 +729,18 @@ def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
     assert v.spans is not None and v.repairs == 0  # contiguous, from first to last message
     assert row["anchors"] == 1.0 and row["schema"] == 1.0
     refused = row["window_refused"]
-    assert len(refused) == row["windows"] and all(refused) and row["window_forced"] == 0
+    assert len(refused) == row["windows"] and all(refused) and row["window_unread"] == 0
     windows = ev.plan_windows([case], tokenizer, 1024, 2, ev.WINDOW_MESSAGES)
     again = ev.score_windows([case], windows, row["window_outputs"], refused=refused)[0]
     assert again["output"] == row["output"]
     # every window overruled: none is the model's alone, so they are merged as written
     texts = row["window_outputs"]
-    held = ev.score_windows([case], windows, texts, forced=refused, refused=refused)[0]
-    assert held["output"] == row["output"] and held["window_forced"] == 0
+    held = ev.score_windows([case], windows, texts, refused=refused)[0]
+    assert held["output"] == row["output"] and held["window_unread"] == 0
     # one that is not: the overruled ones are merged as unread
     spared = [[], *refused[1:]]
-    held = ev.score_windows([case], windows, texts, forced=spared, refused=spared)[0]
-    assert held["window_forced"] == held["windows"] - 1 == held["window_failures"]
+    held = ev.score_windows([case], windows, texts, refused=spared)[0]
+    assert held["window_unread"] == held["windows"] - 1 == held["window_failures"]
 
 
 def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
@@ -1567,6 +1574,31 @@ def test_constrained_eval_without_cover_keeps_order_and_may_stop_early(tiny_dir,
         assert row["ref"] >= 82.5 and ("trailing gap covered" in row["notes"]) == (at < len(uuids))
         stopped_early += at < len(uuids)
     assert stopped_early  # the random model closes early somewhere: `cover` reached evaluate
+
+
+@pytest.mark.parametrize("batch_size", [2, 1])
+def test_a_watched_step_counts_once_its_token_is_written(tiny_dir, tmp_path, batch_size):
+    """mlx-lm's loops ask the processors for one step past a sequence cut at max_tokens; a
+    watching constraint counts only the steps whose token was written (the random model, under
+    the answer grammar, is overruled at nearly every one)."""
+    from mlxlab import grammar
+
+    model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
+    windows = ev.plan_windows(records, tokenizer, 8192, 2, ev.WINDOW_MESSAGES)
+    width = ev.n_vocab(model, tokenizer)
+    grammars = [grammar.lark(ev.answer_grammar(w.uuids), "answer") for w in windows]
+    made = {}
+
+    def constrained(i):
+        made[i] = grammar.constrain(grammars[i], tokenizer, width, watch=True)
+        return [made[i]]
+
+    prompts = [w.prompt for w in windows]
+    ev.generate_all(model, tokenizer, prompts, 6, batch_size, None, constrained)
+    assert len(made) == len(windows)
+    for c in made.values():  # no answer closes within 6 tokens: each was cut at 6
+        refused = c.refused()
+        assert refused and max(refused) < 6 and len(c._refused) == 6
 
 
 @pytest.mark.parametrize("batch_size", [2, 1])

@@ -75,6 +75,13 @@ def conversation_uuid(case: dict):
     return case.get("uuid") or case.get("id")
 
 
+def dataset_dir(train) -> Path:
+    """The dataset directory a `data.train` names: itself when it is a directory, else the
+    directory of the training file."""
+    train = Path(train)
+    return train if train.is_dir() else train.parent
+
+
 def header(case: dict) -> str:
     return f"Conversation: {case.get('name') or ''} (uuid: {conversation_uuid(case)})"
 

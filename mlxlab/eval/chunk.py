@@ -505,7 +505,7 @@ def summarize(rows: list[dict]) -> dict:
     that is None, as the accuracy without gold) is left out; `window_ref` is the mean over the
     cases read in more than one window. For a constrained decode, of the windows of the cases
     read in several: `overruled_windows` (the grammar refused the model's top token somewhere),
-    `forced_windows` (of those, the ones merged as unread: `score_windows`) and `windows`."""
+    `unread_windows` (of those, the ones merged as unread: `score_windows`) and `windows`."""
     out = {"cases": len(rows)}
     for k in METRICS:
         values = [r[k] for r in rows if r.get(k) is not None]
@@ -516,7 +516,7 @@ def summarize(rows: list[dict]) -> dict:
         refused = [bool(x) for r in rows for x in r.get("window_refused", [])]
         out["overruled_windows"] = sum(refused)
         out["windows"] = len(refused)
-        out["forced_windows"] = sum(r.get("window_forced", 0) for r in rows)
+        out["unread_windows"] = sum(r.get("window_unread", 0) for r in rows)
     multi = [r["boundary_f1"] for r in rows if r.get("gold_chunks", 0) >= 2]
     if multi:  # on a one-topic case any one-chunk answer has F1 1: these are the telling ones
         out["boundary_f1_multi"] = sum(multi) / len(multi)
@@ -847,7 +847,7 @@ def constrained_note(settings) -> str:
     order = "to the last message" if getattr(settings, "cover", True) else "closed anywhere"
     trust = (
         "a window the grammar overruled read as the grammar wrote it"
-        if getattr(settings, "trust_forced", False)
+        if getattr(settings, "read_overruled", False)
         else "a window the grammar overruled merged as unread"
     )
     return (
@@ -861,10 +861,11 @@ def overruled_note(summary: dict) -> str:
     overruled the model, and whether those were merged as unread ("" for any other)."""
     if "overruled_windows" not in summary:
         return ""
-    n, total, forced = summary["overruled_windows"], summary["windows"], summary["forced_windows"]
+    n, total = summary["overruled_windows"], summary["windows"]
     if not n:
         return f"; the grammar overruled the model in none of {total} windows"
-    return f"; the grammar overruled the model in {n} of {total} windows, {forced} merged as unread"
+    unread = summary.get("unread_windows", 0)
+    return f"; the grammar overruled the model in {n} of {total} windows, {unread} merged as unread"
 
 
 def detector_lines(evals: dict[str, dict]) -> list[str]:
@@ -1380,7 +1381,7 @@ def evaluate(
     fixed_starts: list[list[int]] | None = None,
     kv=None,
     max_messages: int = 0,
-    trust_forced: bool = False,
+    read_overruled: bool = False,
 ) -> list[dict]:
     """Greedy-decode each case (`generate_all`, in eval mode; a case longer than `budget` prompt
     tokens in windows, their answers merged by `merge_windows`) and score it; one dict per case.
@@ -1395,14 +1396,15 @@ def evaluate(
     the grammar whose chunks start exactly there (`answer_grammar`'s `fixed`): only the labels
     are the model's. `kv`: `generate_all`'s store of prompt KV, shared by the decodes of one
     model. `max_messages` > 0: no window holds more messages (a `window_messages` adapter's),
-    and the windows' answers are merged by `merge_local`. Constrained, each window's steps where
-    the grammar refused the model's own top token are recorded (`grammar.Constraint.refused`):
-    unless `trust_forced`, a window so overruled decides nothing in the merge (`score_windows`)."""
+    and the windows' answers are merged by `merge_local`. Constrained (not `fixed_starts`, whose
+    grammar overrules by design), each window's steps where the grammar refused the model's own
+    top token are recorded (`grammar.Constraint.refused`): unless `read_overruled`, a window so
+    overruled is merged as unread (`score_windows`)."""
     cap = turns_window_messages(max_tokens) if turns else WINDOW_MESSAGES
     cap = min(cap, max_messages or cap)
     windows = plan_windows(cases, tokenizer, budget, overlap, cap, fill=bool(max_messages))
     processors = None
-    constraints: dict[int, object] = {}  # window -> its grammar constraint, once decoded
+    watched: dict[int, object] = {}  # window -> its watching grammar constraint
     if fixed_starts is not None:
         assert len(fixed_starts) == len(cases), "one list of chunk starts per case"
         constrained, split_bias = True, 0.0  # the ends are fixed: nothing for a bias to move
@@ -1425,12 +1427,14 @@ def evaluate(
         ]
 
         def processors(i):
-            out = []
-            if constrained:
-                constraints[i] = grammar.constrain(grammars[i], tokenizer, width, watch=True)
-                out.append(constraints[i])
+            out = []  # the bias first: the constraint watches the logits the model decodes from
             if split_bias > 0 and windows[i].uuids:
                 out.append(SplitBias(tokenizer, windows[i].uuids, split_bias))
+            if constrained:
+                watch = fixed_starts is None
+                out.append(grammar.constrain(grammars[i], tokenizer, width, watch=watch))
+                if watch:
+                    watched[i] = out[-1]
             return out
 
     texts = generate_all(
@@ -1443,7 +1447,7 @@ def evaluate(
         processors,
         kv=kv,
     )
-    refused = [constraints[i].refused for i in range(len(windows))] if constraints else None
+    refused = [watched.pop(i).refused() for i in range(len(windows))] if watched else None
     return score_windows(
         cases,
         windows,
@@ -1451,8 +1455,8 @@ def evaluate(
         train_labels,
         fixed_starts,
         bool(max_messages),
-        None if trust_forced or fixed_starts is not None else refused,
         refused,
+        read_overruled,
     )
 
 
@@ -1463,22 +1467,26 @@ def score_windows(
     train_labels: set[str] | None = None,
     fixed_starts: list[list[int]] | None = None,
     local: bool = False,
-    forced: list | None = None,
-    refused: list | None = None,
+    refused: list[list[int]] | None = None,
+    read_overruled: bool = False,
 ) -> list[dict]:
     """`evaluate`'s rows from its windows' answers (`texts`, one per window): a case read in one
     window is scored on its answer as it is, one read in several on their merge
-    (`merge_windows`, with `local`; with `fixed_starts`, `fixed_merge`). `forced` (per window,
-    the steps where a grammar overruled the model, `grammar.Constraint.refused`): a window with
-    any is merged as one whose answer could not be read, since where the model's own answer
-    would not parse the grammar chose for it, and that choice is not the model's decision (its
-    answer is kept in `window_outputs`). Greedy, a window never overruled is answered token for
-    token as without the grammar, so this merge differs from the unconstrained one only where
-    the grammar overruled. When it overruled every window of a case, they are merged as written
-    (no window is the model's alone; the grammar's answers still make one well-formed cover).
-    `refused` (the same lists, whether or not they count) is saved per window as
-    `window_refused`. Saved `window_outputs` (and `window_refused`) and
-    the windows `plan_windows` gives again re-score a run without decoding."""
+    (`merge_windows`, with `local`; with `fixed_starts`, `fixed_merge`). `refused` (a
+    constrained decode's, per window: the steps where the grammar refused the model's own top
+    token, `grammar.Constraint.refused`; saved per window as `window_refused`): unless
+    `read_overruled`, a window with any is merged as one whose answer could not be read (its
+    answer kept in `window_outputs`, counted in `window_unread` and `window_failures`): the
+    model's own answer there was one the grammar does not allow (a label of one word or more
+    than 12, a character a label may not hold, a uuid of no message in the window, a key
+    skipped, ...), so the grammar chose tokens for it, and what follows is not the model's
+    decision. A window never overruled is, given the same logits, answered token for token as
+    without the grammar (greedy), so this merge departs from the unconstrained one only where
+    the grammar overruled (up to the near-ties of batching, `generate_all`). When no window that
+    the grammar did not overrule has a chunk to read, the case's windows are merged as written:
+    the grammar's answers still make one well-formed cover. Saved `window_outputs` (and
+    `window_refused`) and the windows `plan_windows` gives again re-score a run without
+    decoding."""
     from mlxlab.data.chunk import conversation_uuid, shown
 
     rows = []
@@ -1488,8 +1496,14 @@ def score_windows(
         conv = conversation_uuid(case)
         row = {"case": i, "id": case.get("id", str(i)), "windows": len(mine)}
         ws, wt = [windows[k] for k in mine], [texts[k] for k in mine]
-        held = forced is not None and not all(forced[k] for k in mine)  # else: none to read
-        read = [("" if held and forced[k] else texts[k]) for k in mine]
+        unread = set()  # the windows merged as unread: the grammar overruled them
+        if refused is not None and not read_overruled and fixed_starts is None:
+            unread = {k for k in mine if refused[k]}
+            if not any(
+                window_chunks(texts[k], windows[k].uuids, conv)[0] for k in mine if k not in unread
+            ):
+                unread = set()  # nothing else to read: the grammar's answers as written
+        read = [("" if k in unread else texts[k]) for k in mine]
         points, labels, failed = (
             merge_windows(ws, read, len(uuids), conv, local) if len(mine) > 1 else ([], {}, 0)
         )
@@ -1517,7 +1531,7 @@ def score_windows(
             row["window_outputs"] = wt
             if refused is not None:
                 row["window_refused"] = [refused[k] for k in mine]
-                row["window_forced"] = sum(bool(held and forced[k]) for k in mine)
+                row["window_unread"] = len(unread)
             row["window_ref"] = sum(
                 score_ref(t, w.uuids, conv).ref for w, t in zip(ws, wt, strict=True)
             ) / len(ws)
@@ -1814,7 +1828,7 @@ def evaluate_model(
             fixed_starts,
             kv,
             int(getattr(settings, "window_messages", 0) or 0),
-            bool(getattr(settings, "trust_forced", False)),
+            bool(getattr(settings, "read_overruled", False)),
         )
         if getattr(settings, "label_model", ""):
             try:

@@ -5,6 +5,7 @@
     python -m mlxlab eval chunk data=data/chunk split=valid cases=8 batch_size=1 out=valid.jsonl
     python -m mlxlab eval chunk constrained=true    # also decoded under the answer's grammar
     python -m mlxlab eval chunk constrained=true cover=false   # ... which may close before the end
+    python -m mlxlab eval chunk constrained=true read_overruled=true   # ... windows it overruled read too
     python -m mlxlab eval chunk data=my_chats.json adapter=RUN   # your own exported chats
     python -m mlxlab eval chunk adapter=RUN decisions=true   # teacher-forced: which decisions fail
     python -m mlxlab eval chunk adapter=RUN split_bias=2.0   # a one-chunk answer must win by 2 nats
@@ -17,7 +18,9 @@ of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; pe
 (output, scores, repairs) go to `out` as JSONL and the summary table to stdout (with
 `constrained=true` a second row, "<model>, constrained", from a second decode of the split under
 the answer's grammar: its chunks follow the messages in order and, with `cover=true`, reach the
-last one; its cases go next to `out`, named `<stem>.constrained.jsonl`; with `shifts=MODEL` one
+last one; a window of a long conversation where the grammar refused the model's own top token
+is merged as unread unless `read_overruled=true`, and the log says in how many it did; its
+cases go next to `out`, named `<stem>.constrained.jsonl`; with `shifts=MODEL` one
 more row, "<model>, shift boundaries", decoded under the grammar whose chunks start where the
 topic-shift detector of mlxlab/eval/shifts.py says, the model writing only the labels, into
 `<stem>.shifts.jsonl`, and a line with the detector's own boundary F1). Without `data=`: with an
@@ -192,8 +195,10 @@ def run_data(run_dir: Path) -> Path | None:
         train = ((saved.get("data") or {}).get("train")) if isinstance(saved, dict) else None
     except (OSError, yaml.YAMLError, AttributeError):
         train = None
+    from mlxlab.data.chunk import dataset_dir
+
     for cand in ([Path(train).expanduser()] if train else []) + [run_dir / "data"]:
-        cand = cand if cand.is_dir() else cand.parent
+        cand = dataset_dir(cand)
         if (cand / "train.jsonl").is_file():
             return cand
     return None

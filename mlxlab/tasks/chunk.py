@@ -77,14 +77,13 @@ class ChunkTask(Hooks):
 
     def prepare_data(self, data: DataConfig, run_dir: Path) -> DataConfig:
         """The task's dataset is built into `<run>/data` when data.train is unset."""
+        from mlxlab.data import chunk
         from mlxlab.fsutil import writable_dir
 
         writable_dir(run_dir)
         if data.train:
-            train = Path(data.train)
-            self.check_windows(train if train.is_dir() else train.parent)
+            self.check_windows(chunk.dataset_dir(data.train))
             return data
-        from mlxlab.data import chunk
 
         data_dir = run_dir / "data"
         if not (data_dir / "train.cases.json").is_file():
@@ -167,10 +166,10 @@ class ChunkTask(Hooks):
         if cached.is_file():
             return json.loads(cached.read_text())
 
+        from mlxlab.data.chunk import dataset_dir
         from mlxlab.eval.chunk import built_window_messages, openings, training_window
 
-        train = Path(run.data.train)
-        data_dir = train if train.is_dir() else train.parent
+        data_dir = dataset_dir(run.data.train)
         settings = self.cfg.eval
         records = read_split(data_dir, settings)  # a missing or bad split fails here, clearly
         if which == "base" and not self.cfg.eval_base_constrained:

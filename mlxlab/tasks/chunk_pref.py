@@ -244,8 +244,9 @@ class ChunkPrefTask(ChunkTask):
 
         writable_dir(run_dir)
         if data.train:
-            train = Path(data.train)
-            self.check_windows(train if train.is_dir() else train.parent)
+            from mlxlab.data.chunk import dataset_dir
+
+            self.check_windows(dataset_dir(data.train))
             return data
         data_dir = run_dir / "data"
         self.check_windows(self.sft / "data")  # its build.json is the one copied below
@@ -314,9 +315,9 @@ class ChunkPrefTask(ChunkTask):
             saved = yaml.safe_load((self.sft / "config.yaml").read_text())["task"]["eval"]
         except (OSError, KeyError, TypeError, yaml.YAMLError):
             return False
-        if self.cfg.eval.constrained and not {"cover", "trust_forced"} <= set(saved):
+        if self.cfg.eval.constrained and not {"cover", "read_overruled"} <= set(saved):
             # before eval.cover the constrained decode was under a JSON schema; before
-            # eval.trust_forced its merge read the windows the grammar overruled
+            # eval.read_overruled its merge read the windows the grammar overruled
             return False
         # settings added since the SFT run: their defaults; label_model only adds a score (a run
         # without it shows none for SFT alone), so it does not stop the reuse
