@@ -46,13 +46,14 @@ def config_dir() -> Path:
     return Path(str(resources.files("mlxlab.configs"))).resolve()
 
 
-def check_window_messages(value: int, overlap: int, zero: str) -> None:
+def check_window_messages(value: int, overlap: int, zero: str, source: str = "") -> None:
     """UserError unless `value` is 0 (meaning `zero`) or more messages than `overlap` (and 1):
-    a window that holds no more than it shares with the one before cannot move on."""
+    a window that holds no more than it shares with the one before cannot move on. `source`:
+    where an inherited value came from and what to set instead, added to the message."""
     if value and value <= max(overlap, 1):
         raise UserError(
             f"window_messages must be 0 ({zero}) or more than window_overlap (and 1), "
-            f"got {value} with window_overlap {overlap}"
+            f"got {value} with window_overlap {overlap}" + (f" ({source})" if source else "")
         )
 
 

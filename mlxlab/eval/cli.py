@@ -81,13 +81,12 @@ def run(cfg: EvalConfig) -> dict:
         )
         if cfg.window_messages:
             log.info(f"window_messages={cfg.window_messages}: the adapter's training windows")
-        try:
-            check_window_messages(cfg.window_messages, cfg.window_overlap, "no cap")
-        except UserError as e:
-            raise UserError(
-                f"{e} (window_messages is the adapter's run's: set window_messages, or lower "
-                "window_overlap)"
-            ) from None
+        check_window_messages(
+            cfg.window_messages,
+            cfg.window_overlap,
+            "no cap",
+            "window_messages is the adapter's run's: set window_messages, or lower window_overlap",
+        )
     # answers as the adapter's run trained them
     for key, value in ev.openings(cfg, trained_data).items():
         setattr(cfg, key, value)
@@ -119,7 +118,6 @@ def decisions(cfg: EvalConfig, data: Path) -> dict:
     import json
 
     from mlxlab.data import chunk
-    from mlxlab.errors import UserError
     from mlxlab.eval import chunk as ev
     from mlxlab.fsutil import atomic_write_text
     from mlxlab.lora import io as lora_io

@@ -23,7 +23,6 @@ from mlxlab.config import (
     check_choice,
     to_dict,
 )
-from mlxlab.errors import UserError
 from mlxlab.train.job import Hooks, Run
 
 log = logging.getLogger(__name__)
@@ -106,15 +105,13 @@ class ChunkTask(Hooks):
         cap = own or (
             built_window_messages(data_dir) if data_dir else self.cfg.data.window_messages
         )
-        try:
-            check_window_messages(cap, self.cfg.eval.window_overlap, "no cap")
-        except UserError as e:
-            if own:
-                raise
-            raise UserError(
-                f"{e} (task.eval.window_messages is 0, so it takes the dataset's: set it, or "
-                "lower task.eval.window_overlap)"
-            ) from None
+        source = (
+            ""
+            if own
+            else "task.eval.window_messages is 0, so it takes the dataset's: set it, or lower "
+            "task.eval.window_overlap"
+        )
+        check_window_messages(cap, self.cfg.eval.window_overlap, "no cap", source)
 
     def before_lora(self, run: Run) -> None:
         if self.cfg.eval.shifts:  # a wrong embedding model fails now, not after training
