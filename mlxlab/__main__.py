@@ -11,7 +11,8 @@ import sys
 
 import mlxlab  # noqa: F401  (loads the optimized BLAS before anything imports MLX)
 
-# command -> (module with main(argv), one-line summary). Only commands that work are listed.
+# command -> (module with main(argv), or module:function taking argv; one-line summary). Only
+# commands that work are listed.
 COMMANDS = {
     "generate": (
         "mlxlab.generate",
@@ -28,8 +29,8 @@ COMMANDS = {
         "mlxlab.serve.cli",
         "OpenAI-compatible HTTP server (model=..., port=8090, memory_budget_gb=...)",
     ),
-    "data": ("mlxlab.data.cli", "build a task dataset offline: chunk out=DIR"),
-    "eval": ("mlxlab.eval.cli", "score a model/adapter on a task: chunk adapter=DIR"),
+    "data": ("mlxlab.verbs:data", "build a task dataset offline: chunk out=DIR"),
+    "eval": ("mlxlab.verbs:eval", "score a model/adapter on a task: chunk adapter=DIR"),
     "runs": ("mlxlab.serve.web.cli", "the training runs page on its own (dir=outputs, port=8091)"),
     "transcribe": (
         "mlxlab.audio.cli",
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     if name not in COMMANDS:
         print(f"mlxlab: unknown command {name!r}\n\n{USAGE}", end="", file=sys.stderr)
         sys.exit(2)
-    importlib.import_module(COMMANDS[name][0]).main(rest)
+    module, _, function = COMMANDS[name][0].partition(":")
+    getattr(importlib.import_module(module), function or "main")(rest)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Hydra CLI glue: compose/run a command's config.
 
-Each command's schema is its dataclass in `mlxlab/config.py`, stored in Hydra's ConfigStore as
-`<command>_schema`; `configs/<command>.yaml` composes it. `run_hydra` is what every command's
+Each command's schema is the dataclass it registered (mlxlab/registry.py: the framework's in
+`mlxlab/config.py`, the server's in `serve/config.py`, a `data`/`eval` verb's in its task's
+package), stored in Hydra's ConfigStore as `<command>_schema`; `configs/<command>.yaml` composes
+it. `run_hydra` is what every command's
 `main(argv)` calls: positional words become overrides, free text needs no Hydra quoting, and a
 bad value (UserError, or a ValueError while the config is built) is one line on stderr and exit 1.
 Tests and notebooks use `compose(name, overrides)`. Only this module touches Hydra/OmegaConf.
@@ -14,8 +16,10 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from mlxlab.config import SCHEMAS, check_choice, config_dir, from_dict
+from mlxlab import registry
+from mlxlab.config import config_dir
 from mlxlab.errors import UserError
+from mlxlab.schema import check_choice, from_dict
 
 
 def packaged_data(name: str) -> str:
@@ -27,26 +31,16 @@ def packaged_data(name: str) -> str:
 
 
 def command_groups(name: str | None) -> dict[str, dict[str, type]]:
-    """The config groups of a command's schema: group -> option name -> its config dataclass.
-
-    Only `train` has one (`task`, options from mlxlab/tasks/). Groups are process-wide in Hydra
-    and a group shadows a plain field of the same name (`eval task=chunk`), so each command sees
-    its own groups only.
-    """
-    if name == "train":
-        from mlxlab import tasks
-
-        return {"task": tasks.configs()}
-    return {}
+    """The config groups of a command's schema: group -> option name -> its config dataclass
+    (as registered: train's `task`, whose options the task packages provide). Groups are
+    process-wide in Hydra and a group shadows a plain field of the same name, so each command
+    sees its own groups only."""
+    return registry.groups(name) if name else {}
 
 
-GROUPS = ("task",)
-"""Every group some command has (see command_groups)."""
-
-
-def register_schemas(name: str | None = None) -> None:
-    """Put the dataclasses in Hydra's ConfigStore, for `defaults: [<name>_schema, _self_]`, and
-    the config groups of command `name`."""
+def register_schemas(name: str | None = None, schema: type | None = None) -> None:
+    """Put the dataclasses in Hydra's ConfigStore, for `defaults: [<name>_schema, _self_]` (for
+    command `name`, `schema` when given: a verb's), and the config groups of command `name`."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -54,9 +48,11 @@ def register_schemas(name: str | None = None) -> None:
         OmegaConf.register_new_resolver("mlxlab_data", packaged_data)
 
     cs = ConfigStore.instance()
-    for schema, cls in SCHEMAS.items():
-        cs.store(name=f"{schema}_schema", node=cls)
-    for group in GROUPS:
+    for command, cls in registry.commands().items():
+        cs.store(name=f"{command}_schema", node=cls)
+    if schema is not None:
+        cs.store(name=f"{name}_schema", node=schema)
+    for group in registry.group_names():
         cs.repo.pop(group, None)
     for group, options in command_groups(name).items():
         for option, cls in options.items():
@@ -104,15 +100,24 @@ def select_named_groups(name: str, overrides: list[str]) -> list[str]:
     return out
 
 
-def compose(name: str, overrides: list[str] | None = None):
-    """Compose a config without the CLI (tests, notebooks) and return its dataclass."""
+def compose(name: str, overrides: list[str] | None = None, schema: type | None = None):
+    """Compose a config without the CLI (tests, notebooks) and return its dataclass (command
+    `name`'s registered schema, or `schema`; for a command of verbs, `data` or `eval`, the verb's
+    of the task a `task=NAME` override names, else of its only task)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    register_schemas(name)
+    overrides = list(overrides or [])
+    if schema is None and registry.verbs(name):
+        named = [o for o in overrides if o.partition("=")[0] == "task"]
+        overrides = [o for o in overrides if o not in named]
+        task = named[-1].partition("=")[2] if named else None
+        schema = registry.verb_for(name, task)[1].schema
+    schema = schema or registry.schema(name)
+    register_schemas(name, schema)
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        cfg = hydra_compose(config_name=name, overrides=select_named_groups(name, overrides or []))
-    return to_dataclass(cfg, SCHEMAS[name])
+        cfg = hydra_compose(config_name=name, overrides=select_named_groups(name, overrides))
+    return to_dataclass(cfg, schema)
 
 
 _NEEDS_QUOTES = set(" \t\n(),[]{}'\"\\")
@@ -202,18 +207,26 @@ def fail(name: str, error: Exception) -> None:
     sys.exit(1)
 
 
-def run_hydra(name: str, argv: list[str], task, positional: tuple[str, ...] = ()) -> None:
+def run_hydra(
+    name: str,
+    argv: list[str],
+    task,
+    positional: tuple[str, ...] = (),
+    schema: type | None = None,
+) -> None:
     """Run `task(dataclass)` under Hydra's CLI (overrides, --cfg job, --help, multirun).
 
-    Leading bare words fill the `positional` fields in order (`models pull NAME`). The command's
-    log handler (mlxlab/log.py) is installed first.
+    Leading bare words fill the `positional` fields in order (`models pull NAME`). The config is
+    command `name`'s registered schema, or `schema` (a verb's). The command's log handler
+    (mlxlab/log.py) is installed first.
     """
     import hydra
 
     from mlxlab import log
 
     log.setup()
-    register_schemas(name)
+    schema = schema or registry.schema(name)
+    register_schemas(name, schema)
     try:
         argv = select_named_groups(name, positional_to_overrides(argv, positional))
     except UserError as e:
@@ -223,7 +236,7 @@ def run_hydra(name: str, argv: list[str], task, positional: tuple[str, ...] = ()
     @hydra.main(config_path=str(config_dir()), config_name=name, version_base=None)
     def _main(cfg):
         try:
-            typed = to_dataclass(cfg, SCHEMAS[name])
+            typed = to_dataclass(cfg, schema)
         except (UserError, ValueError, TypeError) as e:  # a bad value; nothing has run yet
             fail(name, e)
         try:

@@ -26,10 +26,11 @@ import json
 import sys
 from pathlib import Path
 
+from mlxlab.eval.cli import run_data, trained_window
+
 import mlxlab  # noqa: F401  (before mlx.core)
 from mlxlab.data import chunk as data
 from mlxlab.eval import chunk as ev
-from mlxlab.eval.cli import run_data, trained_window
 from mlxlab.models.zoo import load
 
 

@@ -23,8 +23,8 @@ import numpy as np
 
 
 def load(source: str) -> list[dict]:
-    from mlxlab.config import EvalSettings
     from mlxlab.eval.chunk import read_split
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     path, _, split = source.partition(":")
     return read_split(Path(path), EvalSettings(split=split or "test"))

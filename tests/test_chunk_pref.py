@@ -10,7 +10,8 @@ import pytest
 
 from mlxlab.config import UserError
 from mlxlab.data import chunk as data
-from mlxlab.tasks import chunk_pref as cp
+from mlxlab.tasks.chunk import pref as cp
+from mlxlab.tasks.chunk.config import ChunkPrefConfig
 
 U = [f"00000000-0000-4000-8000-00000000000{i}" for i in range(6)]
 
@@ -61,13 +62,13 @@ def test_config_errors(tmp_path):
     with pytest.raises(UserError, match="no finished chunk SFT run"):
         cp.find_sft_run(tmp_path)
     with pytest.raises(UserError, match="not a finished chunk-task run"):
-        cp.sft_dir(cp.ChunkPrefConfig(sft=str(tmp_path)))
+        cp.sft_dir(ChunkPrefConfig(sft=str(tmp_path)))
     with pytest.raises(UserError, match="multi_share"):
-        cp.ChunkPrefConfig(multi_share=2)
+        ChunkPrefConfig(multi_share=2)
     from mlxlab.config import TrainConfig
 
     with pytest.raises(UserError, match="objective=dpo or objective=orpo"):
-        cp.hooks(cp.ChunkPrefConfig()).train_config(TrainConfig())
+        cp.ChunkPrefTask(ChunkPrefConfig()).train_config(TrainConfig())
 
 
 @pytest.mark.slow  # end to end: an SFT task run, then DPO on top of it (pairs, training, eval)
@@ -108,13 +109,13 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
         )
     )
     # `eval chunk adapter=<sft run>` reads the answers in the layout the run trained on
-    from mlxlab.eval import cli as eval_cli
+    from mlxlab.tasks.chunk import cli as eval_cli
 
     ecfg = compose(
         "eval",
         ["model=tiny-gemma3", f"adapter={sft}", "cases=1", "max_tokens=4", f"out={tmp_path / 'e'}"],
     )
-    eval_cli.run(ecfg)
+    eval_cli.evaluate(ecfg)
     assert ecfg.turns is turns
     report = tmp_path / "exp" / "README.md"
     summary = cli.run(
@@ -169,8 +170,9 @@ def test_sft_evaluation_is_reused_only_with_the_same_decode(tmp_path):
     before eval.cover decoded its constrained row under a JSON schema, so that is not reused."""
     import yaml
 
-    from mlxlab.config import EvalSettings, to_dict
-    from mlxlab.tasks.chunk_pref import ChunkPrefConfig, ChunkPrefTask
+    from mlxlab.config import to_dict
+    from mlxlab.tasks.chunk.config import EvalSettings
+    from mlxlab.tasks.chunk.pref import ChunkPrefTask
 
     settings = EvalSettings(constrained=True)
     sft = tmp_path / "sft"

@@ -11,11 +11,11 @@ import json
 import numpy as np
 import pytest
 
-from mlxlab.config import ChunkDataConfig, EvalSettings
 from mlxlab.data import chunk as data
 from mlxlab.errors import UserError
 from mlxlab.eval import chunk as ev
 from mlxlab.eval import shifts
+from mlxlab.tasks.chunk.config import ChunkDataConfig, EvalSettings
 from tests.test_chunk_task import GOLD, U, _allows
 
 
@@ -116,7 +116,8 @@ def test_a_windowed_case_keeps_the_fixed_starts_with_the_merged_labels():
 
 
 def test_a_wrong_embedding_model_stops_a_task_run_before_training():
-    from mlxlab.tasks.chunk import ChunkTask, ChunkTaskConfig
+    from mlxlab.tasks.chunk.config import ChunkTaskConfig
+    from mlxlab.tasks.chunk.task import ChunkTask
 
     task = ChunkTask(ChunkTaskConfig(eval=EvalSettings(shifts="tiny-gemma3"), eval_base=False))
     with pytest.raises(UserError, match="not an embedding model"):
@@ -174,7 +175,7 @@ def test_a_decode_with_fixed_starts_puts_chunks_exactly_there(tiny_dir, tmp_path
 def test_eval_with_shifts_reports_a_row_and_the_detector(tiny_dir, tmp_path):
     """evaluate_model with `shifts`: one more decode, its per-case file, its row in the table,
     the detector's own F1 (against gold, no model) and its time in the evaluation's."""
-    from mlxlab.tasks.chunk import eval_seconds
+    from mlxlab.tasks.chunk.task import eval_seconds
 
     tiny_dir("bert")
     model, tokenizer, records = _tiny(tiny_dir, tmp_path, 2)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mlxlab.config import ChunkDataConfig
 from mlxlab.data import chunk as data
 from mlxlab.errors import UserError
 from mlxlab.eval import chunk as ev
+from mlxlab.tasks.chunk.config import ChunkDataConfig
 
 U = [
     "aaaaaaaa-0000-4000-8000-000000000000",
@@ -233,7 +233,7 @@ def test_window_messages_makes_every_training_example_a_local_question():
     gold_starts = {uuids.index(c["start_message_uuid"]) for c in many["chunks"][1:]}
     assert len(gold_starts) >= 2 and starts == gold_starts
     assert all(len(ex["messages"][0]["content"]) for ex in data.training_examples(many, cfg))
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     with pytest.raises(UserError, match="window_messages"):
         ChunkDataConfig(window_messages=2)  # no more than the overlap: windows cannot advance
@@ -245,8 +245,9 @@ def test_a_task_run_stops_before_anything_when_its_evaluation_windows_cannot_adv
     """task.data.window_messages caps the evaluation's windows too (when eval.window_messages is
     0): one no larger than eval.window_overlap fails at data preparation, before a dataset is
     built, the base model evaluated or a step trained; so does a prebuilt dataset's cap."""
-    from mlxlab.config import DataConfig, EvalSettings
-    from mlxlab.tasks.chunk import ChunkTask, ChunkTaskConfig
+    from mlxlab.config import DataConfig
+    from mlxlab.tasks.chunk.config import ChunkTaskConfig, EvalSettings
+    from mlxlab.tasks.chunk.task import ChunkTask
 
     small = ChunkDataConfig(train=3, valid=1, test=1, window_messages=3)
     task = ChunkTask(ChunkTaskConfig(data=small, eval=EvalSettings(window_overlap=3)))
@@ -330,8 +331,9 @@ def test_generic_labels():
 def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     from mlx_lm.utils import load
 
-    from mlxlab.config import DataConfig, EvalSettings
+    from mlxlab.config import DataConfig
     from mlxlab.data.datasets import load_split
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     out = data.write_dataset(tmp_path / "chunk", ChunkDataConfig(train=6, valid=2, test=3))
     names = sorted(p.name for p in out.iterdir())
@@ -746,8 +748,8 @@ def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
 def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
     from mlx_lm.utils import load
 
-    from mlxlab.config import EvalSettings
     from mlxlab.errors import UserError
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     mine = [
         {
@@ -786,7 +788,7 @@ def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
 def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
     from mlx_lm.utils import load
 
-    from mlxlab.eval.cli import task_run, trained_window
+    from mlxlab.tasks.chunk.cli import task_run, trained_window
 
     _, tokenizer = load(str(tiny_dir("gemma3")))
     run = tmp_path / "run"
@@ -810,7 +812,7 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
     assert trained_window(run, tokenizer) == longest == ev.training_window(run / "data", tokenizer)
     elsewhere = data.write_dataset(tmp_path / "mine", ChunkDataConfig(train=3, valid=1, test=1))
     (run / "config.yaml").write_text(f"task:\n  name: chunk\ndata:\n  train: {elsewhere}\n")
-    from mlxlab.eval.cli import run_data
+    from mlxlab.tasks.chunk.cli import run_data
 
     assert run_data(run) == elsewhere  # the run's own data.train wins over <run>/data
     assert ev.built_window_messages(elsewhere) == 0
@@ -825,26 +827,26 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
 def test_eval_decodes_as_long_as_the_adapters_run_did(tmp_path):
     """max_tokens unset (0) in `eval chunk`: the run's task.eval.max_tokens, else 256; a task
     run's own settings may not be 0."""
-    from mlxlab.config import EvalConfig, EvalSettings
     from mlxlab.errors import UserError
-    from mlxlab.eval.cli import max_tokens_for
+    from mlxlab.tasks.chunk.cli import max_tokens_for
+    from mlxlab.tasks.chunk.config import ChunkEvalConfig, EvalSettings
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text("task:\n  name: chunk\n  eval:\n    max_tokens: 512\n")
-    assert max_tokens_for(EvalConfig(), run) == 512
-    assert max_tokens_for(EvalConfig(max_tokens=64), run) == 64  # what the user sets wins
-    assert max_tokens_for(EvalConfig(), None) == 256 == EvalSettings.max_tokens
+    assert max_tokens_for(ChunkEvalConfig(), run) == 512
+    assert max_tokens_for(ChunkEvalConfig(max_tokens=64), run) == 64  # what the user sets wins
+    assert max_tokens_for(ChunkEvalConfig(), None) == 256 == EvalSettings.max_tokens
     (run / "config.yaml").write_text("task:\n  name: chunk\n")
-    assert max_tokens_for(EvalConfig(), run) == 256
+    assert max_tokens_for(ChunkEvalConfig(), run) == 256
     with pytest.raises(UserError, match="max_tokens"):
         EvalSettings(max_tokens=0)
     with pytest.raises(UserError, match="max_tokens"):
-        EvalConfig(max_tokens=-1)
+        ChunkEvalConfig(max_tokens=-1)
 
 
 def test_claude_exports_are_read_as_cases(tmp_path):
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     export = [
         {
@@ -910,7 +912,7 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
 
     tiny_dir("gemma3")
     out = tmp_path / "chunk"
-    r = run_cli("data", "chunk", f"out={out}", "chunk.train=5", "chunk.valid=2", "chunk.test=3")
+    r = run_cli("data", "chunk", f"out={out}", "train=5", "valid=2", "test=3")
     assert r.returncode == 0, r.stderr
     assert "train: 5 conversations" in r.stdout and (out / "test.cases.json").is_file()
     assert "| gold chunks per conversation | train | valid | test |" in r.stdout
@@ -919,7 +921,7 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
     assert (
         again.returncode == 1 and "force=true" in again.stderr and "Traceback" not in again.stderr
     )
-    bad = run_cli("data", "chunk", f"out={tmp_path / 'x'}", "chunk.topic_weights=[-1,2]")
+    bad = run_cli("data", "chunk", f"out={tmp_path / 'x'}", "topic_weights=[-1,2]")
     assert bad.returncode == 1 and "topic_weights" in bad.stderr
     res = tmp_path / "res.jsonl"
     ev_run = run_cli(
@@ -1195,7 +1197,7 @@ def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
     built = data.write_dataset(tmp_path / "d", cfg)
     assert ev.built_with(built, "starts")
     # an evaluation's unset openings follow the data; a set one is left alone
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     assert ev.openings(EvalSettings(), built) == {"turns": False, "starts": True}
     assert ev.openings(EvalSettings(starts=False), built) == {"turns": False}
@@ -1225,7 +1227,7 @@ def test_turn_quotes_answer_and_grammar(gemma_tokenizer, tmp_path):
     allows that layout too (every message once, in order, a quote only for a user message), the
     data writes it on every split when asked and an evaluation of such data reads turns."""
     from mlxlab import grammar as G
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     texts = ["Is assert   stripped under -O?", "Yes.", "x " * 60, "Sure."]
     msgs = [
@@ -1332,8 +1334,8 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    from mlxlab.config import EvalConfig
-    from mlxlab.eval import cli
+    from mlxlab.tasks.chunk import cli
+    from mlxlab.tasks.chunk.config import ChunkEvalConfig
 
     model, tokenizer = load(str(tiny_dir("gemma3")))
     cfg = ChunkDataConfig(
@@ -1398,13 +1400,13 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
     }
     assert ev.decision_accuracy(model, tokenizer, [empty])["skipped"] == {"no chunks": [0, 1]}
     # the command: counts to `out`, `cases` examples; anything else is a one-line error
-    cmd = EvalConfig(decisions=True, data=str(out), out=str(tmp_path / "c.json"), cases=2)
+    cmd = ChunkEvalConfig(decisions=True, data=str(out), out=str(tmp_path / "c.json"), cases=2)
     cmd.model = str(tiny_dir("gemma3"))
-    counted = cli.run(cmd)
+    counted = cli.evaluate(cmd)
     assert json.loads((tmp_path / "c.json").read_text()) == counted
     assert sum(v.get(ev.ALL_RIGHT, [0, 0])[1] for k, v in counted.items() if k in ev.GROUPS) == 2
     with pytest.raises(UserError, match="reads a dataset directory"):
-        cli.run(EvalConfig(decisions=True, data=str(tmp_path)))
+        cli.evaluate(ChunkEvalConfig(decisions=True, data=str(tmp_path)))
     bad = tmp_path / "bad"
     bad.mkdir()
     for line in (
@@ -1422,16 +1424,16 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
     ):
         (bad / "test.jsonl").write_text(line + "\n")
         with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
-            cli.run(EvalConfig(decisions=True, data=str(bad)))
+            cli.evaluate(ChunkEvalConfig(decisions=True, data=str(bad)))
     # an answer whose first chunk names messages the prompt does not show
     good = json.loads((out / "test.jsonl").read_text().splitlines()[0])
     good["messages"][0]["content"] = "no message headers here"
     (bad / "test.jsonl").write_text(json.dumps(good) + "\n")
     with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
-        cli.run(EvalConfig(decisions=True, data=str(bad)))
+        cli.evaluate(ChunkEvalConfig(decisions=True, data=str(bad)))
     (bad / "test.jsonl").write_text("\n")
     with pytest.raises(UserError, match="no examples"):
-        cli.run(EvalConfig(decisions=True, data=str(bad)))
+        cli.evaluate(ChunkEvalConfig(decisions=True, data=str(bad)))
     assert sum(counted["first end"][g]["answers"] for g in ev.GROUPS) == 2  # the same 2 cases
 
 
@@ -1513,7 +1515,7 @@ def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
     """n short test conversations (one or two topics, two pairs) and the tiny Gemma 3."""
     from mlx_lm.utils import load
 
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     cfg = ChunkDataConfig(train=2, valid=1, test=n, median_pairs=1, max_message_chars=200)
     out = data.write_dataset(tmp_path / "chunk", cfg)
@@ -1557,7 +1559,7 @@ def test_constrained_eval_parses_and_uses_only_the_conversations_uuids(
 def test_constrained_eval_without_cover_keeps_order_and_may_stop_early(tiny_dir, tmp_path):
     """eval.cover=false: contiguous chunks from the first message, closed wherever the model
     closes them (the scorers repair a trailing gap)."""
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
     settings = EvalSettings(max_tokens=1024, batch_size=2, constrained=True, cover=False)
@@ -1646,7 +1648,7 @@ def test_decodes_after_the_first_reuse_the_prompt_kv(tiny_dir, tmp_path, batch_s
 
 
 def test_an_evaluation_with_two_decodes_prefills_each_prompt_once(tiny_dir, tmp_path, caplog):
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
     settings = EvalSettings(max_tokens=4, batch_size=2, constrained=True)
@@ -1666,7 +1668,7 @@ def test_an_evaluation_with_two_decodes_prefills_each_prompt_once(tiny_dir, tmp_
 
 
 def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tmp_path):
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
     settings = EvalSettings(max_tokens=8, batch_size=2, constrained=True, max_prompt_tokens=8192)
@@ -1732,7 +1734,7 @@ def test_boundary_weight_marks_where_each_chunk_is_placed(tmp_path):
 
 
 def test_an_evaluations_time_counts_its_constrained_decode():
-    from mlxlab.tasks.chunk import eval_seconds, pass_times, wall_line
+    from mlxlab.tasks.chunk.task import eval_seconds, pass_times, wall_line
 
     assert eval_seconds({"seconds": 476.3, "constrained": {"seconds": 536.7}}) == 1013.0
     assert eval_seconds({"seconds": 60.0}) == 60.0
@@ -1757,7 +1759,7 @@ def test_split_bias_taxes_the_last_message_end_once(tiny_dir, tmp_path):
     split_bias out of range is a one-line error."""
     import mlx.core as mx
 
-    from mlxlab.config import EvalSettings
+    from mlxlab.tasks.chunk.config import EvalSettings
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
     uuids = [

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from mlxlab import config, tasks
+from mlxlab import config, registry
 from mlxlab.errors import UserError
 from tests.helpers.cli import run_cli
 
@@ -56,8 +56,8 @@ ENUMS = {
         "objective": ("sft", "dpo", "orpo"),
         "dpo.loss": ("sigmoid", "ipo"),
     },
-    "data": {"task": ("chunk",)},
-    "eval": {"task": ("chunk",), "split": ("train", "valid", "test"), "dtype": DTYPES},
+    "data chunk": {},
+    "eval chunk": {"split": ("train", "valid", "test"), "dtype": DTYPES},
     "serve": {
         "dtype": DTYPES,
         "decode_head": ("auto", "exact", "bfloat16"),
@@ -92,8 +92,8 @@ FREE = {
         "lora.init",
     },
     "diag": {"model", "adapter", "out"},
-    "data": {"out"},
-    "eval": {"model", "adapter", "data", "out", "label_model", "shifts"},
+    "data chunk": {"out"},
+    "eval chunk": {"model", "adapter", "data", "out", "label_model", "shifts"},
     "serve": {"model", "host", "adapter_root"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
     | {"runs_dir"}
@@ -106,6 +106,18 @@ TASK_FREE = {
     "chunk": {"report", "eval.label_model", "eval.shifts"},
     "chunk_pref": {"report", "sft", "eval.label_model", "eval.shifts"},
 }
+
+
+def schemas() -> dict[str, type]:
+    """Every command's config dataclass, a verb's as "<command> <task>" (`eval chunk`)."""
+    out = dict(registry.commands())
+    for command in ("data", "eval"):
+        out |= {f"{command} {t}": v.schema for t, v in registry.verbs(command).items()}
+    return out
+
+
+SCHEMAS = schemas()
+TASKS = registry.groups("train")["task"]
 
 
 def string_fields(cls, prefix: str = "") -> set[str]:
@@ -130,16 +142,16 @@ def bad_value(path: str):
     return ["seg1", "bogus"] if path.endswith("modes") else "bogus"
 
 
-@pytest.mark.parametrize("command", sorted(config.SCHEMAS))
+@pytest.mark.parametrize("command", sorted(SCHEMAS))
 def test_every_string_field_is_an_enum_or_free_text(command):
     """A new string field has to be sorted here, so an enum-like one cannot go unchecked."""
-    fields = string_fields(config.SCHEMAS[command])
+    fields = string_fields(SCHEMAS[command])
     assert fields == set(ENUMS[command]) | FREE[command]
 
 
-@pytest.mark.parametrize("task", sorted(tasks.TASKS))
+@pytest.mark.parametrize("task", sorted(TASKS))
 def test_every_task_string_field_is_an_enum_or_free_text(task):
-    assert string_fields(tasks.module(task).CONFIG) == set(TASK_ENUMS[task]) | TASK_FREE[task]
+    assert string_fields(TASKS[task]) == set(TASK_ENUMS[task]) | TASK_FREE[task]
 
 
 CASES = [(c, p, v) for c, fields in ENUMS.items() for p, v in fields.items()]
@@ -147,7 +159,7 @@ CASES = [(c, p, v) for c, fields in ENUMS.items() for p, v in fields.items()]
 
 @pytest.mark.parametrize("command,path,allowed", CASES, ids=[f"{c}-{p}" for c, p, _ in CASES])
 def test_bad_enum_value_is_a_user_error_naming_field_and_choices(command, path, allowed):
-    schema = config.SCHEMAS[command]
+    schema = SCHEMAS[command]
     with pytest.raises(UserError) as e:
         config.from_dict(schema, nested(path, bad_value(path)))
     message = str(e.value)
@@ -169,7 +181,7 @@ TASK_CASES = [(t, p, v) for t, fields in TASK_ENUMS.items() for p, v in fields.i
     "task,path,allowed", TASK_CASES, ids=[f"{t}-{p}" for t, p, _ in TASK_CASES]
 )
 def test_bad_task_value_is_a_user_error(task, path, allowed):
-    cls = tasks.module(task).CONFIG
+    cls = TASKS[task]
     with pytest.raises(UserError) as e:
         config.from_dict(cls, nested(path, "bogus"))
     message = str(e.value)
@@ -187,7 +199,7 @@ def test_task_group_options_are_checked_before_hydra():
     assert select_named_groups(
         "train", ["task.name=chunk", "+task=chunk", "task=null", "task.eval.cases=2"]
     ) == ["task=chunk", "task=chunk", "~task", "task.eval.cases=2"]
-    assert select_named_groups("eval", ["task=chunk"]) == ["task=chunk"]  # a plain field there
+    assert select_named_groups("eval", ["split=valid"]) == ["split=valid"]  # no groups there
 
 
 def test_unknown_dtype_at_run_time_is_a_user_error_too():

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from mlxlab import cli, config
+from mlxlab import cli, config, registry
+
+VERBS = [(c, t) for c in ("data", "eval") for t in sorted(registry.verbs(c))]
 
 
-@pytest.mark.parametrize("name", sorted(config.SCHEMAS))
+@pytest.mark.parametrize("name", sorted(registry.commands()))
 def test_every_entry_config_composes(name):
     cfg = cli.compose(name)
-    assert isinstance(cfg, config.SCHEMAS[name])
+    assert isinstance(cfg, registry.commands()[name])
+
+
+@pytest.mark.parametrize("command,task", VERBS)
+def test_every_verb_config_composes(command, task):
+    _, verb = registry.verb_for(command, task)
+    assert isinstance(cli.compose(command, schema=verb.schema), verb.schema)
 
 
 def test_every_yaml_is_an_entry_or_a_known_fragment():
     names = {p.stem for p in config.config_dir().glob("*.yaml")}
-    assert names - set(config.SCHEMAS) == {"quiet"}
+    assert names - set(registry.commands()) - {"data", "eval"} == {"quiet"}
 
 
 def test_overrides_apply_and_validate():
@@ -54,21 +62,20 @@ def test_quickstart_points_at_the_bundled_data():
 def test_the_task_is_a_config_group_not_trainer_fields():
     import dataclasses
 
-    from mlxlab import tasks
-
     assert "task" not in {f.name for f in dataclasses.fields(config.TrainConfig)}
     assert cli.compose("train", ["+exp=quickstart"]).task is None
     seg4 = cli.compose("train", ["+exp=chunk_seg4", "task.eval.cases=2", "iters=3"])
     assert seg4.task["name"] == "chunk" and seg4.task["eval"]["cases"] == 2 and seg4.iters == 3
     assert seg4.task["report"] == "experiments/chunk_seg4/README.md"
     assert type(seg4.train_config()) is config.TrainConfig
-    hooks = tasks.hooks_for(seg4.task)
+    hooks = registry.hooks_for(seg4.task)
     assert hooks.cfg.eval.max_tokens == 256 and hooks.config()["name"] == "chunk"
     # the shift-boundaries decode is opt-in: with it the command ran past 90 minutes
     assert hooks.cfg.eval.shifts == "" and hooks.cfg.eval.constrained
     on = cli.compose("train", ["+exp=chunk_seg4", "task.eval.shifts=all-minilm-l6-v2"])
-    assert tasks.hooks_for(on.task).cfg.eval.shifts == "all-minilm-l6-v2"
+    assert registry.hooks_for(on.task).cfg.eval.shifts == "all-minilm-l6-v2"
     assert cli.compose("train", ["task.name=chunk"]).task["name"] == "chunk"  # the old path
     off = cli.compose("train", ["+exp=chunk_seg4", "task=null"])
-    assert tasks.hooks_for(off.task) is None
-    assert cli.compose("eval", ["task=chunk"]).task == "chunk"  # a plain field there, not the group
+    assert registry.hooks_for(off.task) is None
+    _, verb = registry.verb_for("eval", "chunk")
+    assert cli.compose("eval", ["split=valid"], verb.schema).split == "valid"  # no group there

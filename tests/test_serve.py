@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve import pipeline
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.engine.jobs import Delta, Done, Job, QueueFull, Sampling
 from tests.helpers.serve import SYSTEM, make_client, sse_events, streamed_content
 

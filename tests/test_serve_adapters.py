@@ -316,7 +316,7 @@ def test_default_adapter_root_belongs_to_mlxlab(tiny_dir, tmp_path, monkeypatch)
         got = client.get("/v1/adapters/available").json()
         assert got == {"root": str(home / "adapters"), "adapters": []}
         assert (home / "adapters").is_dir()
-        assert f"adapter root {home / 'adapters'}" in ready_line(gateway.cfg, gateway)
+        assert f"adapter root {home / 'adapters'}" in ready_line(client.app.state.cfg, gateway)
         r = client.post("/v1/adapters", json={"id": "x", "path": str(shared / "left_by_someone")})
         assert r.status_code == 403 and r.json()["error"]["code"] == "outside_adapter_root"
     finally:

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from mlxlab.config import ServeConfig, UserError
+from mlxlab.config import UserError
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.engine import kv_quant
 from mlxlab.serve.engine.batch import BatchLane
 from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job, Sampling, parse_adapter_spec
@@ -60,7 +61,9 @@ def lane_tokens(loaded, cfg, ps, max_tokens, join_at, cancel=()):
     """Our lane on the same schedule (lane.step() is one BatchGenerator.next()); `cancel`: (row,
     step) pairs, the row's client goes away before that step."""
     results = {}
-    lane = BatchLane(loaded, cfg, lambda job, done, err: results.__setitem__(job.id, done or err))
+    lane = BatchLane(
+        loaded, cfg.engine(), lambda job, done, err: results.__setitem__(job.id, done or err)
+    )
     jobs = [
         Job(p, m, lambda e: None, Sampling(temperature=0.0), id=str(i))
         for i, (p, m) in enumerate(zip(ps, max_tokens, strict=True))
@@ -87,7 +90,7 @@ def test_greedy_tokens_equal_mlx_lm_batch_generator(tiny_dir, family):
     cfg = ServeConfig(
         model=f"tiny-{family}", memory_budget_gb=2, batch=8, prefill_step=16, prompt_cache_gb=0
     )
-    loaded = Loaded(cfg)
+    loaded = Loaded(cfg.engine())
     ps = prompts()
     ours, lane = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT)
     ref = batch_generator_tokens(loaded.model, loaded.eos, ps, MAX_TOKENS, JOIN_AT, 8, 16)
@@ -106,7 +109,7 @@ def test_cancelled_rows_leave_and_the_others_are_unchanged(tiny_dir, batch):
     cfg = ServeConfig(
         model="tiny-gemma3", memory_budget_gb=2, batch=batch, prefill_step=16, prompt_cache_gb=0
     )
-    loaded = Loaded(cfg)
+    loaded = Loaded(cfg.engine())
     ps = prompts()
     plain, _ = lane_tokens(loaded, cfg, ps, MAX_TOKENS, JOIN_AT)
     cancel = [(2, 6), (3, 5)] + ([(5, 8)] if batch == 3 else [])
@@ -132,7 +135,7 @@ def test_finished_rows_cache_exactly_prompt_plus_completion(tiny_dir, family):
 
     tiny_dir(family)
     cfg = ServeConfig(model=f"tiny-{family}", memory_budget_gb=2, batch=4, prefill_step=16)
-    loaded = Loaded(cfg)
+    loaded = Loaded(cfg.engine())
     ps = prompts((20, 33, 9), seed=7)
     done, _ = lane_tokens(loaded, cfg, ps, (10, 14, 6), (0, 0, 1))
     for p, d in zip(ps, done, strict=True):
@@ -411,7 +414,9 @@ def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
 
     limit = mx.set_memory_limit(int(2e9))
     mx.set_memory_limit(limit)  # restored below: a 1.5 GB budget caps the allocator for the process
-    off = Loaded(ServeConfig(model=str(real_model_dir), memory_budget_gb=1.5, prompt_cache_gb=0))
+    off = Loaded(
+        ServeConfig(model=str(real_model_dir), memory_budget_gb=1.5, prompt_cache_gb=0).engine()
+    )
     plan = tmp_path / "kv_config.json"
     plan.write_text(
         json.dumps(
@@ -475,7 +480,7 @@ def test_batched_lane_equals_batch_generator_on_gemma3_270m(real_model_dir):
     cfg = ServeConfig(
         model=str(real_model_dir), memory_budget_gb=4, batch=4, prefill_step=32, prompt_cache_gb=0
     )
-    loaded = Loaded(cfg)
+    loaded = Loaded(cfg.engine())
     tok = loaded.tokenizer
     ps = [
         tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)

@@ -11,8 +11,9 @@ import openai
 import pytest
 
 from mlxlab import cli
-from mlxlab.config import ServeConfig, UserError
+from mlxlab.config import UserError
 from mlxlab.serve import cli as serve_cli
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.guard import host_name, is_loopback, load_keys
 from tests.helpers.cli import run_cli
 from tests.helpers.serve import BASE_URL, make_client, sse_events, streamed_content

@@ -118,7 +118,7 @@ def test_metrics_are_per_app_and_a_route_like_the_others(served):
 
     client, _ = served
     gateway = client.app.state.gateway
-    other = TestClient(create_app(gateway.cfg, gateway), base_url="http://localhost")
+    other = TestClient(create_app(client.app.state.cfg, gateway), base_url="http://localhost")
     fresh = scrape(other)
     assert not [k for k in fresh if k[0] == "mlxlab_http_requests_total"]
     assert value(fresh, "mlxlab_jobs_submitted_total") == gateway.counters["requests"]

@@ -496,11 +496,11 @@ def test_openapi_schema_describes_the_real_routes_and_can_be_switched_off(client
     from fastapi.routing import APIRoute
     from fastapi.testclient import TestClient
 
-    from mlxlab.config import ServeConfig
     from mlxlab.serve.admin import router as admin
     from mlxlab.serve.anthropic import router as anthropic
     from mlxlab.serve.app import create_app
     from mlxlab.serve.audio import router as audio
+    from mlxlab.serve.config import ServeConfig
     from mlxlab.serve.embeddings import router as embeddings
     from mlxlab.serve.openai import router as openai
     from mlxlab.serve.responses import router as responses

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from mlxlab.config import RunsConfig, ServeConfig, UserError
+from mlxlab.config import UserError
+from mlxlab.serve.config import RunsConfig, ServeConfig
 from mlxlab.serve.guard import is_page, load_keys
 from mlxlab.serve.web import router as web
 from mlxlab.serve.web.app import create_runs_app

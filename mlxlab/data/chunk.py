@@ -34,9 +34,9 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
-from mlxlab.config import ChunkDataConfig
 from mlxlab.data.chunk_topics import Topic, load_topics
 from mlxlab.errors import UserError
+from mlxlab.tasks.chunk.config import ChunkDataConfig
 
 INSTRUCTIONS = (
     "Split the conversation below into contiguous chunks, one per topic, covering every message "

@@ -24,11 +24,11 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve.admin import router as admin
 from mlxlab.serve.anthropic import router as anthropic
 from mlxlab.serve.anthropic.protocol import error_shape as anthropic_error_shape
 from mlxlab.serve.audio import router as audio
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.embeddings import router as embeddings
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.guard import Guard, Keys, load_keys

@@ -27,9 +27,9 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxlab.cli import run_hydra
-from mlxlab.config import ServeConfig
 from mlxlab.errors import UserError
 from mlxlab.serve.app import create_app
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.guard import Keys, is_loopback, load_keys
 
@@ -226,7 +226,7 @@ def uvicorn_config(cfg: ServeConfig, app) -> uvicorn.Config:
 def run(cfg: ServeConfig) -> None:
     keys = check_security(cfg)
     check_port(cfg.host, cfg.port)
-    gateway = Gateway(cfg).start()
+    gateway = Gateway(cfg.engine()).start()
     app = create_app(cfg, gateway, keys)
     server = DrainingServer(uvicorn_config(cfg, app), app, gateway, cfg.drain_timeout_s)
     failed = []

@@ -39,8 +39,8 @@ from pathlib import Path
 
 from starlette.responses import Response
 
-from mlxlab.config import ServeConfig, check_api_key
 from mlxlab.errors import UserError
+from mlxlab.serve.config import ServeConfig, check_api_key
 from mlxlab.serve.http import ADMIN_REFUSAL, APIError, Shape, respond
 
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})

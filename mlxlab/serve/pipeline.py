@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve import vision
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.engine.jobs import (
     AdapterSpec,

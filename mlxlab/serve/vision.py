@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-from mlxlab.config import ServeConfig
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.http import APIError
 from mlxlab.vision import images as imgs
 from mlxlab.vision import prompt as vp

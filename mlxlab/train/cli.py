@@ -7,8 +7,8 @@
 
 The run directory gets the final adapter (`adapter/`, mlx-lm's layout), checkpoints, metrics.jsonl,
 summary.json and the resolved config.yaml; the last line printed is the adapter's path. The job
-itself is `mlxlab.train.job.run`; a `task` node is handed to its task module (mlxlab/tasks/),
-which returns the hooks the job runs around the loop.
+itself is `mlxlab.train.job.run`; a `task` node is handed to the task that registered it
+(mlxlab/registry.py), which returns the hooks the job runs around the loop.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def run(cfg: TrainConfig | TrainCommandConfig, command: str | None = None) -> di
 
     hooks = None
     if isinstance(cfg, TrainCommandConfig):
-        from mlxlab import tasks
+        from mlxlab import registry
 
-        hooks = tasks.hooks_for(cfg.task, command=command)
+        hooks = registry.hooks_for(cfg.task, command_line=command)
         cfg = cfg.train_config()
     summary = job.run(cfg, hooks)
     if "adapter" in summary:  # (rank 0 of a run on several processes)

@@ -9,9 +9,10 @@ import time
 
 from fastapi.testclient import TestClient
 
-from mlxlab.config import LoraConfig, ServeConfig
+from mlxlab.config import LoraConfig
 from mlxlab.serve.app import create_app
 from mlxlab.serve.cli import DrainingServer, uvicorn_config
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.engine.gateway import Gateway
 
 SYSTEM = (
@@ -29,7 +30,7 @@ def make_client(gateway: Gateway | None = None, **overrides) -> tuple[TestClient
     `gateway`, a new app over that one (the overrides then set the HTTP side only: keys, hosts)."""
     cfg = ServeConfig(**{"model": "tiny-gemma3", "memory_budget_gb": 2, **overrides})
     if gateway is None:
-        gateway = Gateway(cfg).start()
+        gateway = Gateway(cfg.engine()).start()
         assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
     return TestClient(create_app(cfg, gateway), base_url=BASE_URL), gateway
 
@@ -53,7 +54,7 @@ def start_server(**overrides) -> tuple[int, Gateway, DrainingServer, threading.T
             **overrides,
         }
     )
-    gateway = Gateway(cfg).start()
+    gateway = Gateway(cfg.engine()).start()
     assert gateway.ready.wait(120) and gateway.state == "ready", gateway.error
     app = create_app(cfg, gateway)
     server = DrainingServer(uvicorn_config(cfg, app), app, gateway, cfg.drain_timeout_s)

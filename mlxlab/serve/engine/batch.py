@@ -32,7 +32,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve.engine.jobs import AdapterSpec, Done, Job
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.rows import (
@@ -42,6 +41,7 @@ from mlxlab.serve.engine.rows import (
     make_sampling,
     prompt_segments,
 )
+from mlxlab.serve.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +86,15 @@ class BatchLane:
     def __init__(
         self,
         loaded: Loaded,
-        cfg: ServeConfig,
+        cfg: EngineSettings,
         finished: Callable[[Job, Done | None, str | None], None],
     ):
         from mlx_lm.generate import StopSequences
         from mlx_lm.sample_utils import make_sampler
 
         self.m, self.cfg = loaded, cfg
-        self.size = cfg.batch
-        self.prefill_size = min(cfg.prefill_batch, cfg.batch)
+        self.size = cfg.decode.batch
+        self.prefill_size = min(cfg.decode.prefill_batch, cfg.decode.batch)
         self.finished = finished  # (job, done, error) -> None, for the gateway's counters
         self._fallback = make_sampler(temp=0.0)
         self._stop = StopSequences([[t] for t in sorted(loaded.eos)])
@@ -176,7 +176,7 @@ class BatchLane:
             uids=[r.uid for r in rows],
             caches=[r.cache for r in rows],
             tokens=[list(r.job.prompt[: r.job.cached_tokens]) for r in rows],
-            prefill_step_size=self.cfg.prefill_step,
+            prefill_step_size=self.cfg.decode.prefill_step,
             samplers=[r.sampler for r in rows],
             fallback_sampler=self._fallback,
             logits_processors=[r.processors for r in rows],
@@ -188,7 +188,7 @@ class BatchLane:
         from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
         self.prompt_batch = PromptProcessingBatch.empty(
-            self.m.model, self._fallback, self.cfg.prefill_step
+            self.m.model, self._fallback, self.cfg.decode.prefill_step
         )
         self.gen = GenerationBatch.empty(self.m.model, self._fallback)
 
@@ -310,7 +310,7 @@ class BatchLane:
         chunks, ended = [], []
         for u in pb.uids:
             seg = self.rows[u].segments[0]
-            n = min(len(seg.tokens), self.cfg.prefill_step)
+            n = min(len(seg.tokens), self.cfg.decode.prefill_step)
             chunks.append(seg.tokens[:n])
             seg.tokens = seg.tokens[n:]
             if not seg.tokens:

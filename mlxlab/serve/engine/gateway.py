@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve.engine.batch import BatchLane, batchable
 from mlxlab.serve.engine.jobs import (
     Done,
@@ -33,12 +32,13 @@ from mlxlab.serve.engine.jobs import (
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.rows import heal_random_state
 from mlxlab.serve.engine.serial import SerialLane
+from mlxlab.serve.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
 
 class Gateway:
-    def __init__(self, cfg: ServeConfig, loader: Callable[[ServeConfig], Loaded] = Loaded):
+    def __init__(self, cfg: EngineSettings, loader: Callable[[EngineSettings], Loaded] = Loaded):
         self.cfg = cfg
         self._loader = loader
         self._queue: queue.Queue = queue.Queue()
@@ -89,7 +89,7 @@ class Gateway:
         if self.state != "ready":
             raise NotReady(self.error or f"the engine is {self.state}")
         with self._lock:
-            rows = self.cfg.batch if self.batch is not None else 1
+            rows = self.cfg.decode.batch if self.batch is not None else 1
             if self._pending >= self.cfg.max_queue + rows - 1:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(
@@ -141,9 +141,9 @@ class Gateway:
         try:
             self.loaded = self._loader(self.cfg)
             self.serial = SerialLane(self.loaded, self.cfg)
-            if self.cfg.batch > 1 and not self.loaded.kv.enabled:
+            if self.cfg.decode.batch > 1 and not self.loaded.kv.enabled:
                 self.batch = BatchLane(self.loaded, self.cfg, self._finish)
-            elif self.cfg.batch > 1:
+            elif self.cfg.decode.batch > 1:
                 log.warning(
                     "mlxlab serve: kv_quant is on, so every request runs on the serial lane "
                     "(quantized KV caches cannot be batched)"
@@ -249,11 +249,11 @@ class Gateway:
         b = self.batch
         if b is None:
             return {
-                "configured": self.cfg.batch,
+                "configured": self.cfg.decode.batch,
                 "batched": False,
                 "active_rows": int(self.running is not None),
                 "served_serial": self.served_serial,
-                "reason": "kv_quant is on" if self.cfg.batch > 1 else None,
+                "reason": "kv_quant is on" if self.cfg.decode.batch > 1 else None,
             }
         return {**b.stats(), "served_serial": self.served_serial}
 

@@ -10,19 +10,19 @@ import threading
 from pathlib import Path
 
 from mlxlab import grammar
-from mlxlab.config import ServeConfig
 from mlxlab.models.zoo import resolve
 from mlxlab.serve.engine import admission, kv_quant
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.engine.output import think_markers, tool_syntax
 from mlxlab.serve.engine.prompt_cache import PromptCache
+from mlxlab.serve.engine.settings import EngineSettings
 from mlxlab.vision.model import load as load_model
 
 log = logging.getLogger(__name__)
 
 
 class Loaded:
-    def __init__(self, cfg: ServeConfig):
+    def __init__(self, cfg: EngineSettings):
         import mlx.core as mx
 
         self.model_dir = resolve(cfg.model)
@@ -52,7 +52,9 @@ class Loaded:
         if self.vision is not None and self.vision.alone and self.kv.enabled:
             log.warning("mlxlab serve: kv_quant does not apply to a model mlx-vlm runs alone")
         extra = self.vision.extra_bytes if self.vision is not None else 0  # the vision tower
-        self.admission = admission.measure(self.model, budget, cfg.prefill_step, self.kv, extra)
+        self.admission = admission.measure(
+            self.model, budget, cfg.decode.prefill_step, self.kv, extra
+        )
         mx.set_memory_limit(self.admission.budget_bytes)
         self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
         self.generation_config = read_generation_config(self.model_dir)

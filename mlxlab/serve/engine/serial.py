@@ -8,7 +8,6 @@ A finished request also stores prompt + completion (the cache then holds exactly
 
 from __future__ import annotations
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve.engine.jobs import AdapterSpec, Done, Job
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.prompt_cache import prefill
@@ -19,11 +18,12 @@ from mlxlab.serve.engine.rows import (
     make_sampling,
     prompt_segments,
 )
+from mlxlab.serve.engine.settings import EngineSettings
 from mlxlab.serve.engine.vision import run as run_vision
 
 
 class SerialLane:
-    def __init__(self, loaded: Loaded, cfg: ServeConfig):
+    def __init__(self, loaded: Loaded, cfg: EngineSettings):
         self.m, self.cfg = loaded, cfg
 
     def run(self, job: Job) -> Done:
@@ -50,7 +50,7 @@ class SerialLane:
         job.cached_tokens = cached
         *pieces, (end, _, _) = prompt_segments(job, cached)
         for start, stop, kind in pieces:
-            prefill(m.model, cache, job.prompt[start:stop], self.cfg.prefill_step)
+            prefill(m.model, cache, job.prompt[start:stop], self.cfg.decode.prefill_step)
             m.cache.insert(namespace, job.prompt[:stop], cache, kind=kind)
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
@@ -62,7 +62,7 @@ class SerialLane:
             sampler=sampler,
             logits_processors=processors,
             prompt_cache=cache,
-            prefill_step_size=self.cfg.prefill_step,
+            prefill_step_size=self.cfg.decode.prefill_step,
         )
         finish = None
         for token, logprobs in steps:

@@ -7,13 +7,13 @@ nothing is fetched for the prompt and nothing stored after it (`cached_tokens` i
 
 from __future__ import annotations
 
-from mlxlab.config import ServeConfig
 from mlxlab.serve.engine.jobs import Done, Job, JobError
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.rows import RowOutput, make_sampling
+from mlxlab.serve.engine.settings import EngineSettings
 
 
-def run(m: Loaded, cfg: ServeConfig, job: Job) -> Done:
+def run(m: Loaded, cfg: EngineSettings, job: Job) -> Done:
     import mlx.core as mx
 
     if m.vision is None:  # make_job refuses this before queueing; a guard, not a path
@@ -23,7 +23,7 @@ def run(m: Loaded, cfg: ServeConfig, job: Job) -> Done:
     if job.sampling.seed is not None:
         mx.random.seed(job.sampling.seed)
     sampler, processors = make_sampling(m, job)
-    steps = m.vision.steps(job.vision, sampler, processors, job.max_tokens, cfg.prefill_step)
+    steps = m.vision.steps(job.vision, sampler, processors, job.max_tokens, cfg.decode.prefill_step)
     finish = None
     try:
         for token, logprobs in steps:

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlxlab.config import ServeConfig
+from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.guard import Guard, Keys, load_keys
 from mlxlab.serve.http import APIError, BodyLimit, Exchanges, InFlight, respond
 from mlxlab.serve.openai.protocol import error_shape

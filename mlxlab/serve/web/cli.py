@@ -17,9 +17,9 @@ from pathlib import Path
 import uvicorn
 
 from mlxlab.cli import run_hydra
-from mlxlab.config import RunsConfig
 from mlxlab.errors import UserError
 from mlxlab.serve.cli import check_port, uvicorn_config
+from mlxlab.serve.config import RunsConfig
 from mlxlab.serve.guard import is_loopback, load_keys
 from mlxlab.serve.web.app import create_runs_app
 from mlxlab.train import runs

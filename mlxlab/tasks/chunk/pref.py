@@ -19,12 +19,12 @@ import logging
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxlab.config import DataConfig, EvalSettings, TrainConfig, check_choice, to_dict
+from mlxlab.config import DataConfig, TrainConfig, to_dict
 from mlxlab.errors import UserError
-from mlxlab.tasks.chunk import ChunkTask, fmt_minutes
+from mlxlab.tasks.chunk.config import ChunkDataConfig, ChunkPrefConfig
+from mlxlab.tasks.chunk.task import ChunkTask, fmt_minutes
 from mlxlab.train.job import Run
 
 log = logging.getLogger(__name__)
@@ -32,49 +32,6 @@ log = logging.getLogger(__name__)
 SFT_RUNS = Path("outputs", "chunk_seg4")
 """Where the newest finished chunk SFT run is looked for when `task.sft` is unset."""
 COPIED = ("train.cases.json", "valid.cases.json", "test.cases.json", "build.json")
-
-
-@dataclass
-class ChunkPrefConfig:
-    """`task=chunk_pref`: pairs from a chunk SFT run, training on top of its adapter, evaluation
-    of both, the report."""
-
-    name: str = "chunk_pref"
-    """The task (config group option `task/chunk_pref`)."""
-    sft: str | None = None
-    """The chunk-task SFT run to start from (`train +exp=chunk_seg4`'s run directory: its adapter
-    and its data/); unset: the newest finished run under outputs/chunk_seg4."""
-    examples: int = 64
-    """Training examples the SFT adapter answers (by sampling) for the rejected answers."""
-    multi_share: float = 0.75
-    """The share of those drawn from examples with two or more gold chunks (where a one-chunk
-    answer is wrong); the rest from one-chunk examples."""
-    temperature: float = 1.0
-    """Sampling temperature of the SFT adapter's answers."""
-    moved: bool = True
-    """Also pair each picked multi-chunk example's gold against the gold with one boundary moved
-    by one message."""
-    seed: int = 0
-    """Seeds which examples are picked, the sampling and the moved boundaries."""
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    report: str | None = None
-    """Markdown report written after the run (e.g. experiments/chunk_dpo/README.md)."""
-
-    def __post_init__(self):
-        check_choice("task.name", self.name, ("chunk_pref",), "task")
-        if self.examples < 1:
-            raise UserError(f"task.examples must be >= 1, got {self.examples}")
-        if not 0 <= self.multi_share <= 1:
-            raise UserError(f"task.multi_share must be in [0, 1], got {self.multi_share}")
-        if self.temperature <= 0:
-            raise UserError(f"task.temperature must be > 0, got {self.temperature}")
-
-
-CONFIG = ChunkPrefConfig
-
-
-def hooks(cfg: ChunkPrefConfig, command: str | None = None) -> ChunkPrefTask:
-    return ChunkPrefTask(cfg, command)
 
 
 def find_sft_run(root: Path = SFT_RUNS) -> Path:
@@ -113,7 +70,7 @@ def sft_dir(cfg: ChunkPrefConfig) -> Path:
 
 
 def _data_config(build: dict):
-    from mlxlab.config import ChunkDataConfig, from_dict
+    from mlxlab.schema import from_dict
 
     names = {f.name for f in dataclasses.fields(ChunkDataConfig)}
     return from_dict(ChunkDataConfig, {k: v for k, v in build.items() if k in names})

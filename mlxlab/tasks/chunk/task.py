@@ -12,55 +12,20 @@ import dataclasses
 import json
 import logging
 import platform
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxlab.config import (
-    ChunkDataConfig,
-    DataConfig,
-    EvalSettings,
-    TrainConfig,
-    check_choice,
-    to_dict,
-)
+from mlxlab.config import DataConfig, TrainConfig, to_dict
+from mlxlab.tasks.chunk.config import ChunkTaskConfig, check_window_messages
 from mlxlab.train.job import Hooks, Run
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class ChunkTaskConfig:
-    """`task=chunk`: the run's dataset is built when data.train is unset, and the base and tuned
-    models are evaluated on it after training."""
-
-    name: str = "chunk"
-    """The task (config group option `task/chunk`)."""
-    data: ChunkDataConfig = field(default_factory=ChunkDataConfig)
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    eval_base: bool = True
-    """Also evaluate the base model (before LoRA is attached)."""
-    eval_base_constrained: bool = True
-    """With eval.constrained (or eval.shifts), also decode the base model under the answer
-    grammar (false saves those passes: the base model writes to max_tokens unconstrained, the
-    slowest decode of a run)."""
-    report: str | None = None
-    """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
-
-    def __post_init__(self):
-        check_choice("task.name", self.name, ("chunk",), "task")
-
-
-CONFIG = ChunkTaskConfig
 
 QUESTION = (
     "Does LoRA trained with the {how} teach {model} to split a conversation "
     "into topical chunks and answer in the exact JSON schema, on topics it never saw in "
     "training, within a {budget} run on this machine?"
 )
-
-
-def hooks(cfg: ChunkTaskConfig, command: str | None = None) -> ChunkTask:
-    return ChunkTask(cfg, command)
 
 
 class ChunkTask(Hooks):
@@ -98,7 +63,6 @@ class ChunkTask(Hooks):
         cap is no larger than eval.window_overlap (its windows would step one message at a
         time): eval.window_messages, or when 0 the dataset's (`data_dir`'s build.json, or
         task.data's for the dataset about to be built)."""
-        from mlxlab.config import check_window_messages
         from mlxlab.eval.chunk import built_window_messages
 
         own = self.cfg.eval.window_messages

@@ -1,4 +1,7 @@
-"""Evaluate a model, with or without an adapter, on a task's split.
+"""The chunk task's verbs: `data chunk` builds its dataset, `eval chunk` scores a model on it.
+
+    python -m mlxlab data chunk out=data/chunk                     # 300/8/24 conversations
+    python -m mlxlab data chunk out=data/chunk train=1000 'topic_weights=[1,1]' seed=1
 
     python -m mlxlab eval chunk                                     # base gemma3-270m, test split
     python -m mlxlab eval chunk adapter=outputs/chunk_seg4/<run>    # a run dir means its final adapter
@@ -37,15 +40,20 @@ import logging
 import tempfile
 from pathlib import Path
 
-from mlxlab.cli import run_hydra
-from mlxlab.config import EvalConfig, EvalSettings, check_window_messages
 from mlxlab.errors import UserError
 from mlxlab.fsutil import output_file
+from mlxlab.tasks.chunk.config import (
+    ChunkBuildConfig,
+    ChunkEvalConfig,
+    EvalSettings,
+    check_window_messages,
+)
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: EvalConfig) -> dict:
+def evaluate(cfg: ChunkEvalConfig) -> dict:
+    """`eval chunk`: the summary, printed as a table (per-case rows to `out`)."""
     from mlxlab.data import chunk
     from mlxlab.eval import chunk as ev
     from mlxlab.lora import io as lora_io
@@ -63,7 +71,7 @@ def run(cfg: EvalConfig) -> dict:
         return decisions(cfg, data)
     cfg.max_tokens = max_tokens_for(cfg, run_dir)
     records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
-    out = output_file(cfg.out, f"eval_{cfg.task}_{cfg.split}.jsonl")  # and a bad out= too
+    out = output_file(cfg.out, f"eval_chunk_{cfg.split}.jsonl")  # and a bad out= too
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
     if cfg.adapter:
@@ -93,7 +101,7 @@ def run(cfg: EvalConfig) -> dict:
         if value:
             log.info(f"{key}=true: the adapter was trained to open its answers with {key}")
     summary = ev.evaluate_model(
-        model, tokenizer, records, cfg, out, cfg.task, ev.training_labels(data)
+        model, tokenizer, records, cfg, out, "chunk", ev.training_labels(data)
     )
     print(ev.table({name: summary}))
     log.info(
@@ -112,7 +120,7 @@ def run(cfg: EvalConfig) -> dict:
     return summary
 
 
-def decisions(cfg: EvalConfig, data: Path) -> dict:
+def decisions(cfg: ChunkEvalConfig, data: Path) -> dict:
     """`decisions=true`: teacher-forced decision accuracy on `<data>/<split>.jsonl`, and how the
     model ranks the messages the first chunk could end at (`end_choices`)."""
     import json
@@ -152,7 +160,7 @@ def decisions(cfg: EvalConfig, data: Path) -> dict:
     if not examples:
         raise UserError(f"{path}: no examples")
     examples = examples[: cfg.cases or None]
-    out = output_file(cfg.out, f"decisions_{cfg.task}_{cfg.split}.json")
+    out = output_file(cfg.out, f"decisions_chunk_{cfg.split}.json")
     model, tokenizer = load(cfg.model, cfg.dtype)
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
@@ -202,7 +210,7 @@ def run_data(run_dir: Path) -> Path | None:
     return None
 
 
-def max_tokens_for(cfg: EvalConfig, run_dir: Path | None) -> int:
+def max_tokens_for(cfg: ChunkEvalConfig, run_dir: Path | None) -> int:
     """cfg.max_tokens, or when it is 0: the adapter's task run's task.eval.max_tokens (so
     `eval chunk adapter=RUN` decodes as the run did), else EvalSettings' default."""
     if cfg.max_tokens:
@@ -235,5 +243,25 @@ def trained_window(run_dir: Path, tokenizer) -> int:
     return set_to or (training_window(data, tokenizer) if data is not None else 0)
 
 
-def main(argv: list[str]) -> None:
-    run_hydra("eval", argv, run, positional=("task",))
+def build(cfg: ChunkBuildConfig) -> Path:
+    """`data chunk`: write the dataset into `out`; print its counts and histograms."""
+    import json
+
+    from mlxlab.data import chunk
+
+    out = Path(cfg.out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:
+        raise UserError(f"{out} exists and is not empty; force=true replaces it")
+    out = chunk.write_dataset(out, cfg.data())
+    built = json.loads((out / "build.json").read_text())
+    for split, st in built["stats"].items():
+        n = sum(1 for line in (out / f"{split}.jsonl").read_text().splitlines() if line.strip())
+        print(
+            f"{split}: {st['cases']} conversations ({n} training examples), median "
+            f"{st['median_length']} / longest {st['max_length']} chars, "
+            f"{st['single_chunk_share']:.0%} single-chunk"
+        )
+    print()
+    print(chunk.stats_markdown(built["stats"]))
+    print(out)
+    return out

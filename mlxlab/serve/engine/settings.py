@@ -1,0 +1,30 @@
+"""What the engine needs to know to load and run a model: a small settings type of its own, so
+that nothing under serve/engine reads the server's whole config (`serve.config.ServeConfig`
+builds one: `ServeConfig.engine()`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlxlab.decode.settings import DecodeSettings
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    """Zoo name, mlx-lm model directory, or .gguf file."""
+    dtype: str = "auto"
+    decode_head: str = "auto"
+    memory_budget_gb: float | None = None
+    """None: 75% of the machine's memory."""
+    kv_quant: str = "off"
+    prompt_cache_gb: float = 2.0
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapters mounted at start, id -> directory."""
+    adapter_root: str | None = None
+    stt_model: str | None = None
+    stt_language: str | None = None
+    embeddings_model: str | None = None
+    max_queue: int = 16
+    """Jobs waiting for the engine beyond which new ones are refused (QueueFull)."""
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
