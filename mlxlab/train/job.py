@@ -146,27 +146,36 @@ def _join(world, cfg: TrainConfig, hooks: Hooks) -> None:
         )
 
 
-def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
-    """Train a LoRA adapter as `cfg` says; return the summary (also in <run>/summary.json)."""
-    import yaml
+@dataclass
+class Start:
+    """A job after its first step (`start`): the config it trains with, the world it trains in
+    (None: this process alone), its run directory and what config.yaml will say."""
 
-    from mlxlab.data.batches import BatchSampler
-    from mlxlab.data.datasets import load_split, resolve_paths
-    from mlxlab.fsutil import atomic_write_text, writable_dir
-    from mlxlab.lora import apply as lora_apply
-    from mlxlab.lora import io as lora_io
-    from mlxlab.models.zoo import load
-    from mlxlab.train import trainer
-    from mlxlab.train.backward import make_grad_fn
-    from mlxlab.train.objectives import PairObjective
+    cfg: TrainConfig
+    hooks: Hooks
+    world: object
+    run_dir: Path
+    config_dict: dict
+
+    @property
+    def writer(self) -> bool:
+        """Whether this process writes the run directory (rank 0, or the only process)."""
+        return self.world is None or self.world.writer
+
+    @property
+    def pipeline(self) -> bool:
+        return self.world is not None and self.cfg.backward.pipeline
+
+
+def start(cfg: TrainConfig, hooks: Hooks) -> Start:
+    """The task's config, the world joined, the run directory checked (rank 0's, every rank
+    stopping on its refusal): a resume must be the same run, a new run needs an empty one."""
+    cfg = hooks.train_config(cfg)
     from mlxlab.train.world import World
 
-    hooks = hooks or Hooks()
-    cfg = hooks.train_config(cfg)
     world = World.start(cfg.dist)  # None: this process trains alone
     if world is not None:
         _join(world, cfg, hooks)
-    writer = world is None or world.writer
     run_dir = run_dir_for(cfg)
     config_dict = to_dict(cfg)
     task_config = hooks.config()
@@ -189,29 +198,59 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
 
     if world is None:
         check_run_dir()
-    else:  # rank 0's run directory; every rank stops on its refusal
+    else:
         world.agree(check_run_dir, "checking the run directory")
-    pipeline = world is not None and cfg.backward.pipeline
     if cfg.backward.pipeline and world is None:
         log.warning(
             "warning: backward.pipeline=true needs several processes (mlx.launch -n K ...); "
             "this one trains alone with the segmented backward"
         )
-    t_start = time.perf_counter()
-    data_cfg = hooks.prepare_data(cfg.data, run_dir)
+    return Start(cfg, hooks, world, run_dir, config_dict)
+
+
+@dataclass
+class Prepared:
+    """The model and the datasets (`load`)."""
+
+    data: DataConfig
+    model: object
+    tokenizer: object
+    train_set: object
+    valid_set: object
+    pairs: bool
+
+    @property
+    def per_unit(self) -> int:
+        """Rows per sampler unit (a pair's two sides)."""
+        return 2 if self.pairs else 1
+
+
+def load(s: Start) -> Prepared:
+    """The task's data prepared, the model loaded and the training and validation sets read."""
+    from mlxlab.data.datasets import load_split, resolve_paths
+    from mlxlab.models.zoo import load as load_model
+
+    cfg = s.cfg
+    data_cfg = s.hooks.prepare_data(cfg.data, s.run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
     # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
     # A pipeline stage loads lazily: the layers it does not hold are never read (pipeline.py).
-    model, tokenizer = load(cfg.model, cfg.dtype, decode_head="exact", lazy=pipeline)
+    model, tokenizer = load_model(cfg.model, cfg.dtype, decode_head="exact", lazy=s.pipeline)
     pairs = cfg.objective != "sft"
-    per_unit = 2 if pairs else 1  # rows per sampler unit (a pair's two sides)
     if pairs:
         from mlxlab.data.preference import load_pair_split as load_split  # noqa: F811
     train_set = load_split(train_path, tokenizer, data_cfg)
     valid_set = load_split(valid_path, tokenizer, data_cfg) if valid_path else None
-    job = Run(cfg, run_dir, data_cfg, model, tokenizer)
-    hooks.before_lora(job)
+    return Prepared(data_cfg, model, tokenizer, train_set, valid_set, pairs)
 
+
+def attach_lora(s: Start, model) -> tuple[object, dict | None]:
+    """(the LoRA plan, the adapter the run starts from or None): LoRA planned and applied, then
+    `lora.init`'s weights loaded (DPO's reference too)."""
+    from mlxlab.lora import apply as lora_apply
+    from mlxlab.lora import io as lora_io
+
+    cfg = s.cfg
     if cfg.data.pack:
         from mlxlab.models.runners import RUNNERS, runner_for
 
@@ -225,76 +264,96 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             ) from None
     plan = lora_apply.plan(model, cfg.lora)
     lora_apply.apply(model, plan, seed=cfg.seed)
-    start = None  # the adapter the run starts from (lora.init): DPO's reference too
+    init = None
     if cfg.lora.init:
         import mlx.core as mx
 
-        start = lora_io.read_init(cfg.lora.init, model, plan)
-        model.load_weights(list(start.items()), strict=False)
-        if not pipeline:  # a pipeline stage reads only the arrays it holds
+        init = lora_io.read_init(cfg.lora.init, model, plan)
+        model.load_weights(list(init.items()), strict=False)
+        if not s.pipeline:  # a pipeline stage reads only the arrays it holds
             mx.eval(model.parameters())
         log.info(f"LoRA starts from {lora_io.resolve_dir(cfg.lora.init)}")
-    objective = PairObjective.from_config(cfg, start)
-    dist, shard = None, (0, 1)
-    if pipeline:
+    return plan, init
+
+
+def distribute(s: Start, d: Prepared, init) -> tuple[object, tuple[int, int]]:
+    """(the run's `dist` object for the trainer, this rank's sampler shard): a segment pipeline,
+    data parallel, or (None, (0, 1)) alone."""
+    world, cfg = s.world, s.cfg
+    if s.pipeline:
         from mlxlab.train.pipeline import Pipeline
 
-        rows = [(len(e.ids) - 1, len(e.ids) - max(e.offset, 1)) for e in train_set.examples]
-        dist = Pipeline.build(world, model, cfg, rows, start)
-    elif world is not None:
+        rows = [(len(e.ids) - 1, len(e.ids) - max(e.offset, 1)) for e in d.train_set.examples]
+        return Pipeline.build(world, d.model, cfg, rows, init), (0, 1)
+    if world is not None:
         from mlxlab.train.parallel import DataParallel
 
-        dist, shard = DataParallel(world), (world.rank, world.size)
         log.info(
             f"data parallel: each rank trains on {cfg.batch_size // world.size} of every "
-            f"{cfg.batch_size} {'pairs' if pairs else 'examples'}; rank 0 writes {run_dir}"
+            f"{cfg.batch_size} {'pairs' if d.pairs else 'examples'}; rank 0 writes {s.run_dir}"
         )
-    train_sampler = BatchSampler(
-        train_set.examples,
+        return DataParallel(world), (world.rank, world.size)
+    return None, (0, 1)
+
+
+def samplers(cfg: TrainConfig, d: Prepared, shard: tuple[int, int]):
+    """(the training sampler, the validation sampler or None)."""
+    from mlxlab.data.batches import BatchSampler
+
+    train = BatchSampler(
+        d.train_set.examples,
         cfg.batch_size,
         cfg.seed,
         pack_length=cfg.data.max_seq_length if cfg.data.pack else 0,
-        pairs=pairs,
+        pairs=d.pairs,
         shard=shard,
     )
-    valid_sampler = (
-        BatchSampler(
-            valid_set.examples,
-            min(cfg.batch_size, len(valid_set.examples) // per_unit),
+    valid = None
+    if d.valid_set:
+        valid = BatchSampler(
+            d.valid_set.examples,
+            min(cfg.batch_size, len(d.valid_set.examples) // d.per_unit),
             cfg.seed,
             shuffle=False,
-            pairs=pairs,
+            pairs=d.pairs,
             shard=shard,
         )
-        if valid_set
-        else None
-    )
-    if writer:
-        writable_dir(run_dir)
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
-    if cfg.objective == "dpo":  # after config.yaml: a run killed here can resume
-        if dist is None:
-            from mlxlab.train.objectives import precompute_reference
-        else:  # shared by the ranks; rank 0 reads and writes the file
-            precompute_reference = dist.precompute_reference
+    return train, valid
 
-        for sampler, name, needed in (
-            (valid_sampler, "valid", valid_sampler is not None and cfg.val_every),
-            (train_sampler, "train", cfg.dpo.precompute_ref),
-        ):  # validation always gets fixed reference log-probs
-            if needed:
-                path = run_dir / f"reference_{name}.json"
-                precompute_reference(model, sampler, path, cfg.model, start)
-    n_params = sum(v.size for v in lora_apply.adapter_parameters(model).values())
+
+def reference_logprobs(s: Start, model, dist, train_sampler, valid_sampler, init) -> None:
+    """DPO's reference log-probs, precomputed into the run directory (after config.yaml, so a run
+    killed here can resume); validation always gets fixed ones."""
+    cfg = s.cfg
+    if dist is None:
+        from mlxlab.train.objectives import precompute_reference
+    else:  # shared by the ranks; rank 0 reads and writes the file
+        precompute_reference = dist.precompute_reference
+    for sampler, name, needed in (
+        (valid_sampler, "valid", valid_sampler is not None and cfg.val_every),
+        (train_sampler, "train", cfg.dpo.precompute_ref),
+    ):
+        if needed:
+            path = s.run_dir / f"reference_{name}.json"
+            precompute_reference(model, sampler, path, cfg.model, init)
+
+
+def describe(s: Start, d: Prepared, plan, train_sampler) -> None:
+    """The run's opening lines: where, what model and adapter, how much data, how much padding."""
+    from mlxlab.data.batches import BatchSampler
+    from mlxlab.lora import apply as lora_apply
+
+    cfg = s.cfg
+    n_params = sum(v.size for v in lora_apply.adapter_parameters(d.model).values())
+    unit = "pairs" if d.pairs else "examples"
+    n_valid = len(d.valid_set.examples) // d.per_unit if d.valid_set else 0
     log.info(
-        f"run dir: {run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
+        f"run dir: {s.run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
         f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
-        f"data: {len(train_set.examples) // per_unit} train / "
-        f"{len(valid_set.examples) // per_unit if valid_set else 0} valid "
-        + ("pairs" if pairs else "examples")
+        f"data: {len(d.train_set.examples) // d.per_unit} train / {n_valid} valid {unit}"
     )
     unpacked = (
-        BatchSampler(train_set.examples, cfg.batch_size, cfg.seed).padding()
+        BatchSampler(d.train_set.examples, cfg.batch_size, cfg.seed).padding()
         if cfg.data.pack
         else None
     )
@@ -307,24 +366,62 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
             else f" ({len(train_sampler)} batches of {cfg.batch_size})"
         )
     )
-    if pipeline:
-        grad_fn, how = dist.grad_fn(), dist.describe()
-    else:
-        grad_fn, how = make_grad_fn(
-            model,
-            cfg.backward,
-            (cfg.batch_size * per_unit, cfg.data.max_seq_length),
-            compile=cfg.compile,
-            objective=objective,
-        )
+
+
+def gradients(s: Start, d: Prepared, dist, init):
+    """(grad_fn, a line describing it): the pipeline's, else the configured backward mode's."""
+    from mlxlab.train.backward import make_grad_fn
+    from mlxlab.train.objectives import PairObjective
+
+    cfg = s.cfg
+    if s.pipeline:
+        return dist.grad_fn(), dist.describe()
+    return make_grad_fn(
+        d.model,
+        cfg.backward,
+        (cfg.batch_size * d.per_unit, cfg.data.max_seq_length),
+        compile=cfg.compile,
+        objective=PairObjective.from_config(cfg, init),
+    )
+
+
+def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
+    """Train a LoRA adapter as `cfg` says; return the summary (also in <run>/summary.json).
+
+    The steps, in order: `start` (world, run directory), `load` (the task's data, the model, the
+    datasets), the hooks' `before_lora`, `attach_lora`, `distribute`, `samplers`, config.yaml
+    (and DPO's `reference_logprobs`), `describe`, `gradients`, the trainer's loop, the adapter,
+    then the hooks' `after_training` and `finish` around summary.json."""
+    import yaml
+
+    from mlxlab.fsutil import atomic_write_text, writable_dir
+    from mlxlab.lora import io as lora_io
+    from mlxlab.train import trainer
+
+    s = start(cfg, hooks or Hooks())
+    cfg, hooks, run_dir = s.cfg, s.hooks, s.run_dir
+    t_start = time.perf_counter()
+    d = load(s)
+    job = Run(cfg, run_dir, d.data, d.model, d.tokenizer)
+    hooks.before_lora(job)
+    plan, init = attach_lora(s, d.model)
+    dist, shard = distribute(s, d, init)
+    train_sampler, valid_sampler = samplers(cfg, d, shard)
+    if s.writer:
+        writable_dir(run_dir)
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(s.config_dict, sort_keys=False))
+    if cfg.objective == "dpo":
+        reference_logprobs(s, d.model, dist, train_sampler, valid_sampler, init)
+    describe(s, d, plan, train_sampler)
+    grad_fn, how = gradients(s, d, dist, init)
     log.info(f"gradients: {how}")
     meta = {"base_model": cfg.model, "run_dir": str(run_dir)}
-    if writer:
-        run_log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, config_dict)
+    if s.writer:
+        run_log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, s.config_dict)
     else:
         run_log = trainer.QuietLog()
     summary = trainer.train(
-        model,
+        d.model,
         plan,
         train_sampler,
         valid_sampler,
@@ -336,21 +433,20 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
         dist=dist,
     )
     if dist is None:
-        adapter_dir = lora_io.save(model, plan, run_dir / "adapter", meta=meta)
+        adapter_dir = lora_io.save(d.model, plan, run_dir / "adapter", meta=meta)
     else:  # rank 0 writes (the pipeline gathers the stages' arrays first)
-        adapter_dir = dist.save_adapter(model, plan, run_dir / "adapter", meta)
-    if not writer:
+        adapter_dir = dist.save_adapter(d.model, plan, run_dir / "adapter", meta)
+    if not s.writer:
         return summary  # rank 0 reports the run
     summary["adapter"] = str(adapter_dir)
     hooks.after_training(job, summary)
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     summary["gradients"] = how
-    if world is not None:
-        summary["world"] = {**dist.world_info(), "backend": world.backend, "hosts": world.hosts}
+    if s.world is not None:
+        summary["world"] = {**dist.world_info(), "backend": s.world.backend, "hosts": s.world.hosts}
     trainer.write_summary(run_dir, summary)
     hooks.finish(job, summary)
-    val = summary.get("val_loss")
-    first = summary.get("initial_val_loss")
+    val, first = summary.get("val_loss"), summary.get("initial_val_loss")
     if val is not None:
         change = f" (from {first:.4f})" if first is not None else ""
         log.info(f"final val loss {val:.4f}{change}")
