@@ -214,8 +214,8 @@ def main() -> None:
 
     import mlxlab  # noqa: F401  (BLAS before MLX)
     from mlxlab import grammar as G
-    from mlxlab.eval.chunk import n_vocab as logits_width
     from mlxlab.models.zoo import load
+    from mlxlab.tasks.chunk.evaluate import n_vocab as logits_width
 
     model, tokenizer = load(args.model)
     width = logits_width(model, tokenizer)

@@ -1,11 +1,11 @@
 """The topic-shift detector's boundary F1 per rule, on the gold chunks of chunk cases.
 
-    python -m mlxlab data chunk out=/tmp/v80 chunk.valid=80 'chunk.train_topic_weights=[0.3,0.3,0.2,0.1,0.1]' chunk.window_chars=3600
+    python -m mlxlab data chunk out=/tmp/v80 valid=80 'train_topic_weights=[0.3,0.3,0.2,0.1,0.1]' window_chars=3600
     python scripts/shift_rule.py /tmp/v80:valid experiments/chunk_seg4/offdomain_cases.json experiments/chunk_seg4/offdomain_long_cases.json
     python scripts/shift_rule.py /tmp/v80:test --at 0.15 0.6 0.3
 
 Each source is a JSON file of cases with gold or DIR:SPLIT of a chunk dataset. No language model:
-each case's messages are embedded once (mlxlab/eval/shifts.py), then every rule (drop, cap,
+each case's messages are embedded once (mlxlab/tasks/chunk/shifts.py), then every rule (drop, cap,
 floor: `Rule`) cuts the same vectors; the grid also has the fixed thresholds (drop 2: the median
 plays no part, cap = floor = T). Prints, per rule, the mean boundary F1 per source (the chunk
 report's metric: a one-chunk answer to a one-topic case scores 1) and the chunks per case, then
@@ -23,8 +23,8 @@ import numpy as np
 
 
 def load(source: str) -> list[dict]:
-    from mlxlab.eval.chunk import read_split
     from mlxlab.tasks.chunk.config import EvalSettings
+    from mlxlab.tasks.chunk.dataset import read_split
 
     path, _, split = source.partition(":")
     return read_split(Path(path), EvalSettings(split=split or "test"))
@@ -42,10 +42,10 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from mlxlab.data.chunk import shown
     from mlxlab.embed.model import Embedder
-    from mlxlab.eval.chunk import boundary_f1, case_gold_spans, spans_of
-    from mlxlab.eval.shifts import (
+    from mlxlab.tasks.chunk.prompt import shown
+    from mlxlab.tasks.chunk.scoring import boundary_f1, case_gold_spans, spans_of
+    from mlxlab.tasks.chunk.shifts import (
         Rule,
         exchanges,
         message_vectors,

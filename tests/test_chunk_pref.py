@@ -1,4 +1,4 @@
-"""The chunk preference task (mlxlab/tasks/chunk_pref.py): pairs from an SFT run's training
+"""The chunk preference task (mlxlab/tasks/chunk/pref.py): pairs from an SFT run's training
 windows, DPO/ORPO on top of its adapter, SFT alone against SFT + preference."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import random
 import pytest
 
 from mlxlab.config import UserError
-from mlxlab.data import chunk as data
+from mlxlab.tasks.chunk import pref
 from mlxlab.tasks.chunk import pref as cp
+from mlxlab.tasks.chunk import prompt as pr
 from mlxlab.tasks.chunk.config import ChunkPrefConfig
 
 U = [f"00000000-0000-4000-8000-00000000000{i}" for i in range(6)]
@@ -27,15 +28,15 @@ def test_moved_boundary_moves_one_boundary_by_one_message():
     gold = _gold((0, 2), (3, 5))
     seen = set()
     for seed in range(20):
-        moved = data.moved_boundary(gold, U, random.Random(seed))
+        moved = pref.moved_boundary(gold, U, random.Random(seed))
         ends = [(U.index(c["start_message_uuid"]), U.index(c["end_message_uuid"])) for c in moved]
         assert ends in ([(0, 1), (2, 5)], [(0, 3), (4, 5)])
         assert [c["label"] for c in moved] == [c["label"] for c in gold]
         seen.add(tuple(ends))
     assert len(seen) == 2  # both directions happen
-    assert data.moved_boundary(_gold((0, 5)), U, random.Random(0)) is None  # one chunk
+    assert pref.moved_boundary(_gold((0, 5)), U, random.Random(0)) is None  # one chunk
     # one-message chunks only give a message where they keep one
-    moved = data.moved_boundary(_gold((0, 0), (1, 5)), U, random.Random(0))
+    moved = pref.moved_boundary(_gold((0, 0), (1, 5)), U, random.Random(0))
     assert [U.index(c["end_message_uuid"]) for c in moved] == [1, 5]
 
 
@@ -48,13 +49,11 @@ def test_pick_takes_the_multi_chunk_share_first():
 
 def test_a_right_answer_is_the_gold_with_full_marks():
     gold = _gold((0, 2), (3, 5))
-    assert cp.is_right(data.answer(gold), U, gold, None)
-    assert not cp.is_right(data.answer(_gold((0, 5))), U, gold, None)  # one chunk
-    assert not cp.is_right(
-        data.answer(data.moved_boundary(gold, U, random.Random(1))), U, gold, None
-    )
+    assert cp.is_right(pr.answer(gold), U, gold, None)
+    assert not cp.is_right(pr.answer(_gold((0, 5))), U, gold, None)  # one chunk
+    assert not cp.is_right(pr.answer(pref.moved_boundary(gold, U, random.Random(1))), U, gold, None)
     generic = [{**c, "label": "discussion"} for c in gold]
-    assert not cp.is_right(data.answer(generic), U, gold, None)  # ref takes label points
+    assert not cp.is_right(pr.answer(generic), U, gold, None)  # ref takes label points
     assert not cp.is_right("no json", U, gold, None)
 
 
@@ -102,13 +101,12 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
                 "task.data.valid=1",
                 "task.data.test=3",
                 "task.data.train_topic_weights=[0,1]",
-                f"task.data.turn_topics={str(turns).lower()}",
                 "batch_size=2",
                 f"out_dir={sft}",
             ],
         )
     )
-    # `eval chunk adapter=<sft run>` reads the answers in the layout the run trained on
+    # `eval chunk adapter=<sft run>` reads the windows the run trained on
     from mlxlab.tasks.chunk import cli as eval_cli
 
     ecfg = compose(
@@ -116,7 +114,7 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
         ["model=tiny-gemma3", f"adapter={sft}", "cases=1", "max_tokens=4", f"out={tmp_path / 'e'}"],
     )
     eval_cli.evaluate(ecfg)
-    assert ecfg.turns is turns
+    assert ecfg.window_messages == 4
     report = tmp_path / "exp" / "README.md"
     summary = cli.run(
         compose(
@@ -139,24 +137,15 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
     assert pairs["pairs_moved"] == 3 and pairs["pairs"] == pairs["pairs_sampled"] + 3
     lines = (run / "data" / "train.jsonl").read_text().splitlines()
     assert len(lines) == pairs["pairs"]
-    if turns:  # every moved answer (at least) is a whole answer with its own turns
-        laid_out = [json.loads(p)["rejected"].startswith('{"turns": [[') for p in lines]
-        assert sum(laid_out) >= pairs["pairs_moved"]
     for line in lines:
         p = json.loads(line)
         chosen = json.loads(p["chosen"])
         gold = chosen["chunks"]
-        assert list(gold[0]) == list(data.KEYS) and p["rejected"] != p["chosen"]
-        # the answers keep the SFT data's layout: with turns, the moved boundary's own turns
-        assert ("turns" in chosen) == turns
-        if turns and p["rejected"].startswith('{"turns"'):
-            rejected = json.loads(p["rejected"])
-            assert [t[0] for t in rejected["turns"]] == [t[0] for t in chosen["turns"]]
-        assert p["messages"][0]["content"].startswith(data.INSTRUCTIONS)
+        assert list(gold[0]) == list(pr.KEYS) and p["rejected"] != p["chosen"]
+        assert p["messages"][0]["content"].startswith(pr.INSTRUCTIONS)
     # SFT alone is the SFT run's own evaluation (same data, same settings), not a new one
     assert (run / "eval_sft.jsonl").read_bytes() == (sft / "eval_tuned.jsonl").read_bytes()
     assert set(summary["eval"]) == {"sft", "sft + dpo"}
-    assert summary["eval"]["sft + dpo"]["turns"] is turns
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in steps if "loss" in r)
     assert first["reward_margin"] == 0.0  # DPO's reference is the SFT adapter it starts from
@@ -166,8 +155,11 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
 
 
 def test_sft_evaluation_is_reused_only_with_the_same_decode(tmp_path):
-    """SFT alone is copied from the SFT run only when its evaluation settings match; a run from
-    before eval.cover decoded its constrained row under a JSON schema, so that is not reused."""
+    """SFT alone is copied from the SFT run only when its evaluation settings match: a run from
+    before eval.cover decoded its constrained row under a JSON schema, one from before
+    eval.read_overruled read the windows the grammar overruled, and one with an option since
+    retired set otherwise than this code decodes (cover true, split_bias) decoded otherwise;
+    one with the retired options at the values this code has fixed is reused."""
     import yaml
 
     from mlxlab.config import to_dict
@@ -181,9 +173,17 @@ def test_sft_evaluation_is_reused_only_with_the_same_decode(tmp_path):
     (sft / "eval_tuned.jsonl").write_text("{}\n")
     task = ChunkPrefTask(ChunkPrefConfig(eval=settings))
     task.sft = sft
-    old = {k: v for k, v in to_dict(settings).items() if k != "cover"}
-    older = {k: v for k, v in to_dict(settings).items() if k != "read_overruled"}
-    for k, (saved, reused) in enumerate(((old, False), (older, False), (to_dict(settings), True))):
+    now = to_dict(settings)
+    retired = {"cover": False, "read_overruled": False, "turns": None, "starts": None}
+    cases = (
+        ({**now, "read_overruled": False}, False),  # before eval.cover
+        ({**now, "cover": False}, False),  # before eval.read_overruled
+        ({**now, **retired, "cover": True}, False),
+        ({**now, **retired, "split_bias": 0.5}, False),
+        ({**now, **retired, "split_bias": 0.0}, True),
+        (now, True),
+    )
+    for k, (saved, reused) in enumerate(cases):
         (sft / "config.yaml").write_text(yaml.safe_dump({"task": {"eval": saved}}))
         run = tmp_path / f"run-{k}"
         run.mkdir()

@@ -11,10 +11,18 @@ import json
 import numpy as np
 import pytest
 
-from mlxlab.data import chunk as data
 from mlxlab.errors import UserError
-from mlxlab.eval import chunk as ev
-from mlxlab.eval import shifts
+from mlxlab.tasks.chunk import (
+    dataset,
+    metrics,
+    report,
+    scoring,
+    shifts,
+)
+from mlxlab.tasks.chunk import evaluate as ev
+from mlxlab.tasks.chunk import grammar as ag
+from mlxlab.tasks.chunk import prompt as pr
+from mlxlab.tasks.chunk import windows as win
 from mlxlab.tasks.chunk.config import ChunkDataConfig, EvalSettings
 from tests.test_chunk_task import GOLD, U, _allows
 
@@ -89,30 +97,51 @@ def test_the_fixed_boundaries_grammar_allows_those_chunks_only(tiny_dir):
     from mlxlab import grammar as G
 
     tokenizer = load(str(tiny_dir("gemma3")))[1]
-    two = G.lark(ev.answer_grammar(U, fixed=[0, 2]), "fixed at 0, 2")
+    two = G.lark(ag.answer_grammar(U, fixed=[0, 2]), "fixed at 0, 2")
     relabelled = [{**GOLD[0], "label": "Anything the model says"}, GOLD[1]]
     for chunks in (GOLD, relabelled):
-        assert _allows(two, tokenizer, data.answer(chunks))
+        assert _allows(two, tokenizer, pr.answer(chunks))
     one = [{"label": "One topic throughout", "start_message_uuid": U[0], "end_message_uuid": U[3]}]
     moved = [{**GOLD[0], "end_message_uuid": U[2]}, {**GOLD[1], "start_message_uuid": U[3]}]
     for chunks in (one, moved, [GOLD[0]], [{**GOLD[0], "label": "Assert"}, GOLD[1]]):
-        assert not _allows(two, tokenizer, data.answer(chunks)), chunks
-    whole = G.lark(ev.answer_grammar(U, fixed=[0]), "one chunk")
-    assert _allows(whole, tokenizer, data.answer(one))
-    assert not _allows(whole, tokenizer, data.answer(GOLD))
+        assert not _allows(two, tokenizer, pr.answer(chunks)), chunks
+    whole = G.lark(ag.answer_grammar(U, fixed=[0]), "one chunk")
+    assert _allows(whole, tokenizer, pr.answer(one))
+    assert not _allows(whole, tokenizer, pr.answer(GOLD))
     for bad in ([1], [0, 0, 2], [0, 4], [2, 0]):
         with pytest.raises(AssertionError):
-            ev.answer_grammar(U, fixed=bad)
+            ag.answer_grammar(U, fixed=bad)
 
 
-def test_a_windowed_case_keeps_the_fixed_starts_with_the_merged_labels():
-    merged = {0: "Topic one here", 5: "Topic two here", 8: "Topic three"}  # 5: a window edge
-    assert ev.fixed_merge([0, 3, 8], merged) == (
-        [0, 3, 8],
-        {0: "Topic one here", 3: "Topic one here", 8: "Topic three"},
-    )
-    # no window answered: merge_windows leaves {0: None}; the fixed cover stands, unlabelled
-    assert ev.fixed_merge([0, 4], {0: None}) == ([0, 4], {0: None, 4: None})
+def test_a_windowed_case_s_fixed_starts_are_named_by_the_windows_that_own_them():
+    """fixed_labels: each fixed start called as the window that owns it calls its chunk there;
+    where that window cannot be read, as the nearest window that covers it and answered; None
+    where none did."""
+    uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(10)]
+    ws = [win.Window(0, a, a + 3, uuids[a : a + 4], []) for a in (0, 2, 4, 6)]
+
+    def answer(*chunks):
+        return json.dumps(
+            {"chunks": [{"label": x, "start_message_uuid": uuids[a], "end_message_uuid": uuids[b]}
+                        for a, b, x in chunks]}
+        )  # fmt: skip
+
+    texts = [
+        answer((0, 2, "Sorting lists"), (3, 3, "Tuples, early")),
+        answer((2, 2, "Sorting lists"), (3, 5, "Tuples and sets")),
+        answer((4, 5, "Tuples and sets"), (6, 7, "Regexes")),
+        answer((6, 7, "Regular expressions"), (8, 9, "JSON")),
+    ]
+    starts = [0, 3, 6, 8]  # cuts: window 0 owns 0-2, 1 owns 3-4, 2 owns 5-6, 3 owns 7-9
+    assert win.fixed_labels(ws, texts, starts, None) == {
+        0: "Sorting lists",
+        3: "Tuples and sets",  # window 1's, not window 0's
+        6: "Regexes",
+        8: "JSON",
+    }
+    broken = [texts[0], "no", *texts[2:]]  # window 1 cannot be read: its neighbour's chunk
+    assert win.fixed_labels(ws, broken, starts, None)[3] == "Tuples, early"
+    assert win.fixed_labels(ws, ["no"] * 4, starts, None) == dict.fromkeys(starts)
 
 
 def test_a_wrong_embedding_model_stops_a_task_run_before_training():
@@ -127,9 +156,9 @@ def test_a_wrong_embedding_model_stops_a_task_run_before_training():
 
 
 def test_window_starts_are_the_cases_inside_the_window():
-    w = ev.Window(case=0, first=5, last=9, uuids=[], prompt=[])
-    assert ev.window_starts(w, [0, 3, 5, 7, 10]) == [0, 2]  # 5 is the window's own first
-    assert ev.window_starts(w, [0]) == [0]
+    w = win.Window(case=0, first=5, last=9, uuids=[], prompt=[])
+    assert win.window_starts(w, [0, 3, 5, 7, 10]) == [0, 2]  # 5 is the window's own first
+    assert win.window_starts(w, [0]) == [0]
 
 
 def _tiny(tiny_dir, tmp_path, n: int):
@@ -138,29 +167,33 @@ def _tiny(tiny_dir, tmp_path, n: int):
     cfg = ChunkDataConfig(
         train=2, valid=1, test=n, median_pairs=3, max_message_chars=200, topic_weights=[0, 1]
     )
-    out = data.write_dataset(tmp_path / "chunk", cfg)
+    out = dataset.write_dataset(tmp_path / "chunk", cfg)
     model, tokenizer = load(str(tiny_dir("gemma3")))
-    return model, tokenizer, ev.read_split(out, EvalSettings())
+    return model, tokenizer, dataset.read_split(out, EvalSettings())
 
 
 def test_a_decode_with_fixed_starts_puts_chunks_exactly_there(tiny_dir, tmp_path):
     """Each window's answer has the chunks its fixed starts give (the model writes labels only),
-    whole conversations and windowed ones (a window a message); merged, the conversation's chunks
-    start there and nowhere else."""
+    whole conversations and windowed ones; merged, the conversation's chunks start there and
+    nowhere else."""
     model, tokenizer, records = _tiny(tiny_dir, tmp_path, 2)
-    counts = [len(data.shown(r["messages"])) for r in records]
+    counts = [len(pr.shown(r["messages"])) for r in records]
     fixed = [[0, 2, n - 1] if n > 3 else [0] for n in counts]
-    for budget in (8192, 400):  # one prompt each; then windows of a few messages
-        rows = ev.evaluate(model, tokenizer, records, 4096, 2, budget=budget, fixed_starts=fixed)
+    for cap in (None, 4):  # one prompt each; then windows of two exchanges
+        rows = ev.evaluate(
+            model, tokenizer, records, 4096, 2, budget=8192, fixed_starts=fixed, max_messages=cap
+        )
         for row, record, want in zip(rows, records, fixed, strict=True):
-            uuids = [m["uuid"] for m in data.shown(record["messages"])]
+            uuids = [m["uuid"] for m in pr.shown(record["messages"])]
             outputs = row.get("window_outputs", [row["output"]])
             windows = [
-                w for w in ev.plan_windows(records, tokenizer, budget, 2) if w.case == row["case"]
+                w
+                for w in win.plan_windows(records, tokenizer, 8192, 2, cap)
+                if w.case == row["case"]
             ]
             for w, text in zip(windows, outputs, strict=True):  # each window: its fixed chunks
                 got = json.loads(text)["chunks"]
-                assert [w.uuids.index(c["start_message_uuid"]) for c in got] == ev.window_starts(
+                assert [w.uuids.index(c["start_message_uuid"]) for c in got] == win.window_starts(
                     w, want
                 )
                 assert got[-1]["end_message_uuid"] == w.uuids[-1]
@@ -168,14 +201,14 @@ def test_a_decode_with_fixed_starts_puts_chunks_exactly_there(tiny_dir, tmp_path
             got = json.loads(row["output"])["chunks"]
             starts = [uuids.index(c["start_message_uuid"]) for c in got]
             assert starts == want and row["ref"] == 100.0  # not also at the windows' edges
-        if budget == 400:
+        if cap:
             assert any(r["windows"] > 1 for r in rows)  # the windowed path ran
 
 
 def test_eval_with_shifts_reports_a_row_and_the_detector(tiny_dir, tmp_path):
     """evaluate_model with `shifts`: one more decode, its per-case file, its row in the table,
     the detector's own F1 (against gold, no model) and its time in the evaluation's."""
-    from mlxlab.tasks.chunk.task import eval_seconds
+    from mlxlab.tasks.chunk.report import eval_seconds
 
     tiny_dir("bert")
     model, tokenizer, records = _tiny(tiny_dir, tmp_path, 2)
@@ -191,15 +224,14 @@ def test_eval_with_shifts_reports_a_row_and_the_detector(tiny_dir, tmp_path):
     d = s["detector"]
     assert d["model"] == "tiny-bert" and d["chunks_per_case"] == 1.0
     assert d["rule"] == {"drop": 0.15, "cap": -1.0, "floor": -1.0}
-    one_chunk = [ev.boundary_f1(ev.case_gold_spans(r), [(0, 1)]) for r in records]
+    one_chunk = [scoring.boundary_f1(scoring.case_gold_spans(r), [(0, 1)]) for r in records]
     assert d["boundary_f1"] == pytest.approx(sum(one_chunk) / 2)
-    assert "| tiny, shift boundaries | 2 |" in ev.table({"tiny": summary})
-    assert "detector alone (tiny-bert, cosine below -1, or" in ev.detector_note(summary)
+    assert "| tiny, shift boundaries | 2 |" in metrics.table({"tiny": summary})
+    assert "detector alone (tiny-bert, cosine below -1, or" in report.detector_note(summary)
     assert eval_seconds(summary) == pytest.approx(summary["seconds"] + s["seconds"])
-    assert "all-minilm-l6-v2 sentence vectors" in ev.shifts_note(
-        EvalSettings(shifts="all-minilm-l6-v2")
-    )
-    assert ev.shifts_note(EvalSettings()) == "" and ev.detector_note({}) == ""
+    line = report.decoding_line(EvalSettings(shifts="all-minilm-l6-v2"))
+    assert "all-minilm-l6-v2 sentence vectors" in line
+    assert "shift" not in report.decoding_line(EvalSettings()) and report.detector_note({}) == ""
     wrong = EvalSettings(max_tokens=400, shifts="tiny-gemma3")  # fails before any decode
     with pytest.raises(UserError, match="not an embedding model"):
         ev.evaluate_model(model, tokenizer, records, wrong, tmp_path / "wrong.jsonl", "tiny")
@@ -210,18 +242,18 @@ def test_eval_with_shifts_reports_a_row_and_the_detector(tiny_dir, tmp_path):
 
 
 def test_boundary_f1_and_spans():
-    assert ev.spans_of([0, 2], 4) == [(0, 1), (2, 3)]
-    assert ev.spans_of([0], 1) == [(0, 0)]
-    assert ev.boundary_f1([(0, 3)], [(0, 3)]) == 1.0
-    assert ev.boundary_f1([(0, 3)], []) == 0.0
-    assert ev.boundary_f1([(0, 1), (2, 3)], [(0, 3)]) == 0.0
-    assert ev.boundary_f1([(0, 1), (2, 3)], [(0, 0), (1, 1), (2, 3)]) == pytest.approx(2 / 3)
+    assert scoring.spans_of([0, 2], 4) == [(0, 1), (2, 3)]
+    assert scoring.spans_of([0], 1) == [(0, 0)]
+    assert scoring.boundary_f1([(0, 3)], [(0, 3)]) == 1.0
+    assert scoring.boundary_f1([(0, 3)], []) == 0.0
+    assert scoring.boundary_f1([(0, 1), (2, 3)], [(0, 3)]) == 0.0
+    assert scoring.boundary_f1([(0, 1), (2, 3)], [(0, 0), (1, 1), (2, 3)]) == pytest.approx(2 / 3)
     case = {"messages": [{"uuid": u, "sender": "user", "text": "t"} for u in U], "chunks": GOLD}
-    assert ev.case_gold_spans(case) == [(0, 1), (2, 3)]
-    assert ev.case_gold_spans({"messages": []}) is None
+    assert scoring.case_gold_spans(case) == [(0, 1), (2, 3)]
+    assert scoring.case_gold_spans({"messages": []}) is None
     # gold given out of order: sorted by place, the chunks with their spans
-    ordered, spans = ev.gold_order(GOLD[::-1], U)
+    ordered, spans = scoring.gold_order(GOLD[::-1], U)
     assert ordered == GOLD and spans == [(0, 1), (2, 3)]
-    assert ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD[::-1]).label_pairs == [
+    assert scoring.score_case(json.dumps({"chunks": GOLD}), U, GOLD[::-1]).label_pairs == [
         [g["label"], g["label"]] for g in GOLD
     ]

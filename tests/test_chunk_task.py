@@ -9,9 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from mlxlab.data import chunk as data
 from mlxlab.errors import UserError
-from mlxlab.eval import chunk as ev
+from mlxlab.tasks.chunk import (
+    dataset,
+    docs_chats,
+    metrics,
+    probes,
+    report,
+    scoring,
+)
+from mlxlab.tasks.chunk import evaluate as ev
+from mlxlab.tasks.chunk import grammar as ag
+from mlxlab.tasks.chunk import prompt as pr
+from mlxlab.tasks.chunk import windows as win
 from mlxlab.tasks.chunk.config import ChunkDataConfig
 
 U = [
@@ -31,10 +41,10 @@ GOLD = [
 
 
 def test_builder_is_deterministic_and_keeps_topics_apart():
-    from mlxlab.data.chunk_topics import load_topics
+    from mlxlab.tasks.chunk.topics import load_topics
 
     cfg = ChunkDataConfig(seed=1, train=40, valid=5, test=10)
-    a, b = data.build(cfg), data.build(cfg)
+    a, b = docs_chats.build(cfg), docs_chats.build(cfg)
     assert a == b
     # and from one process to the next: no object addresses in the text (a signature's
     # `<object object at 0x...>` default once made every build differ)
@@ -46,7 +56,7 @@ def test_builder_is_deterministic_and_keeps_topics_apart():
         split: {c["label"] for case in rows for c in case["chunks"]} for split, rows in a.items()
     }
     assert not labels["train"] & labels["test"]
-    assert data.build(ChunkDataConfig(seed=2, train=5))["train"] != a["train"][:5]
+    assert docs_chats.build(ChunkDataConfig(seed=2, train=5))["train"] != a["train"][:5]
     for case in a["train"]:
         senders = [m["sender"] for m in case["messages"]]
         assert senders[::2] == ["user"] * len(senders[::2])  # user and assistant take turns
@@ -59,7 +69,7 @@ def test_builder_is_deterministic_and_keeps_topics_apart():
         ]
         assert spans[0][0] == 0 and spans[-1][1] == len(uuids) - 1  # gold covers it in order
         assert all(s1 == e0 + 1 for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False))
-        assert all(2 <= len(c["label"].split()) <= data.LABEL_WORDS for c in case["chunks"])
+        assert all(2 <= len(c["label"].split()) <= docs_chats.LABEL_WORDS for c in case["chunks"])
     # the skew: most conversations are on one or two topics, some on more
     n_chunks = [len(c["chunks"]) for c in a["train"]]
     assert sum(n <= 2 for n in n_chunks) > len(n_chunks) / 2 and max(n_chunks) >= 3
@@ -68,7 +78,7 @@ def test_builder_is_deterministic_and_keeps_topics_apart():
 def test_train_topic_weights_skew_the_training_split_only():
     base = ChunkDataConfig(seed=1, train=60, valid=5, test=30)
     multi = ChunkDataConfig(seed=1, train=60, valid=5, test=30, train_topic_weights=[0, 1])
-    a, b = data.build(base), data.build(multi)
+    a, b = docs_chats.build(base), docs_chats.build(multi)
     assert a["test"] == b["test"] and a["valid"] == b["valid"]  # evaluation keeps the real skew
     assert all(len(c["chunks"]) >= 2 for c in b["train"])  # two topics (a return makes three)
     assert sum(len(c["chunks"]) == 1 for c in a["train"]) > 10
@@ -76,72 +86,20 @@ def test_train_topic_weights_skew_the_training_split_only():
         ChunkDataConfig(train_topic_weights=[-1, 2])
 
 
-def test_brief_answers_shorten_the_training_split_only():
-    base = ChunkDataConfig(seed=1, train=40, valid=5, test=20)
-    short = ChunkDataConfig(seed=1, train=40, valid=5, test=20, train_brief_rate=1.0)
-    a, b = data.build(base), data.build(short)
-    assert a["test"] == b["test"] and a["valid"] == b["valid"]
-
-    def longest(cases):
-        return max(len(m["text"]) for c in cases for m in c["messages"])
-
-    def per_answer(cases):
-        msgs = [m for c in cases for m in c["messages"] if m["sender"] == "assistant"]
-        return sum(len(m["text"]) for m in msgs) / len(msgs)
-
-    # at most three sections of brief_chars each, a preface and bold headings
-    assert longest(b["train"]) <= 3 * (short.brief_chars + 40) < longest(a["train"])
-    assert per_answer(b["train"]) < 0.6 * per_answer(a["train"])
-    # the gold still covers every message in order
-    for case in b["train"]:
-        at = {m["uuid"]: i for i, m in enumerate(case["messages"])}
-        spans = [(at[c["start_message_uuid"]], at[c["end_message_uuid"]]) for c in case["chunks"]]
-        assert spans[0][0] == 0 and spans[-1][1] == len(case["messages"]) - 1
-        assert all(s1 == e0 + 1 for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False))
-    with pytest.raises(UserError, match="train_brief_rate"):
-        ChunkDataConfig(train_brief_rate=1.5)
-    with pytest.raises(UserError, match="brief_chars"):
-        ChunkDataConfig(brief_chars=10)
-
-
-@pytest.mark.parametrize(
-    ("text", "limit", "want"),
-    [
-        ("One. Two is longer. Three.\n\nNext.", 200, "One. Two is longer. Three.\n\nNext."),
-        ("One. Two is longer. Three.\n\nNext.", 30, "One. Two is longer. Three."),
-        ("One. Two is longer. Three.\n\nNext.", 20, "One. Two is longer."),
-        (
-            "- `a : int` the first.\n- `b : str` the second, longer one.",
-            40,
-            "- `a : int` the first.",
-        ),
-        ("```python\nx = 1\ny = 2\nz = 3\n```", 20, "```python\nx = 1\n```"),
-        ("One. Two is longer. Three.", 19, "One. Two is longer."),  # a sentence end at the limit
-        ("no sentence end in sight but words go on", 20, "no sentence end in"),
-        ("Short.  Then  a  long  sentence  that  runs on", 30, "Short.  Then  a  long"),
-        ("x" * 50, 30, "x" * 30),
-        ("Steps:\n1. First item text goes on", 30, "Steps:\n1. First item text goes"),
-        ("Use it, e.g. Foo here. Then more text follows", 30, "Use it, e.g. Foo here."),
-    ],
-)
-def test_brief_cuts_at_paragraphs_lines_and_sentences(text, limit, want):
-    assert data.brief(text, limit) == want
-
-
 def test_gold_labels_are_short_phrases_from_the_topic():
-    from mlxlab.data.chunk_topics import Topic, load_topics
+    from mlxlab.tasks.chunk.topics import Topic, load_topics
 
-    labels = [data.label(t) for t in load_topics()]
+    labels = [docs_chats.label(t) for t in load_topics()]
     assert len(set(labels)) == len(labels)  # one topic per name: labels tell topics apart
     for text in labels:
         words = text.split()
-        assert 2 <= len(words) <= data.LABEL_WORDS <= 9, text
-        assert words[-1].lower() not in data.TRAILING, text  # no phrase cut after "of", "the"
+        assert 2 <= len(words) <= docs_chats.LABEL_WORDS <= 9, text
+        assert words[-1].lower() not in docs_chats.TRAILING, text  # no phrase cut after "of", "the"
         assert text.count("(") == text.count(")"), text
         assert not text.lower().split(":")[-1].strip().startswith("this module"), text
         # in the topic's own words: no head naming the kind of topic to fill in off the domain
         assert not re.match(r"(Python \S+ module|NumPy \S+):", text), text
-    by_name = {t.name: data.label(t) for t in load_topics()}
+    by_name = {t.name: docs_chats.label(t) for t in load_topics()}
     assert by_name["numpy.var"] == "Compute the variance along the specified axis"
     assert by_name["the assert statement"] == "The assert statement"
     # aliases share their documentation: the name in parentheses tells them apart
@@ -150,7 +108,8 @@ def test_gold_labels_are_short_phrases_from_the_topic():
     )
     odd = Topic("m:x", "module", "x", "a) lists (and", ())
     assert (
-        data.label(odd) == "A lists" and data.label(Topic("m:y", "module", "y", "", ())) == "Y (y)"
+        docs_chats.label(odd) == "A lists"
+        and docs_chats.label(Topic("m:y", "module", "y", "", ())) == "Y (y)"
     )
 
 
@@ -165,20 +124,20 @@ def test_prompt_format_is_the_predecessors():
             {"uuid": U[2], "sender": "assistant", "text": "Use sorted()."},
         ],
     }
-    text = data.prompt(case)
+    text = pr.prompt(case)
     assert text == (
-        f"{data.INSTRUCTIONS}\n\nConversation: Sorting help (uuid: conv-uuid)\n\n"
+        f"{pr.INSTRUCTIONS}\n\nConversation: Sorting help (uuid: conv-uuid)\n\n"
         f"[user] (uuid: {U[0]})\nHow do I sort?\n\n---\n[assistant] (uuid: {U[2]})\nUse sorted().\n"
     )
-    assert [m["uuid"] for m in data.shown(case["messages"])] == [U[0], U[2]]
-    ex = data.chat({**case, "chunks": GOLD[:1]})
+    assert [m["uuid"] for m in pr.shown(case["messages"])] == [U[0], U[2]]
+    ex = dataset.chat({**case, "chunks": GOLD[:1]})
     assert [m["role"] for m in ex["messages"]] == ["user", "assistant"]
     assert json.loads(ex["messages"][1]["content"]) == {"chunks": GOLD[:1]}
 
 
 def test_windows_cover_in_order_within_budget_and_overlap():
     costs = [3, 5, 2, 8, 1, 1, 4, 20, 2]
-    ws = data.windows(costs, budget=10, overlap=1)
+    ws = win.windows(costs, budget=10, overlap=1)
     assert ws[0][0] == 0 and ws[-1][1] == len(costs) - 1
     for (a0, b0), (a1, b1) in zip(ws, ws[1:], strict=False):
         assert a0 < a1 and b1 > b0 and a1 in (b0, b0 + 1)  # forward, sharing at most one message
@@ -186,20 +145,20 @@ def test_windows_cover_in_order_within_budget_and_overlap():
             assert a1 == b0  # the shared message fits with the next one: it is shared
     for a, b in ws:
         assert sum(costs[a : b + 1]) <= 10 or a == b  # an over-long message is a window alone
-    assert data.windows([1, 1, 1], budget=10, overlap=2) == [(0, 2)]
-    assert data.windows([5, 5, 5], budget=5, overlap=3) == [(0, 0), (1, 1), (2, 2)]
+    assert win.windows([1, 1, 1], budget=10, overlap=2) == [(0, 2)]
+    assert win.windows([5, 5, 5], budget=5, overlap=3) == [(0, 0), (1, 1), (2, 2)]
     # a cap on messages per window (eval's WINDOW_MESSAGES) holds beside the token budget
-    assert data.windows([1] * 7, budget=100, overlap=1, max_messages=3) == [(0, 2), (2, 4), (4, 6)]
+    assert win.windows([1] * 7, budget=100, overlap=1, max_messages=3) == [(0, 2), (2, 4), (4, 6)]
     long = {"uuid": "x", "sender": "assistant", "text": "word " * 500}
-    cut = data.fit(long, data.char_cost, 300)
-    assert data.char_cost(cut) <= 300 and cut["text"].endswith(data.TRUNCATED)
+    cut = win.fit(long, win.char_cost, 300)
+    assert win.char_cost(cut) <= 300 and cut["text"].endswith(pr.TRUNCATED)
 
 
 def test_training_examples_are_windows_with_clipped_gold():
     cfg = ChunkDataConfig(seed=3, train=30, valid=1, test=1, window_chars=2500)
-    cases = data.build(cfg)["train"]
-    long = max(cases, key=lambda c: len(data.prompt(c)))
-    examples = data.training_examples(long, cfg)
+    cases = docs_chats.build(cfg)["train"]
+    long = max(cases, key=lambda c: len(pr.prompt(c)))
+    examples = dataset.training_examples(long, cfg)
     assert len(examples) > 1
     seen = []
     for ex in examples:
@@ -218,10 +177,10 @@ def test_window_messages_makes_every_training_example_a_local_question():
     """window_messages=4, overlap 2: each example is two consecutive exchanges (the second new),
     its gold clipped to them; every boundary of the conversation is some example's own."""
     cfg = ChunkDataConfig(seed=3, train=30, valid=1, test=1, window_messages=4)
-    cases = data.build(cfg)["train"]
-    many = max(cases, key=lambda c: (len(c["chunks"]), len(data.shown(c["messages"]))))
-    uuids = [m["uuid"] for m in data.shown(many["messages"])]
-    wins = data.training_windows(many, cfg)
+    cases = docs_chats.build(cfg)["train"]
+    many = max(cases, key=lambda c: (len(c["chunks"]), len(pr.shown(c["messages"]))))
+    uuids = [m["uuid"] for m in pr.shown(many["messages"])]
+    wins = win.training_windows(many, cfg)
     assert len(wins) >= len(uuids) // 2 - 1 and all(len(msgs) <= 4 for msgs, _ in wins)
     starts = set()
     for (msgs, gold), nxt in zip(wins, wins[1:] + [None], strict=True):
@@ -232,7 +191,7 @@ def test_window_messages_makes_every_training_example_a_local_question():
         starts |= {uuids.index(c["start_message_uuid"]) for c in gold[1:]}
     gold_starts = {uuids.index(c["start_message_uuid"]) for c in many["chunks"][1:]}
     assert len(gold_starts) >= 2 and starts == gold_starts
-    assert all(len(ex["messages"][0]["content"]) for ex in data.training_examples(many, cfg))
+    assert all(len(ex["messages"][0]["content"]) for ex in dataset.training_examples(many, cfg))
     from mlxlab.tasks.chunk.config import EvalSettings
 
     with pytest.raises(UserError, match="window_messages"):
@@ -251,10 +210,12 @@ def test_a_task_run_stops_before_anything_when_its_evaluation_windows_cannot_adv
 
     small = ChunkDataConfig(train=3, valid=1, test=1, window_messages=3)
     task = ChunkTask(ChunkTaskConfig(data=small, eval=EvalSettings(window_overlap=3)))
-    with pytest.raises(UserError, match="window_messages must be 0 .* got 3 with window_overlap 3"):
+    with pytest.raises(
+        UserError, match="window_messages must be more .* got 3 with window_overlap 3"
+    ):
         task.prepare_data(DataConfig(), tmp_path / "run")
     assert not (tmp_path / "run" / "data").exists()
-    built = data.write_dataset(tmp_path / "built", small)
+    built = dataset.write_dataset(tmp_path / "built", small)
     for train in (built, built / "train.jsonl"):  # a dataset directory or its training file
         with pytest.raises(UserError, match="got 3 with window_overlap 3 .*takes the dataset's"):
             task.prepare_data(DataConfig(train=str(train)), tmp_path / "run2")
@@ -267,14 +228,14 @@ def test_a_task_run_stops_before_anything_when_its_evaluation_windows_cannot_adv
 
 
 def test_gold_answer_scores_perfectly():
-    s = ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD)
+    s = scoring.score_case(json.dumps({"chunks": GOLD}), U, GOLD)
     assert (s.wellformed, s.boundary_f1, s.exact_match, s.repairs) == (100.0, 1.0, 1.0, 0)
 
 
 @pytest.mark.parametrize("wrap", ["```json\n{}\n```", "Sure! Here it is: {} Hope that helps."])
 def test_extraction_fallbacks(wrap):
     text = wrap.replace("{}", json.dumps({"chunks": GOLD}))
-    s = ev.score_case(text, U, GOLD)
+    s = scoring.score_case(text, U, GOLD)
     assert s.wellformed == 100.0 and s.extraction in ("fence", "braces")
 
 
@@ -287,7 +248,7 @@ def test_repairs_cost_anchor_points():
         },
         {"start_message_uuid": U[2], "end_message_uuid": U[2], "label": "Augmented assignment"},
     ]
-    s = ev.score_case(json.dumps({"chunks": chunks}), U, GOLD)
+    s = scoring.score_case(json.dumps({"chunks": chunks}), U, GOLD)
     assert s.repairs == 2  # prefix match + trailing gap
     assert s.anchors == pytest.approx(1 - 2 / 4)
     assert s.wellformed == pytest.approx(100 * (0.30 + 0.35 * 0.5 + 0.15 + 0.20))
@@ -299,7 +260,7 @@ def test_inverted_and_unknown_uuids_are_repaired():
         {"start_message_uuid": U[1], "end_message_uuid": U[0], "label": "Assert statements"},
         {"start_message_uuid": U[2], "end_message_uuid": "nope", "label": "Chunk 2"},
     ]
-    s = ev.score_case(json.dumps({"chunks": chunks}), U, GOLD)
+    s = scoring.score_case(json.dumps({"chunks": chunks}), U, GOLD)
     assert s.repairs == 2 and s.labels == 0.5 and s.exact_match == 1.0
 
 
@@ -308,21 +269,23 @@ def test_unrepairable_results_score_zero_anchors():
         {"start_message_uuid": U[0], "end_message_uuid": U[2], "label": "Assert statements"},
         {"start_message_uuid": U[1], "end_message_uuid": U[3], "label": "Augmented assignment"},
     ]
-    s = ev.score_case(json.dumps({"chunks": overlap}), U, GOLD)
+    s = scoring.score_case(json.dumps({"chunks": overlap}), U, GOLD)
     assert s.anchors == 0.0 and s.boundary_f1 == 0.0
-    assert ev.score_case("no json here", U, GOLD).wellformed == 0.0
-    assert ev.score_case(json.dumps({"chunks": []}), U, GOLD).wellformed == pytest.approx(30.0 * 0)
-    bad_schema = ev.score_case(json.dumps({"chunks": [{"start_message_uuid": 3}]}), U, GOLD)
+    assert scoring.score_case("no json here", U, GOLD).wellformed == 0.0
+    assert scoring.score_case(json.dumps({"chunks": []}), U, GOLD).wellformed == pytest.approx(
+        30.0 * 0
+    )
+    bad_schema = scoring.score_case(json.dumps({"chunks": [{"start_message_uuid": 3}]}), U, GOLD)
     assert bad_schema.schema == 0.0 and bad_schema.nonempty == 1.0
 
 
 def test_generic_labels():
-    assert not ev.is_specific("Chunk 1") and not ev.is_specific("Other topics")
-    assert not ev.is_specific("Assert") and ev.is_specific("The assert statement")
-    summary = ev.summarize(
+    assert not scoring.is_specific("Chunk 1") and not scoring.is_specific("Other topics")
+    assert not scoring.is_specific("Assert") and scoring.is_specific("The assert statement")
+    summary = metrics.summarize(
         [
-            ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD).to_dict(),
-            ev.score_case("nothing", U, GOLD).to_dict(),
+            scoring.score_case(json.dumps({"chunks": GOLD}), U, GOLD).to_dict(),
+            scoring.score_case("nothing", U, GOLD).to_dict(),
         ]
     )
     assert summary["cases"] == 2 and summary["wellformed"] == 50.0
@@ -335,7 +298,7 @@ def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     from mlxlab.data.datasets import load_split
     from mlxlab.tasks.chunk.config import EvalSettings
 
-    out = data.write_dataset(tmp_path / "chunk", ChunkDataConfig(train=6, valid=2, test=3))
+    out = dataset.write_dataset(tmp_path / "chunk", ChunkDataConfig(train=6, valid=2, test=3))
     names = sorted(p.name for p in out.iterdir())
     assert names == [
         "build.json",
@@ -351,26 +314,28 @@ def test_written_splits_feed_training_and_eval(tiny_dir, tmp_path):
     model, tokenizer = load(str(tiny_dir("gemma3")))
     split = load_split(out / "train.jsonl", tokenizer, DataConfig(max_seq_length=8192))
     assert len(split.examples) >= 6 and all(e.offset > 0 for e in split.examples)
-    cases = ev.read_split(out, EvalSettings())
+    cases = dataset.read_split(out, EvalSettings())
     assert [c["id"] for c in cases] == ["test-0000", "test-0001", "test-0002"]
+    # every case read in windows of at most 4 messages (the default), sharing an exchange
     results = ev.evaluate(model, tokenizer, cases, max_tokens=8, batch_size=2, budget=8192)
     assert len(results) == 3 and all(0.0 <= r["wellformed"] <= 100.0 for r in results)
-    assert [r["case"] for r in results] == [0, 1, 2] and all(r["windows"] == 1 for r in results)
+    assert [r["case"] for r in results] == [0, 1, 2]
+    n = [len(pr.shown(c["messages"])) for c in cases]
+    assert [r["windows"] for r in results] == [len(win.windows([1] * k, 10**6, 2, 4)) for k in n]
+    assert max(n) > 4 and max(r["windows"] for r in results) > 1
     one_by_one = ev.evaluate(model, tokenizer, cases, max_tokens=8, batch_size=1, budget=8192)
     assert [r["prompt_tokens"] for r in one_by_one] == [r["prompt_tokens"] for r in results]
-    # window_messages: every case read in windows of at most 4 messages, sharing an exchange
-    local = ev.evaluate(model, tokenizer, cases, 8, 2, budget=8192, max_messages=4)
-    n = [len(data.shown(c["messages"])) for c in cases]
-    assert [r["windows"] for r in local] == [len(data.windows([1] * k, 10**6, 2, 4)) for k in n]
-    assert max(n) > 4 and max(r["windows"] for r in local) > 1
-    labels = ev.training_labels(out)
+    # no message cap: each case one prompt within the budget
+    whole = ev.evaluate(model, tokenizer, cases, 8, 2, budget=8192, max_messages=None)
+    assert all(r["windows"] == 1 for r in whole)
+    labels = dataset.training_labels(out)
     assert labels and all(label == label.lower() for label in labels)
 
 
 def _long_case(n_cases: int = 40) -> dict:
     """One synthetic conversation from many test conversations end to end (their gold chunks
     end to end too)."""
-    cases = data.build(ChunkDataConfig(seed=5, train=1, valid=1, test=n_cases))["test"]
+    cases = docs_chats.build(ChunkDataConfig(seed=5, train=1, valid=1, test=n_cases))["test"]
     return {
         "id": "long",
         "name": "a long one",
@@ -381,10 +346,10 @@ def _long_case(n_cases: int = 40) -> dict:
 
 
 def test_filled_windows_show_whole_exchanges_whatever_the_answers_length(tiny_dir):
-    """plan_windows with `fill`: every window of a conversation with answers too long for two
-    exchanges still holds two (user, assistant, user, assistant), the longest messages cut to one
-    length so the prompt fits; without it the same budget ends windows at a question without its
-    answer. Windows that fit are as without `fill`."""
+    """plan_windows with a message cap fills its windows: every window of a conversation with
+    answers too long for two exchanges still holds two (user, assistant, user, assistant), the
+    longest messages cut to one length so the prompt fits; `window_cases` (training's planner)
+    with the same budget ends windows at a question without its answer."""
     from mlx_lm.utils import load
 
     _, tokenizer = load(str(tiny_dir("gemma3")))
@@ -399,28 +364,31 @@ def test_filled_windows_show_whole_exchanges_whatever_the_answers_length(tiny_di
     ]
     case = {"id": "c", "name": "long answers", "messages": messages}
     budget = 1200
-    cut = ev.plan_windows([case], tokenizer, budget, 2, 4)
-    assert any(len(w.uuids) < 4 and w.last < len(messages) - 1 for w in cut)
-    filled = ev.plan_windows([case], tokenizer, budget, 2, 4, fill=True)
+
+    def cost(m: dict) -> int:
+        return len(tokenizer.encode(pr.message_block(m) + "\n---\n", add_special_tokens=False))
+
+    cut = win.window_cases(case, cost, budget - 200, 2, 4)
+    assert any(len(msgs) < 4 and b < len(messages) - 1 for _, b, msgs in cut)
+    filled = win.plan_windows([case], tokenizer, budget, 2, 4)
     assert [(w.first, w.last) for w in filled] == [(0, 3), (2, 5), (4, 7), (6, 9)]
     assert all(len(w.prompt) <= budget for w in filled)
     assert all(w.users == w.uuids[::2] for w in filled)
     text = tokenizer.decode(filled[1].prompt)
-    assert text.count(data.TRUNCATED.strip()) == 2 and "question 1?" in text
+    assert text.count(pr.TRUNCATED.strip()) == 2 and "question 1?" in text
     assert "question 2?" in text
     # both answers cut to one cost, the largest that fits: their kept text is as long
-    kept = [len(a.split(data.TRUNCATED.strip())[0]) for a in text.split("1: ")[1:]]
-    kept += [len(a.split(data.TRUNCATED.strip())[0]) for a in text.split("2: ")[1:]]
+    kept = [len(a.split(pr.TRUNCATED.strip())[0]) for a in text.split("1: ")[1:]]
+    kept += [len(a.split(pr.TRUNCATED.strip())[0]) for a in text.split("2: ")[1:]]
     assert len(kept) == 2 and abs(kept[0] - kept[1]) <= 8
     assert all(len(w.prompt) > budget - 40 for w in filled)
     short = {**case, "messages": [{**m, "text": m["text"][:200]} for m in messages]}
-    assert [w.prompt for w in ev.plan_windows([short], tokenizer, budget, 2, 4, fill=True)] == [
-        w.prompt for w in ev.plan_windows([short], tokenizer, budget, 2, 4)
-    ]
+    whole = [(w.first, w.last) for w in win.plan_windows([short], tokenizer, budget, 2, 4)]
+    assert whole == [(0, 3), (2, 5), (4, 7), (6, 9)]  # nothing cut where all fits
 
 
 def test_filled_windows_cover_every_message_and_fall_back_when_nothing_fits():
-    """data.filled_windows by characters: windows of max_messages sharing `overlap`, the last
+    """win.filled_windows by characters: windows of max_messages sharing `overlap`, the last
     shorter on an odd count; a conversation of max_messages or fewer over the budget is one cut
     window; a budget too small for max_messages messages cut to nothing plans as window_cases."""
     msgs = [
@@ -428,134 +396,75 @@ def test_filled_windows_cover_every_message_and_fall_back_when_nothing_fits():
         for i in range(9)
     ]
     case = {"id": "c", "messages": msgs}
-    out = data.filled_windows(case, data.char_cost, 900, 2, 4)
+    out = win.filled_windows(case, win.char_cost, 900, 2, 4)
     assert [(a, b) for a, b, _ in out] == [(0, 3), (2, 5), (4, 7), (6, 8)]
-    assert all(sum(data.char_cost(m) for m in part) <= 900 for _, _, part in out)
+    assert all(sum(win.char_cost(m) for m in part) <= 900 for _, _, part in out)
     assert [m["uuid"] for m in out[1][2]] == ["u2", "u3", "u4", "u5"]
-    assert out[1][2][1]["text"] == "q?" and data.TRUNCATED in out[1][2][0]["text"]
+    assert out[1][2][1]["text"] == "q?" and pr.TRUNCATED in out[1][2][0]["text"]
     four = {"id": "c", "messages": msgs[:4]}
-    ((a, b, part),) = data.filled_windows(four, data.char_cost, 900, 2, 4)
-    assert (a, b) == (0, 3) and sum(data.char_cost(m) for m in part) <= 900
-    assert data.filled_windows(case, data.char_cost, 120, 2, 4) == data.window_cases(
-        case, data.char_cost, 120, 2, 4
+    ((a, b, part),) = win.filled_windows(four, win.char_cost, 900, 2, 4)
+    assert (a, b) == (0, 3) and sum(win.char_cost(m) for m in part) <= 900
+    assert win.filled_windows(case, win.char_cost, 120, 2, 4) == win.window_cases(
+        case, win.char_cost, 120, 2, 4
     )
 
 
 def test_a_40k_token_conversation_is_read_in_windows_and_merged_back(tiny_dir):
-    """plan_windows keeps every prompt within the budget; answers that are each window's gold
-    merge back into exactly the whole conversation's gold; a window whose answer cannot be read
-    leaves its share to the chunks around it, one with a label but no anchor owns a chunk under
-    that label, one whose end anchor alone is lost still counts."""
+    """plan_windows keeps every prompt within the budget: windows of `window_messages` messages,
+    filled (the longest cut to fit), or without a message cap as long as the budget allows;
+    answers that are each window's gold merge back into exactly the whole conversation's gold;
+    a window whose answer cannot be read decides nothing: the chunk before runs on over what it
+    owns."""
     from mlx_lm.utils import load
 
     _, tokenizer = load(str(tiny_dir("gemma3")))
     case = _long_case()
-    uuids = [m["uuid"] for m in data.shown(case["messages"])]
-    total = len(tokenizer.apply_chat_template([{"role": "user", "content": data.prompt(case)}]))
+    uuids = [m["uuid"] for m in pr.shown(case["messages"])]
+    total = len(tokenizer.apply_chat_template([{"role": "user", "content": pr.prompt(case)}]))
     assert total >= 40_000
     budget = 4096
-    windows = ev.plan_windows([case], tokenizer, budget, overlap=2)
-    assert len(windows) >= total // budget
+    long = win.plan_windows([case], tokenizer, budget, 2, None)
+    assert len(long) >= total // budget and all(len(w.prompt) <= budget for w in long)
+    assert long[0].first == 0 and long[-1].last == len(uuids) - 1
+    windows = win.plan_windows([case], tokenizer, budget, 2, 4)
+    assert len(windows) > len(long) and all(len(w.uuids) == 4 for w in windows[:-1])
     assert all(len(w.prompt) <= budget for w in windows)
     assert windows[0].first == 0 and windows[-1].last == len(uuids) - 1
+    assert all(b.first == a.last - 1 for a, b in zip(windows, windows[1:], strict=False))
     senders = {m["uuid"]: m["sender"] for m in case["messages"]}
     assert all(w.users == [u for u in w.uuids if senders[u] == "user"] for w in windows)
-    # the answer's room caps the messages a window holds (a short conversation too)
-    assert ev.turns_window_messages(512) == 17 and ev.turns_window_messages(1) == 8
-    assert ev.turns_window_messages(10**6) == ev.TURNS_WINDOW_MESSAGES
-    capped = ev.plan_windows([case], tokenizer, budget, overlap=2, max_messages=8)
-    assert len(capped) > len(windows) and all(len(w.uuids) <= 8 for w in capped)
-    assert capped[-1].last == len(uuids) - 1
     short = {**case, "messages": case["messages"][:12]}
-    assert [len(w.uuids) for w in ev.plan_windows([short], tokenizer, budget, 2, 8)] == [8, 6]
+    assert [len(w.uuids) for w in win.plan_windows([short], tokenizer, budget, 2, 8)] == [8, 6]
     perfect = [
-        json.dumps({"chunks": data.clip(case["chunks"], uuids, w.first, w.last)}) for w in windows
+        json.dumps({"chunks": win.clip(case["chunks"], uuids, w.first, w.last)}) for w in windows
     ]
-    starts, labels, failed = ev.merge_windows(windows, perfect, len(uuids), case["uuid"])
+    starts, labels, failed = win.merge_local(windows, perfect, len(uuids), case["uuid"])
     index = {u: i for i, u in enumerate(uuids)}
-    assert failed == 0
-    assert starts == [index[c["start_message_uuid"]] for c in case["chunks"]]
-    assert [labels[s] for s in starts] == [c["label"] for c in case["chunks"]]
     gold_starts = [index[c["start_message_uuid"]] for c in case["chunks"]]
-    gold_label = {index[c["start_message_uuid"]]: c["label"] for c in case["chunks"]}
-    own = (windows[2].last + windows[3].first + 2) // 2  # where window 3 takes over
-    after = (windows[3].last + windows[4].first + 2) // 2  # and window 4
-
-    def label_at(m: int, chunks: dict) -> str:
-        return chunks[max(x for x in chunks if x <= m)]
-
-    # window 3 answers nothing readable: the chunk window 4 has where it takes over reaches back
-    # over window 3's share (unless it just continues the chunk before); the rest is untouched
-    broken = [*perfect[:3], "I cannot do that", *perfect[4:]]
-    starts, labels, failed = ev.merge_windows(windows, broken, len(uuids), case["uuid"])
-    assert failed == 1 and sorted(set(starts)) == starts
-    assert [s for s in starts if not own <= s <= after] == [
-        s for s in gold_starts if not own <= s <= after
-    ]
-    reached = label_at(after, gold_label)
-    new = reached != label_at(own - 1, gold_label)
-    assert [s for s in starts if own <= s <= after] == ([own] if new else [])
-    assert label_at(after, labels) == reached and None not in labels.values()
-    # two such windows in a row, and one at the end: the chunk before runs on to the last message
-    twice = [*perfect[:3], "no", "no", *perfect[5:]]
-    starts, labels, failed = ev.merge_windows(windows, twice, len(uuids), case["uuid"])
-    assert failed == 2 and None not in labels.values()
-    cut = (windows[-2].last + windows[-1].first + 2) // 2
-    starts, labels, failed = ev.merge_windows(windows, [*perfect[:-1], "no"], len(uuids), None)
-    assert failed == 1 and starts == [s for s in gold_starts if s < cut]
-    # an answer whose chunk has a label but no anchor that resolves owns one chunk under it
-    lost = json.dumps({"chunks": [{"label": "Socket timeouts", "start_message_uuid": "x" * 36}]})
-    starts, labels, failed = ev.merge_windows(
-        windows, [*perfect[:3], lost, *perfect[4:]], len(uuids), case["uuid"]
-    )
-    assert failed == 1 and labels[own] == "Socket timeouts"
-    assert [s for s in starts if own < s < after] == [] and after in starts
-    # an end anchor past saving does not lose the chunk's start and label
-    chunks = json.loads(perfect[3])["chunks"]
-    chunks[-1]["end_message_uuid"] = "not-a-uuid"
-    assert (
-        own <= windows[3].first + windows[3].uuids.index(chunks[-1]["start_message_uuid"]) < after
-    )
-    starts, labels, failed = ev.merge_windows(
-        windows, [*perfect[:3], json.dumps({"chunks": chunks}), *perfect[4:]], len(uuids),
-        case["uuid"],
-    )  # fmt: skip
     assert failed == 0 and starts == gold_starts
-    assert ev.merge_windows(windows, ["no"] * len(windows), len(uuids), None)[:2] == (
+    assert [labels[s] for s in starts] == [c["label"] for c in case["chunks"]]
+    # a window that answers nothing readable decides nothing; its neighbours' decisions stand
+    k = next(k for k, w in enumerate(windows) if any(w.first < s <= w.last for s in gold_starts))
+    cuts = win.window_cuts(windows, len(uuids))
+    broken = [*perfect[:k], "I cannot do that", *perfect[k + 1 :]]
+    starts, labels, failed = win.merge_local(windows, broken, len(uuids), case["uuid"])
+    assert failed == 1
+    assert starts == [s for s in gold_starts if not cuts[k] <= s < cuts[k + 1] or s == 0]
+    assert win.merge_local(windows, ["no"] * len(windows), len(uuids), None)[:2] == (
         [0],
         {0: None},
     )
 
 
 def _window(first: int, last: int, uuids: list[str]):
-    return ev.Window(0, first, last, uuids[first : last + 1], [])
-
-
-def test_merging_windows_without_overlap():
-    """Windows 0-3 and 4-7 share nothing: a chunk that starts with the second window is a new
-    one only under another label."""
-    uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(8)]
-    ws = [_window(0, 3, uuids), _window(4, 7, uuids)]
-
-    def answer(*chunks):
-        return json.dumps(
-            {"chunks": [{"start_message_uuid": uuids[a], "end_message_uuid": uuids[b], "label": x}
-                        for a, b, x in chunks]}
-        )  # fmt: skip
-
-    same = [answer((0, 3, "Sorting in NumPy")), answer((4, 7, "sorting in numpy"))]
-    starts, labels, _ = ev.merge_windows(ws, same, 8, None)
-    assert starts == [0] and labels[0] == "Sorting in NumPy"
-    other = [answer((0, 3, "Sorting in NumPy")), answer((4, 5, "JSON parsing"), (6, 7, "Regex"))]
-    starts, labels, _ = ev.merge_windows(ws, other, 8, None)
-    assert starts == [0, 4, 6] and labels[4] == "JSON parsing"
+    return win.Window(0, first, last, uuids[first : last + 1], [])
 
 
 def test_merge_local_reads_each_window_s_own_decision():
     """Windows of two exchanges sharing one (0-3, 2-5, 4-7, 6-9; they own 0-2, 3-4, 5-6, 7-9): an
     answer that ends its chunk at the window's second message, inside what the window owns,
     starts a chunk at its third, named by the next window; an explicit chunk start inside what a
-    window owns is one; a failed window decides nothing. Only with `local`."""
+    window owns is one; a failed window decides nothing."""
     uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(10)]
     ws = [_window(a, a + 3, uuids) for a in (0, 2, 4, 6)]
 
@@ -571,67 +480,65 @@ def test_merge_local_reads_each_window_s_own_decision():
         answer((4, 7, "Regular expressions")),
         answer((6, 9, "Regular expressions")),
     ]
-    assert ev.window_chunks(texts[1], uuids[2:6], None)[2] == 2
-    assert ev.window_chunks(texts[0], uuids[0:4], None)[2] is None
-    starts, labels, failed = ev.merge_windows(ws, texts, 10, None, local=True)
+    assert win.window_chunks(texts[1], uuids[2:6], None)[2] == 2
+    assert win.window_chunks(texts[0], uuids[0:4], None)[2] is None
+    starts, labels, failed = win.merge_local(ws, texts, 10, None)
     assert (starts, labels, failed) == ([0, 4], {0: "Sorting", 4: "Regular expressions"}, 0)
-    assert ev.merge_windows(ws, texts, 10, None)[0] == [0]  # not local: the gap is repaired away
     # the window that stopped decides, not the labels: the next one's label only names the chunk
     same = [*texts[:2], answer((4, 7, "sorting")), answer((6, 9, "Sorting"))]
-    starts, labels, _ = ev.merge_windows(ws, same, 10, None, local=True)
+    starts, labels, _ = win.merge_local(ws, same, 10, None)
     assert (starts, labels[4]) == ([0, 4], "sorting")
     # a failed window leaves the name to the next one; the last window's gap (message 9) has no
     # window after it to name it and is dropped
     late = [*texts[:2], "no answer", answer((6, 8, "Regular expressions"))]
-    starts, labels, failed = ev.merge_windows(ws, late, 10, None, local=True)
+    starts, labels, failed = win.merge_local(ws, late, 10, None)
     assert (starts, labels[4], failed) == ([0, 4], "Regular expressions", 1)
-    # a failed window starts nothing (merged as long windows, its stretch opens a chunk under the
-    # next window's other label)
+    # a failed window starts nothing
     broken = [answer((0, 3, "Sorting")), answer((2, 5, "Sorting")), "{", answer((6, 9, "Tuples"))]
-    assert ev.merge_windows(ws, broken, 10, None, local=True)[:3:2] == ([0], 1)
-    assert ev.merge_windows(ws, broken, 10, None)[0] == [0, 5]
+    assert win.merge_local(ws, broken, 10, None)[:3:2] == ([0], 1)
     # a window that knows its users starts a chunk at a user message only (even ones: users),
     # by a short answer or by a chunk of its own
-    users = [ev.Window(0, w.first, w.last, w.uuids, [], w.uuids[::2]) for w in ws]
-    assert ev.merge_windows(users, texts, 10, None, local=True)[0] == [0, 4]
+    users = [win.Window(0, w.first, w.last, w.uuids, [], w.uuids[::2]) for w in ws]
+    assert win.merge_local(users, texts, 10, None)[0] == [0, 4]
     early = [answer((0, 0, "Sorting")), answer((2, 3, "Tuples")), *texts[2:]]  # stops at msg 0
-    assert ev.merge_windows(users, early, 10, None, local=True)[0] == [0, 4]
-    starts, labels, _ = ev.merge_windows(ws, early, 10, None, local=True)
+    assert win.merge_local(users, early, 10, None)[0] == [0, 4]
+    starts, labels, _ = win.merge_local(ws, early, 10, None)
     assert (starts, labels[1]) == ([0, 1, 4], "Tuples")
     odd = [answer((0, 0, "Sorting"), (1, 3, "Tuples")), *texts[1:]]  # a chunk at message 1
-    assert ev.merge_windows(users, odd, 10, None, local=True)[0] == [0, 4]
-    assert ev.merge_windows(ws, odd, 10, None, local=True)[0] == [0, 1, 4]
+    assert win.merge_local(users, odd, 10, None)[0] == [0, 4]
+    assert win.merge_local(ws, odd, 10, None)[0] == [0, 1, 4]
     # an explicit start inside what the window owns; one with no string label named after it
     second = [*texts[:2], answer((4, 5, "Regex"), (6, 7, None)), answer((6, 9, "JSON"))]
-    starts, labels, _ = ev.merge_windows(ws, second, 10, None, local=True)
+    starts, labels, _ = win.merge_local(ws, second, 10, None)
     assert (starts, labels[6]) == ([0, 4, 6], "JSON")
     # a start at the window's first message is not a decision (every answer starts there), nor
     # is one outside what the window owns (message 2 belongs to window 0)
     outside = [texts[0], answer((2, 2, "Tuples"), (3, 5, "Tuples")), *texts[2:]]
-    assert ev.merge_windows(ws, outside, 10, None, local=True)[0] == [0, 3]
+    assert win.merge_local(ws, outside, 10, None)[0] == [0, 3]
     # a mangled end anchor is not a topic's end
     mangled = json.dumps(
         {"chunks": [{"label": "Sorting", "start_message_uuid": uuids[2], "end_message_uuid": "zz"}]}
     )
-    assert ev.window_chunks(mangled, uuids[2:6], None)[2] is None
-    assert ev.merge_windows(ws, [texts[0], mangled, *texts[2:]], 10, None, local=True)[0] == [0]
+    assert win.window_chunks(mangled, uuids[2:6], None)[2] is None
+    assert win.merge_local(ws, [texts[0], mangled, *texts[2:]], 10, None)[0] == [0]
     # a window whose only resolving anchor is an end has failed: its gap decides nothing either
     endonly = json.dumps(
         {"chunks": [{"label": "Sorting", "start_message_uuid": "zz", "end_message_uuid": uuids[3]}]}
     )
-    assert ev.merge_windows(ws, [texts[0], endonly, *texts[2:]], 10, None, local=True)[::2] == (
+    assert win.merge_local(ws, [texts[0], endonly, *texts[2:]], 10, None)[::2] == (
         [0],
         1,
     )
     # an explicit start that nothing after it names is dropped, not left unnamed
     last = answer((6, 7, "Regular expressions"), (8, 9, None))
-    assert ev.merge_windows(ws, [*texts[:3], last], 10, None, local=True)[0] == [0, 4]
+    assert win.merge_local(ws, [*texts[:3], last], 10, None)[0] == [0, 4]
 
 
 def test_a_window_the_grammar_overruled_decides_nothing_in_the_merge():
     """score_windows with `refused` (per window, the steps where the grammar refused the model's
     top token): such a window is merged as one whose answer could not be read, its answer kept
-    in the row with the steps (`window_refused`); with `read_overruled` it is read as written."""
+    in the row with the steps (`window_refused`); without `refused` (the plain decode) it is read
+    as written."""
     uuids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(10)]
     case = {
         "id": "c",
@@ -654,22 +561,24 @@ def test_a_window_the_grammar_overruled_decides_nothing_in_the_merge():
     # window 1 stops at its second message: read, a topic starts at message 4 (a false split)
     texts = [answer(0, 3), answer(2, 3), answer(4, 7), answer(6, 9)]
     refused = [[], [17], [], []]
-    read = ev.score_windows([case], ws, texts, local=True, refused=refused, read_overruled=True)[0]
+    read = ev.score_windows([case], ws, texts)[0]
     assert len(json.loads(read["output"])["chunks"]) == 2 and read["boundary_f1"] < 1
-    assert read["window_refused"] == refused and read["window_unread"] == 0
-    held = ev.score_windows([case], ws, texts, local=True, refused=refused)[0]
+    assert "window_refused" not in read and "window_unread" not in read
+    held = ev.score_windows([case], ws, texts, refused=refused)[0]
     assert len(json.loads(held["output"])["chunks"]) == 1 and held["boundary_f1"] == 1.0
     assert held["window_outputs"] == texts and held["window_failures"] == 1
     assert held["window_unread"] == 1 and held["window_refused"] == refused
-    summary = ev.summarize([held])
+    summary = metrics.summarize([held])
     counts = (summary["overruled_windows"], summary["unread_windows"], summary["windows"])
     assert counts == (1, 1, 4)
-    assert "overruled the model in 1 of 4 windows, 1 merged as unread" in ev.overruled_note(summary)
+    assert "overruled the model in 1 of 4 windows, 1 merged as unread" in report.overruled_note(
+        summary
+    )
     # the windows the grammar did not overrule have nothing to read: all are read as written
-    lost = ev.score_windows([case], ws, ["no", *texts[1:]], local=True, refused=[[], [1], [2], [3]])
+    lost = ev.score_windows([case], ws, ["no", *texts[1:]], refused=[[], [1], [2], [3]])
     assert lost[0]["window_unread"] == 0 and lost[0]["output"] == read["output"]
     # the shift-boundaries pass (fixed chunk starts) is never merged as unread
-    fixed = ev.score_windows([case], ws, texts, None, [[0]], True, refused)[0]
+    fixed = ev.score_windows([case], ws, texts, None, [[0]], refused)[0]
     assert fixed["window_unread"] == 0
     # one window: its answer is the case's, overruled or not
     one = ev.score_windows([case], [_window(0, 9, uuids)], [answer(0, 9)], refused=[[3]])[0]
@@ -688,7 +597,7 @@ def test_a_watching_constraint_records_where_the_grammar_overruled_the_model(gem
     width = len(tok._tokenizer)
     answer = '{"chunks": []}'
     ids = tok.encode(answer, add_special_tokens=False)
-    g = G.lark(ev.answer_grammar([]), "empty answer")
+    g = G.lark(ag.answer_grammar([]), "empty answer")
     stray = tok.encode(" zebra", add_special_tokens=False)[0]
     for watch in (True, False):
         c = G.constrain(g, tok, width, watch=watch)
@@ -708,8 +617,8 @@ def test_a_watching_constraint_records_where_the_grammar_overruled_the_model(gem
 def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
     """End to end on the tiny model: a conversation over the budget is decoded window by window
     under the answer schema, and the merged answer is one contiguous cover of it. The random
-    model's answers are the grammar's (it overrules the model in every window): read as written
-    with read_overruled, and by default merged as unread, re-scored from the row alone."""
+    model's answers are the grammar's (it overrules the model in every window), so with no
+    window of its own to read they are merged as written; re-scored from the row alone."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(tiny_dir("gemma3")))
@@ -722,17 +631,16 @@ def test_evaluate_reads_a_long_conversation_in_windows(tiny_dir):
         batch_size=4,
         constrained=True,
         budget=1024,
-        read_overruled=True,
     )
     row = rows[0]
     assert row["windows"] > 2 and len(row["window_outputs"]) == row["windows"]
     assert row["window_failures"] == 0  # every window's answer has a chunk start that resolves
-    v = ev.validate(json.loads(row["output"])["chunks"], [m["uuid"] for m in case["messages"]])
+    v = scoring.validate(json.loads(row["output"])["chunks"], [m["uuid"] for m in case["messages"]])
     assert v.spans is not None and v.repairs == 0  # contiguous, from first to last message
     assert row["anchors"] == 1.0 and row["schema"] == 1.0
     refused = row["window_refused"]
     assert len(refused) == row["windows"] and all(refused) and row["window_unread"] == 0
-    windows = ev.plan_windows([case], tokenizer, 1024, 2, ev.WINDOW_MESSAGES)
+    windows = win.plan_windows([case], tokenizer, 1024, 2, 4)
     again = ev.score_windows([case], windows, row["window_outputs"], refused=refused)[0]
     assert again["output"] == row["output"]
     # every window overruled: none is the model's alone, so they are merged as written
@@ -763,13 +671,13 @@ def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
     ]
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(mine))
-    cases = ev.read_split(path, EvalSettings())
+    cases = dataset.read_split(path, EvalSettings())
     model, tokenizer = load(str(tiny_dir("gemma3")))
     row = ev.evaluate(model, tokenizer, cases, max_tokens=4, batch_size=1)[0]
     assert row["boundary_f1"] is None and row["exact_match"] is None and row["label_f1"] is None
-    summary = ev.summarize([row])
+    summary = metrics.summarize([row])
     assert "ref" in summary and "boundary_f1" not in summary
-    assert "| x | 1 |" in ev.table({"x": summary}) and "| - |" in ev.table({"x": summary})
+    assert "| x | 1 |" in metrics.table({"x": summary}) and "| - |" in metrics.table({"x": summary})
     for bad, message in [
         ("[]", "non-empty JSON list"),
         ('[{"messages": [{"text": "hi"}]}]', "message 0 has no uuid"),
@@ -782,7 +690,7 @@ def test_user_cases_without_gold_score_ref_and_strict_only(tiny_dir, tmp_path):
     ]:
         path.write_text(bad)
         with pytest.raises(UserError, match=message):
-            ev.read_split(path, EvalSettings())
+            dataset.read_split(path, EvalSettings())
 
 
 def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
@@ -799,7 +707,7 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
     (run / "checkpoints" / "step_0000002").mkdir(parents=True)
     assert task_run(run / "checkpoints" / "step_0000002") == run  # a checkpoint's run too
     # unset: the longest training prompt of the run's own dataset
-    data.write_dataset(run / "data", ChunkDataConfig(train=4, valid=1, test=1))
+    dataset.write_dataset(run / "data", ChunkDataConfig(train=4, valid=1, test=1))
     (run / "config.yaml").write_text("task:\n  name: chunk\n")
     longest = max(
         len(
@@ -809,17 +717,21 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
         )
         for x in (run / "data" / "train.jsonl").read_text().splitlines()
     )
-    assert trained_window(run, tokenizer) == longest == ev.training_window(run / "data", tokenizer)
-    elsewhere = data.write_dataset(tmp_path / "mine", ChunkDataConfig(train=3, valid=1, test=1))
+    assert (
+        trained_window(run, tokenizer)
+        == longest
+        == dataset.training_window(run / "data", tokenizer)
+    )
+    elsewhere = dataset.write_dataset(tmp_path / "mine", ChunkDataConfig(train=3, valid=1, test=1))
     (run / "config.yaml").write_text(f"task:\n  name: chunk\ndata:\n  train: {elsewhere}\n")
     from mlxlab.tasks.chunk.cli import run_data
 
     assert run_data(run) == elsewhere  # the run's own data.train wins over <run>/data
-    assert ev.built_window_messages(elsewhere) == 0
-    local = data.write_dataset(
+    assert dataset.built_window_messages(elsewhere) == 4  # the default
+    local = dataset.write_dataset(
         tmp_path / "local", ChunkDataConfig(train=3, valid=1, test=1, window_messages=6)
     )
-    assert ev.built_window_messages(local) == 6  # what eval chunk reads such an adapter in
+    assert dataset.built_window_messages(local) == 6  # what eval chunk reads such an adapter in
     (run / "config.yaml").write_text("model: x\n")  # a plain training run
     assert task_run(run / "adapter") is None
 
@@ -860,20 +772,20 @@ def test_claude_exports_are_read_as_cases(tmp_path):
     ]
     path = tmp_path / "conversations.json"
     path.write_text(json.dumps(export))
-    (case,) = ev.read_split(path, EvalSettings())
-    assert case["id"] == "conv-1" and "(uuid: conv-1)" in data.prompt(case)
-    assert "[human] (uuid: " in data.prompt(case)
+    (case,) = dataset.read_split(path, EvalSettings())
+    assert case["id"] == "conv-1" and "(uuid: conv-1)" in pr.prompt(case)
+    assert "[human] (uuid: " in pr.prompt(case)
 
 
 def test_label_relevance_and_memorized_labels():
-    assert ev.token_f1(
+    assert scoring.token_f1(
         "NumPy argsort: sorting indices", "NumPy argsort: indices that sort"
     ) == pytest.approx(2 * (3 / 4) * (3 / 5) / (3 / 4 + 3 / 5))
-    assert ev.token_f1("", "x y") == 0.0
+    assert scoring.token_f1("", "x y") == 0.0
     answer = json.dumps({"chunks": GOLD})
-    assert ev.score_case(answer, U, GOLD).label_f1 == 1.0
+    assert scoring.score_case(answer, U, GOLD).label_f1 == 1.0
     swapped = [{**GOLD[0], "label": "Python chat"}, GOLD[1]]
-    assert ev.score_case(json.dumps({"chunks": swapped}), U, GOLD).label_f1 == 0.5
+    assert scoring.score_case(json.dumps({"chunks": swapped}), U, GOLD).label_f1 == 0.5
 
 
 def test_label_similarity_by_meaning(tiny_dir):
@@ -885,16 +797,16 @@ def test_label_similarity_by_meaning(tiny_dir):
     from mlxlab.embed.model import Embedder
 
     tiny_dir("bert")
-    same = ev.score_case(json.dumps({"chunks": GOLD}), U, GOLD).to_dict()
+    same = scoring.score_case(json.dumps({"chunks": GOLD}), U, GOLD).to_dict()
     assert same["label_pairs"] == [[g["label"]] * 2 for g in GOLD]
     other = [{**GOLD[0], "label": "Python chat"}, GOLD[1]]
-    moved = ev.score_case(json.dumps({"chunks": other}), U, GOLD).to_dict()
+    moved = scoring.score_case(json.dumps({"chunks": other}), U, GOLD).to_dict()
     one = [GOLD[1]]  # covers the second gold chunk only
-    partial = ev.score_case(json.dumps({"chunks": one}), U, GOLD).to_dict()
+    partial = scoring.score_case(json.dumps({"chunks": one}), U, GOLD).to_dict()
     assert partial["label_pairs"][0] == [None, GOLD[0]["label"]]
-    no_gold = ev.score_case(json.dumps({"chunks": GOLD}), U, None).to_dict()
+    no_gold = scoring.score_case(json.dumps({"chunks": GOLD}), U, None).to_dict()
     rows = [same, moved, partial, no_gold]
-    ev.label_similarity(rows, "tiny-bert")
+    metrics.label_similarity(rows, "tiny-bert")
     e = Embedder("tiny-bert")
     v = e.embed(e.tokenize(["Python chat", GOLD[0]["label"]])).astype(np.float64)
     cos = float(v[0] @ v[1] / np.linalg.norm(v[0]) / np.linalg.norm(v[1]))
@@ -902,8 +814,8 @@ def test_label_similarity_by_meaning(tiny_dir):
     assert moved["label_sim"] == pytest.approx((cos + 1) / 2) and cos < 0.999
     assert partial["label_sim"] == pytest.approx(0.5)
     assert "label_sim" not in no_gold
-    assert ev.summarize(rows)["label_sim"] == pytest.approx((1 + (cos + 1) / 2 + 0.5) / 3)
-    assert "| label similarity |" in ev.table({"m": ev.summarize(rows)})
+    assert metrics.summarize(rows)["label_sim"] == pytest.approx((1 + (cos + 1) / 2 + 0.5) / 3)
+    assert "| label similarity |" in metrics.table({"m": metrics.summarize(rows)})
 
 
 @pytest.mark.slow  # CLI subprocesses
@@ -1024,12 +936,12 @@ def gemma_tokenizer(tiny_dir):
 
 
 def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
-    """The constrained decode's grammar: the gold answer (and any cover in order) is allowed;
-    a gap, an overlap, a short or generic-length label, a foreign uuid, a cover that stops
-    before the last message or another layout are not."""
+    """The constrained decode's grammar: the gold answer, any cover in order, and any such
+    answer closed early are allowed; a gap, an overlap, a short or generic-length label, a
+    foreign uuid or another layout are not."""
     from mlxlab import grammar as G
 
-    grammar = G.lark(ev.answer_grammar(U), "answer")
+    grammar = G.lark(ag.answer_grammar(U), "answer")
     ok = [
         GOLD,
         [{"label": "One topic throughout", "start_message_uuid": U[0], "end_message_uuid": U[3]}],
@@ -1042,10 +954,10 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
         [{**GOLD[0], "label": 'Mapping Types \u2014 "dict"'}, GOLD[1]],
     ]
     for chunks in ok:
-        assert _allows(grammar, gemma_tokenizer, data.answer(chunks)), chunks
+        assert _allows(grammar, gemma_tokenizer, pr.answer(chunks)), chunks
     a, b = GOLD
+    assert _allows(grammar, gemma_tokenizer, pr.answer([a]))  # closes early: a trailing gap
     bad = [
-        [a],  # stops before the last message
         [a, {**b, "start_message_uuid": U[3]}],  # a gap
         [a, {**b, "start_message_uuid": U[1]}],  # an overlap
         [{**a, "start_message_uuid": U[1]}, b],  # not from the first message
@@ -1055,237 +967,19 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
         [{**a, "label": "The  assert"}, b],  # two spaces
     ]
     for chunks in bad:
-        assert not _allows(grammar, gemma_tokenizer, data.answer(chunks)), chunks
+        assert not _allows(grammar, gemma_tokenizer, pr.answer(chunks)), chunks
     assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}))  # keys reordered
     assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}, indent=1))
-    # without `cover` the answer may also close early; order and contiguity still hold
-    early = G.lark(ev.answer_grammar(U, cover=False), "answer, may close early")
-    assert _allows(early, gemma_tokenizer, data.answer([a]))
-    assert all(_allows(early, gemma_tokenizer, data.answer(chunks)) for chunks in ok)
-    for chunks in bad[1:]:
-        assert not _allows(early, gemma_tokenizer, data.answer(chunks)), chunks
     odd = ['say "hi"', "back\\slash", "caf\u00e9 \u65e5\u672c"]  # uuids from anyone's JSON
     chunks = [{"label": "Odd uuids here", "start_message_uuid": odd[0], "end_message_uuid": odd[2]}]
-    assert _allows(
-        G.lark(ev.answer_grammar(odd), "odd uuids"), gemma_tokenizer, data.answer(chunks)
-    )
-    many = [f"m{i:04d}" for i in range(ev.WINDOW_MESSAGES)]  # the largest window's grammar
+    assert _allows(G.lark(ag.answer_grammar(odd), "odd uuids"), gemma_tokenizer, pr.answer(chunks))
+    many = [f"m{i:04d}" for i in range(win.WINDOW_MESSAGES)]  # the largest window's grammar
     whole = [{"label": "All of it", "start_message_uuid": many[0], "end_message_uuid": many[-1]}]
-    for cover in (True, False):
-        big = G.lark(ev.answer_grammar(many, cover), "the most messages a window holds")
-        assert _allows(big, gemma_tokenizer, data.answer(whole))
-    most = many[: ev.TURNS_WINDOW_MESSAGES]  # a turns window of user messages only
-    every = [{"label": "All of it", "start_message_uuid": most[0], "end_message_uuid": most[-1]}]
-    big = G.lark(ev.answer_grammar(most, True, most), "the most turns a window holds")
-    assert _allows(big, gemma_tokenizer, data.answer(every, [[u[:8], "x"] for u in most]))
-    empty = G.lark(ev.answer_grammar([]), "no messages")
+    big = G.lark(ag.answer_grammar(many), "the most messages a window holds")
+    assert _allows(big, gemma_tokenizer, pr.answer(whole))
+    empty = G.lark(ag.answer_grammar([]), "no messages")
     assert _allows(empty, gemma_tokenizer, '{"chunks": []}')
     assert ev.constrained_path(Path("x/eval_base.jsonl")).name == "eval_base.constrained.jsonl"
-
-
-def test_turn_topics_answer_and_grammar(gemma_tokenizer, tmp_path):
-    """turn_topics: the answer opens with each user message's uuid prefix and its chunk's topic
-    (in order, through a window's clipped gold too); the grammar allows that opening only with
-    the window's user uuids, in order, each exactly once, and still the plain answer."""
-    from mlxlab import grammar as G
-
-    msgs = [
-        {"uuid": u, "sender": s, "text": "x"}
-        for u, s in zip(U, ["user", "assistant"] * 2, strict=True)
-    ]
-    gold = [{**GOLD[0], "topic": "assert"}, {**GOLD[1], "topic": "augmented assignment"}]
-    turns = data.turns(msgs, gold)
-    assert turns == [["aaaaaaaa", "assert"], ["cccccccc", "augmented assignment"]]
-    text = data.answer(gold, turns)
-    assert json.loads(text) == {"turns": turns, "chunks": json.loads(data.answer(gold))["chunks"]}
-    assert ev.score_ref(text, U).ref == ev.score_ref(data.answer(gold), U).ref == 100
-    # no `topic` (a user's gold): the label names it; a window's clipped gold keeps the topic
-    assert data.turns(msgs, GOLD)[1] == ["cccccccc", GOLD[1]["label"]]
-    clipped = data.clip(gold, U, 1, 3)
-    assert data.turns(msgs[1:], clipped) == [["cccccccc", "augmented assignment"]]
-    users = [U[0], U[2]]
-    grammar = G.lark(ev.answer_grammar(U, True, users), "answer with turns")
-    assert _allows(grammar, gemma_tokenizer, text)
-    assert _allows(grammar, gemma_tokenizer, data.answer(gold))
-    for wrong in (turns[:1], turns[::-1], [turns[0], turns[0], turns[1]], [[U[1][:8], "x"]]):
-        assert not _allows(grammar, gemma_tokenizer, data.answer(gold, wrong)), wrong
-    assert not _allows(grammar, gemma_tokenizer, data.answer(gold, [turns[0], [U[2][:8], ""]]))
-    plain = G.lark(ev.answer_grammar(U), "answer")
-    assert not _allows(plain, gemma_tokenizer, text)
-    none = G.lark(ev.answer_grammar(U, True, []), "no user turns")
-    assert _allows(none, gemma_tokenizer, data.answer(gold, []))
-    # topics as json.dumps writes them (quotes, backslashes, non-ASCII), up to 120 characters
-    for topic in ['say "hi"', "back\\slash", "caf\u00e9 \u2014 \u65e5\u672c", "t" * 120]:
-        odd = [turns[0], [turns[1][0], topic]]
-        assert _allows(grammar, gemma_tokenizer, data.answer(gold, odd)), topic
-    assert not _allows(
-        grammar, gemma_tokenizer, data.answer(gold, [turns[0], [U[2][:8], "t" * 121]])
-    )
-    # any sender but the assistant asks (an export's `human`); a message outside the gold fails
-    human = [{**m, "sender": "human"} if m["sender"] == "user" else m for m in msgs]
-    assert data.turns(human, gold) == turns and ev.users(human) == users
-    with pytest.raises(UserError, match="in no gold chunk"):
-        data.turns(msgs, gold[:1])
-    # loss weights still find the chunks' decision characters behind the turns
-    rec = data.chat(
-        {"messages": msgs, "chunks": gold, "uuid": "c"},
-        None,
-        None,
-        5.0,
-        ChunkDataConfig(turn_topics=True),
-    )
-    text = rec["messages"][1]["content"]
-    assert text.startswith('{"turns"')
-    spans = [text[a:b] for a, b, _ in rec["loss_weights"]]
-    assert spans == ["aaaa", "bbbb", ",", "cccc", "dddd", "]"]
-    # the dataset writes them on every split when asked, and only then
-    cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, turn_topics=True)
-    case = data.build(cfg)["test"][0]
-    ex = data.training_examples(case, cfg)[0]
-    answer = json.loads(ex["messages"][1]["content"])
-    asked = [m["uuid"][:8] for m in case["messages"] if m["sender"] == "user"]
-    shown_in_prompt = [u for u in asked if u in ex["messages"][0]["content"]]
-    assert [t[0] for t in answer["turns"]] == shown_in_prompt and shown_in_prompt
-    built = data.write_dataset(tmp_path / "d", cfg)
-    assert ev.built_with(built, "turn_topics") and not ev.built_with(built, "starts")
-    assert not ev.built_with(tmp_path, "turn_topics")
-    assert not ev.built_with(tmp_path / "missing", "turn_topics")
-    assert (
-        "turns" not in data.training_examples(case, ChunkDataConfig())[0]["messages"][1]["content"]
-    )
-
-
-def test_starts_answer_and_grammar(gemma_tokenizer, tmp_path):
-    """starts: the answer opens with each chunk's first message's uuid prefix; every answer
-    grammar allows that opening with the window's prefixes in order, beginning at its first
-    message, each once; its loss weights cover the starts items; the dataset writes it on every
-    split when asked, and never beside turn_topics."""
-    from mlxlab import grammar as G
-
-    text = data.answer(GOLD, starts=True)
-    assert json.loads(text) == {"starts": ["aaaaaaaa", "cccccccc"], **json.loads(data.answer(GOLD))}
-    assert ev.score_ref(text, U).ref == 100 and ev.score_case(text, U, GOLD).boundary_f1 == 1
-    assert not _allows(G.lark(ev.answer_grammar(U), "plain"), gemma_tokenizer, text)
-    for cover in (True, False):
-        grammar = G.lark(ev.answer_grammar(U, cover, starts=True), "answer")
-        assert _allows(grammar, gemma_tokenizer, text)
-        assert _allows(grammar, gemma_tokenizer, data.answer(GOLD))
-        one = [{**GOLD[0], "end_message_uuid": U[3]}]
-        assert _allows(grammar, gemma_tokenizer, data.answer(one, starts=True))
-        for wrong in (
-            ["bbbbbbbb", "cccccccc"],  # not from the first message
-            ["aaaaaaaa", "aaaaaaaa"],  # twice
-            ["aaaaaaaa", "dddddddd", "cccccccc"],  # out of order
-            ["aaaaaaaa", "eeeeeeee"],  # not a message of this window
-            [],
-        ):
-            bad = json.dumps({"starts": wrong, "chunks": json.loads(data.answer(GOLD))["chunks"]})
-            assert not _allows(grammar, gemma_tokenizer, bad), wrong
-    rec = data.chat(
-        {"messages": [], "chunks": GOLD, "uuid": "c"}, None, None, 5.0, ChunkDataConfig(starts=True)
-    )
-    text = rec["messages"][1]["content"]
-    spans = [text[a:b] for a, b, _ in rec["loss_weights"]]
-    assert spans == ["aaaa", ",", "cccc", "]", "aaaa", "bbbb", ",", "cccc", "dddd", "]"]
-    cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, starts=True)
-    for cases in data.build(cfg).values():
-        for ex in data.training_examples(cases[0], cfg):
-            answer = json.loads(ex["messages"][1]["content"])
-            assert answer["starts"] == [c["start_message_uuid"][:8] for c in answer["chunks"]]
-    with pytest.raises(UserError, match="pick one"):
-        ChunkDataConfig(starts=True, turn_topics=True)
-    built = data.write_dataset(tmp_path / "d", cfg)
-    assert ev.built_with(built, "starts")
-    # an evaluation's unset openings follow the data; a set one is left alone
-    from mlxlab.tasks.chunk.config import EvalSettings
-
-    assert ev.openings(EvalSettings(), built) == {"turns": False, "starts": True}
-    assert ev.openings(EvalSettings(starts=False), built) == {"turns": False}
-    assert ev.openings(EvalSettings(), None) == {"turns": False, "starts": False}
-    # each decision place is named for what it decides, in the answer's order
-    places = [(text[a:b], kind) for a, b, kind in data.boundary_places(text, GOLD)]
-    assert places == [
-        ("aaaa", "starts: the first item"),
-        (",", "starts: the list goes on"),
-        ("cccc", "starts: a later item"),
-        ("]", "starts: it ends"),
-        ("aaaa", "chunk start: the first"),
-        ("bbbb", "chunk end: another follows"),
-        (",", "chunks: the list goes on"),
-        ("cccc", "chunk start: a later one"),
-        ("dddd", "chunk end: the last"),
-        ("]", "chunks: it ends"),
-    ]
-    assert [kind for _, _, kind in data.boundary_places(data.answer(GOLD), GOLD)] == [
-        kind for _, kind in places[4:]
-    ]
-
-
-def test_turn_quotes_answer_and_grammar(gemma_tokenizer, tmp_path):
-    """turn_quotes: the answer opens with an entry per message in order, a user message's uuid
-    prefix, opening words and chunk number, any other's prefix and number; the turns grammar
-    allows that layout too (every message once, in order, a quote only for a user message), the
-    data writes it on every split when asked and an evaluation of such data reads turns."""
-    from mlxlab import grammar as G
-    from mlxlab.tasks.chunk.config import EvalSettings
-
-    texts = ["Is assert   stripped under -O?", "Yes.", "x " * 60, "Sure."]
-    msgs = [
-        {"uuid": u, "sender": s, "text": t}
-        for u, s, t in zip(U, ["user", "assistant"] * 2, texts, strict=True)
-    ]
-    turns = data.turns(msgs, GOLD, quotes=True)
-    long_quote = ("x " * 40).strip()  # cut at a word end, within QUOTE_CHARS
-    assert turns == [
-        ["aaaaaaaa", "Is assert stripped under -O?", 1],
-        ["bbbbbbbb", 1],
-        ["cccccccc", long_quote, 2],
-        ["dddddddd", 2],
-    ]
-    assert len(long_quote) <= data.QUOTE_CHARS and data.quote("a" * 200) == "a" * data.QUOTE_CHARS
-    text = data.gold_answer(msgs, GOLD, ChunkDataConfig(turn_quotes=True))
-    assert json.loads(text) == {"turns": turns, "chunks": json.loads(data.answer(GOLD))["chunks"]}
-    assert ev.score_case(text, U, GOLD).boundary_f1 == 1 and ev.score_ref(text, U).ref == 100
-    grammar = G.lark(ev.answer_grammar(U, True, [U[0], U[2]]), "answer with quotes")
-    assert _allows(grammar, gemma_tokenizer, text)
-    assert _allows(grammar, gemma_tokenizer, data.answer(GOLD, data.turns(msgs, GOLD)))
-    for wrong in (
-        turns[:3],  # a message left out
-        [turns[1], turns[0], *turns[2:]],  # out of order
-        [turns[0], ["bbbbbbbb", "Yes.", 1], *turns[2:]],  # a quote for the assistant
-        [["aaaaaaaa", 1], *turns[1:]],  # none for a user
-        [["aaaaaaaa", "q", 0], *turns[1:]],  # chunks count from 1
-        [["aaaaaaaa", "q" * (data.QUOTE_CHARS + 1), 1], *turns[1:]],
-    ):
-        assert not _allows(grammar, gemma_tokenizer, data.answer(GOLD, wrong)), wrong
-    # quotes as json.dumps writes them: escapes count one character, one past U+FFFF two (a
-    # surrogate pair), so a cut quote always fits the grammar's QUOTE
-    odd = 'say "hi" back\\slash caf\u00e9 ' + "\U0001f600" * 40
-    cut = data.quote(odd)
-    assert odd.startswith(cut) and len(cut.encode("utf-16-le")) // 2 <= data.QUOTE_CHARS
-    for text in (cut, data.quote("\U0001f600" * 41 + " x")):
-        entry = [["aaaaaaaa", text, 1], *turns[1:]]
-        assert _allows(grammar, gemma_tokenizer, data.answer(GOLD, entry)), text
-    with pytest.raises(UserError, match="pick one"):
-        ChunkDataConfig(turn_quotes=True, turn_topics=True)
-    with pytest.raises(UserError, match="boundary_weight"):
-        ChunkDataConfig(turn_quotes=True, boundary_weight=5.0)
-    cfg = ChunkDataConfig(train=2, valid=1, test=1, median_pairs=2, turn_quotes=True)
-    for cases in data.build(cfg).values():
-        ex = data.training_examples(cases[0], cfg)[0]
-        answer = json.loads(ex["messages"][1]["content"])
-        prompt = ex["messages"][0]["content"]
-        assert [t[0] for t in answer["turns"]] == [
-            m["uuid"][:8] for m in cases[0]["messages"] if m["uuid"][:8] in prompt
-        ]
-        for k, chunk in enumerate(answer["chunks"], 1):
-            mine = [t[0] for t in answer["turns"] if t[-1] == k]
-            assert (mine[0], mine[-1]) == (
-                chunk["start_message_uuid"][:8],
-                chunk["end_message_uuid"][:8],
-            )
-    built = data.write_dataset(tmp_path / "d", cfg)
-    assert ev.openings(EvalSettings(), built) == {"turns": True, "starts": False}
 
 
 class _Oracle:
@@ -1344,32 +1038,31 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
         test=6,
         median_pairs=2,
         topic_weights=[0.5, 0.5],
-        starts=True,
         max_message_chars=80,
     )
-    out = data.write_dataset(tmp_path / "d", cfg)
+    out = dataset.write_dataset(tmp_path / "d", cfg)
     examples = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()]
-    totals: dict = {g: {} for g in ev.GROUPS}
+    totals: dict = {g: {} for g in probes.GROUPS}
     for ex in examples:
         text = ex["messages"][1]["content"]
         chunks = json.loads(text)["chunks"]
-        group = totals[ev.GROUPS[len(chunks) > 1]]
-        for _, _, kind in data.boundary_places(text, chunks):
+        group = totals[probes.GROUPS[len(chunks) > 1]]
+        for _, _, kind in probes.boundary_places(text, chunks):
             group[kind] = group.get(kind, 0) + 1
-        group[ev.ALL_RIGHT] = group.get(ev.ALL_RIGHT, 0) + 1
-    assert totals["several chunks"]["starts: a later item"] > 0 and totals["one chunk"]
+        group[probes.ALL_RIGHT] = group.get(probes.ALL_RIGHT, 0) + 1
+    assert totals["several chunks"]["chunk end: another follows"] > 0 and totals["one chunk"]
     for wrong in (False, True):
         oracle = _Oracle(wrong)
         oracle.train()
-        got = ev.decision_accuracy(oracle, tokenizer, examples)
+        got = probes.decision_accuracy(oracle, tokenizer, examples)
         assert oracle.training  # put back as it was
         assert got == {
             g: {k: [0 if wrong else n, n] for k, n in kinds.items()} for g, kinds in totals.items()
         }
     # the real model: right exactly where its full logits' argmax is the gold token (the token
     # found by decoding prefixes, not by offsets)
-    result = ev.decision_accuracy(model, tokenizer, examples)
-    expect: dict = {g: {} for g in ev.GROUPS}
+    result = probes.decision_accuracy(model, tokenizer, examples)
+    expect: dict = {g: {} for g in probes.GROUPS}
     for ex in examples:
         text = ex["messages"][1]["content"]
         chunks = json.loads(text)["chunks"]
@@ -1381,30 +1074,33 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
         ids = tokenizer.encode(text, add_special_tokens=False)
         pred = mx.argmax(model(mx.array([prompt + ids]))[0], axis=-1).tolist()
         ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
-        group, right = expect[ev.GROUPS[len(chunks) > 1]], []
-        for first, _, kind in data.boundary_places(text, chunks):
+        group, right = expect[probes.GROUPS[len(chunks) > 1]], []
+        for first, _, kind in probes.boundary_places(text, chunks):
             i = next(k for k, end in enumerate(ends) if end > first)
             right.append(pred[len(prompt) + i - 1] == ids[i])
             tally = group.setdefault(kind, [0, 0])
             tally[0] += right[-1]
             tally[1] += 1
-        tally = group.setdefault(ev.ALL_RIGHT, [0, 0])
+        tally = group.setdefault(probes.ALL_RIGHT, [0, 0])
         tally[0] += all(right)
         tally[1] += 1
     assert result == expect
     assert {k: v[1] for k, v in result["several chunks"].items()} == totals["several chunks"]
-    assert "| several chunks | starts: a later item |" in ev.decisions_table(result)
+    assert "| several chunks | chunk end: another follows |" in probes.decisions_table(result)
     # an answer with no chunk is counted apart
     empty = {
         "messages": [examples[0]["messages"][0], {"role": "assistant", "content": '{"chunks": []}'}]
     }
-    assert ev.decision_accuracy(model, tokenizer, [empty])["skipped"] == {"no chunks": [0, 1]}
+    assert probes.decision_accuracy(model, tokenizer, [empty])["skipped"] == {"no chunks": [0, 1]}
     # the command: counts to `out`, `cases` examples; anything else is a one-line error
     cmd = ChunkEvalConfig(decisions=True, data=str(out), out=str(tmp_path / "c.json"), cases=2)
     cmd.model = str(tiny_dir("gemma3"))
     counted = cli.evaluate(cmd)
     assert json.loads((tmp_path / "c.json").read_text()) == counted
-    assert sum(v.get(ev.ALL_RIGHT, [0, 0])[1] for k, v in counted.items() if k in ev.GROUPS) == 2
+    assert (
+        sum(v.get(probes.ALL_RIGHT, [0, 0])[1] for k, v in counted.items() if k in probes.GROUPS)
+        == 2
+    )
     with pytest.raises(UserError, match="reads a dataset directory"):
         cli.evaluate(ChunkEvalConfig(decisions=True, data=str(tmp_path)))
     bad = tmp_path / "bad"
@@ -1425,90 +1121,9 @@ def test_decision_accuracy_counts_each_place(tiny_dir, tmp_path):
         (bad / "test.jsonl").write_text(line + "\n")
         with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
             cli.evaluate(ChunkEvalConfig(decisions=True, data=str(bad)))
-    # an answer whose first chunk names messages the prompt does not show
-    good = json.loads((out / "test.jsonl").read_text().splitlines()[0])
-    good["messages"][0]["content"] = "no message headers here"
-    (bad / "test.jsonl").write_text(json.dumps(good) + "\n")
-    with pytest.raises(UserError, match="test.jsonl:1: not a chunk-task example"):
-        cli.evaluate(ChunkEvalConfig(decisions=True, data=str(bad)))
     (bad / "test.jsonl").write_text("\n")
     with pytest.raises(UserError, match="no examples"):
         cli.evaluate(ChunkEvalConfig(decisions=True, data=str(bad)))
-    assert sum(counted["first end"][g]["answers"] for g in ev.GROUPS) == 2  # the same 2 cases
-
-
-def test_end_choices_score_each_candidate_as_a_full_forward(tiny_dir, tmp_path):
-    """`end_choices` scores every message the first chunk could end at, from its start to the
-    window's last, by the log-probability of its uuid's first tokens after the gold answer up to
-    that uuid: the same as a plain forward over prompt + answer + those tokens (the tiny model's
-    16-token sliding window has rotated: the shared cache, repeated per candidate, is right); the
-    summary counts by hand."""
-    import mlx.core as mx
-    from mlx_lm.utils import load
-
-    model, tokenizer = load(str(tiny_dir("gemma3")))
-    cfg = ChunkDataConfig(
-        train=2, valid=1, test=4, median_pairs=3, topic_weights=[0.0, 1.0], max_message_chars=60
-    )
-    out = data.write_dataset(tmp_path / "d", cfg)
-    examples = [json.loads(x) for x in (out / "test.jsonl").read_text().splitlines()][:2]
-    rows = ev.end_choices(model, tokenizer, examples, depth=3)
-    assert len(rows) == 2
-    for ex, row in zip(examples, rows, strict=True):
-        user, text = ex["messages"][0]["content"], ex["messages"][1]["content"]
-        first = json.loads(text)["chunks"][0]
-        uuids = ev.HEADER_UUID.findall(user)
-        cands = uuids[uuids.index(first["start_message_uuid"]) :]
-        assert row["gold"] == cands.index(first["end_message_uuid"])
-        assert row["chunks"] == len(json.loads(text)["chunks"]) > 1
-        assert len(row["scores"]) == len(cands) >= 2
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=False
-        )
-        cut = text.index(ev.END_KEY) + len(ev.END_KEY)
-        prefix = tokenizer.encode(text[:cut], add_special_tokens=False)
-        for u, got in zip(cands, row["scores"], strict=True):
-            tail = tokenizer.encode(text[:cut] + u, add_special_tokens=False)[len(prefix) :][:3]
-            seq = prompt + prefix + tail
-            logits = model(mx.array([seq]))[0]
-            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            want = sum(logp[len(seq) - 4 + j, t].item() for j, t in enumerate(tail))
-            assert got == pytest.approx(want, abs=2e-3)
-    summary = ev.end_choice_summary(
-        [
-            {"chunks": 2, "gold": 0, "scores": [-1.0, -2.0, -3.0]},  # first, first early, above
-            {"chunks": 3, "gold": 1, "scores": [-1.0, -5.0, -0.5]},  # none
-            {"chunks": 1, "gold": 2, "scores": [-4.0, -3.0, -1.0]},  # last first
-            {"chunks": 1, "gold": 0, "scores": [-2.0]},  # a one-message window: margin -inf
-        ]
-    )
-    assert summary["several chunks"] == {
-        "answers": 2,
-        "gold end first": 1,
-        "gold end first of the earlier": 1,
-        "gold end above the last": 1,
-    }
-    assert summary["one chunk"] == {"answers": 2, "last first": 2}
-    # margins: several 2.0 and -0.5; one -2.0 and -inf: every pair ordered
-    assert summary["margin AUC"] == 1.0
-    # splitting where the margin beats -2 separates them all (the highest such cut); halfway to
-    # the next margin up (-0.5): a bias of 1.25, on no answer's margin
-    assert summary["split bias"] == 1.25 and summary["balanced accuracy"] == 1.0
-    # a best cut above 0 (a split needs a margin of more than 0.4): the bias clips to 0, and the
-    # balanced accuracy is the clipped bias's, not the cut's
-    clipped = ev.end_choice_summary(
-        [
-            {"chunks": 2, "gold": 0, "scores": [-1.0, -1.8]},  # margin 0.8
-            {"chunks": 2, "gold": 0, "scores": [-1.0, -1.6]},  # 0.6
-            {"chunks": 1, "gold": 1, "scores": [-1.0, -1.2]},  # 0.2
-            {"chunks": 1, "gold": 1, "scores": [-1.0, -1.1]},  # 0.1
-        ]
-    )
-    assert clipped["split bias"] == 0.0 and clipped["balanced accuracy"] == 0.5
-    table = ev.end_choice_table(summary)
-    assert "| several chunks | gold end first | 1 / 2 | 0.50 |" in table
-    assert "margin AUC (several vs one) | | 1.00 |" in table
-    assert "| both | split_bias 1.25: balanced accuracy | | 1.00 |" in table
 
 
 def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
@@ -1518,9 +1133,9 @@ def _tiny_chunk_cases(tiny_dir, tmp_path, n: int):
     from mlxlab.tasks.chunk.config import EvalSettings
 
     cfg = ChunkDataConfig(train=2, valid=1, test=n, median_pairs=1, max_message_chars=200)
-    out = data.write_dataset(tmp_path / "chunk", cfg)
+    out = dataset.write_dataset(tmp_path / "chunk", cfg)
     model, tokenizer = load(str(tiny_dir("gemma3")))
-    return model, tokenizer, ev.read_split(out, EvalSettings())
+    return model, tokenizer, dataset.read_split(out, EvalSettings())
 
 
 @pytest.mark.parametrize("batch_size", [2, 1])
@@ -1542,40 +1157,42 @@ def test_constrained_eval_parses_and_uses_only_the_conversations_uuids(
         budget=8192,
     )
     for row, record in zip(held, records, strict=True):
-        uuids = [m["uuid"] for m in data.shown(record["messages"])]
+        uuids = [m["uuid"] for m in pr.shown(record["messages"])]
         answer = json.loads(row["output"])  # the whole text, no extraction needed
         assert row["extraction"] == "raw" and list(answer) == ["chunks"] and row["schema"] == 1.0
         assert 1 <= len(answer["chunks"]) <= len(uuids)
         at = 0  # the chunks cover the messages in order
         for chunk in answer["chunks"]:
-            assert tuple(chunk) == data.KEYS  # the label first, as the instructions show
+            assert tuple(chunk) == pr.KEYS  # the label first, as the instructions show
             assert chunk["start_message_uuid"] == uuids[at]
             at = uuids.index(chunk["end_message_uuid"], at) + 1
             assert 2 <= len(chunk["label"].split(" ")) <= 12
-        assert at == len(uuids)
-        assert row["ref"] == 100.0 and row["wellformed"] == 100.0 and row["repairs"] == 0
+        if at == len(uuids):  # closed at the end: nothing to repair
+            assert row["ref"] == 100.0 and row["wellformed"] == 100.0 and row["repairs"] == 0
+        else:  # early: the scorers cover the trailing gap, at a repair's cost
+            assert row["ref"] >= 82.5 and row["notes"] == ["trailing gap covered"]
 
 
-def test_constrained_eval_without_cover_keeps_order_and_may_stop_early(tiny_dir, tmp_path):
-    """eval.cover=false: contiguous chunks from the first message, closed wherever the model
-    closes them (the scorers repair a trailing gap)."""
+def test_constrained_eval_keeps_order_and_may_stop_early(tiny_dir, tmp_path):
+    """The constrained decode: contiguous chunks from the first message, closed wherever the
+    model closes them (the scorers repair a trailing gap)."""
     from mlxlab.tasks.chunk.config import EvalSettings
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
-    settings = EvalSettings(max_tokens=1024, batch_size=2, constrained=True, cover=False)
+    settings = EvalSettings(max_tokens=1024, batch_size=2, constrained=True)
     settings.max_prompt_tokens = 8192
     ev.evaluate_model(model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny")
     rows = [json.loads(x) for x in (tmp_path / "r.constrained.jsonl").read_text().splitlines()]
     stopped_early = 0
     for row, record in zip(rows, records, strict=True):
-        uuids = [m["uuid"] for m in data.shown(record["messages"])]
+        uuids = [m["uuid"] for m in pr.shown(record["messages"])]
         at = 0
         for chunk in json.loads(row["output"])["chunks"]:
             assert chunk["start_message_uuid"] == uuids[at]
             at = uuids.index(chunk["end_message_uuid"], at) + 1
         assert row["ref"] >= 82.5 and ("trailing gap covered" in row["notes"]) == (at < len(uuids))
         stopped_early += at < len(uuids)
-    assert stopped_early  # the random model closes early somewhere: `cover` reached evaluate
+    assert stopped_early  # the random model closes early somewhere
 
 
 @pytest.mark.parametrize("batch_size", [2, 1])
@@ -1586,9 +1203,9 @@ def test_a_watched_step_counts_once_its_token_is_written(tiny_dir, tmp_path, bat
     from mlxlab import grammar
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
-    windows = ev.plan_windows(records, tokenizer, 8192, 2, ev.WINDOW_MESSAGES)
+    windows = win.plan_windows(records, tokenizer, 8192, 2, 4)
     width = ev.n_vocab(model, tokenizer)
-    grammars = [grammar.lark(ev.answer_grammar(w.uuids), "answer") for w in windows]
+    grammars = [grammar.lark(ag.answer_grammar(w.uuids), "answer") for w in windows]
     made = {}
 
     def constrained(i):
@@ -1612,10 +1229,10 @@ def test_decodes_after_the_first_reuse_the_prompt_kv(tiny_dir, tmp_path, batch_s
     from mlxlab.serve.engine.prompt_cache import PromptCache
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 3)
-    windows = ev.plan_windows(records, tokenizer, 8192, 2, ev.WINDOW_MESSAGES)
+    windows = win.plan_windows(records, tokenizer, 8192, 2, 4)
     prompts = [w.prompt for w in windows]
     width = ev.n_vocab(model, tokenizer)
-    grammars = [grammar.lark(ev.answer_grammar(w.uuids), "answer") for w in windows]
+    grammars = [grammar.lark(ag.answer_grammar(w.uuids), "answer") for w in windows]
 
     def constrained(i):
         return [grammar.constrain(grammars[i], tokenizer, width)]
@@ -1652,15 +1269,18 @@ def test_an_evaluation_with_two_decodes_prefills_each_prompt_once(tiny_dir, tmp_
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
     settings = EvalSettings(max_tokens=4, batch_size=2, constrained=True)
-    with caplog.at_level(logging.INFO, logger="mlxlab.eval.chunk"):
+    with caplog.at_level(logging.INFO, logger="mlxlab.tasks.chunk.evaluate"):
         summary = ev.evaluate_model(
             model, tokenizer, records, settings, tmp_path / "r.jsonl", "tiny"
         )
     assert summary["peak_mem_gb"] > 0  # the held KV included
     assert "prompt tokens not prefilled again" in caplog.text
-    assert "2 prompts held in" in caplog.text
+    n = len(win.plan_windows(records, tokenizer, settings.max_prompt_tokens or 8192, 2, 4))
+    assert f"{n} prompts held in" in caplog.text and n > 2
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="mlxlab.eval.chunk"):  # one decode: nothing kept
+    with caplog.at_level(
+        logging.INFO, logger="mlxlab.tasks.chunk.evaluate"
+    ):  # one decode: nothing kept
         ev.evaluate_model(
             model, tokenizer, records, EvalSettings(max_tokens=4), tmp_path / "p.jsonl", "tiny"
         )
@@ -1682,59 +1302,29 @@ def test_constrained_eval_is_reported_next_to_the_unconstrained_one(tiny_dir, tm
     for line in held.read_text().splitlines():  # 8 tokens: the schema's opening, or part of it
         output = json.loads(line)["output"]
         assert output and (head.startswith(output) or output.startswith(head)), output
-    text = ev.table({"tiny": summary})
+    text = metrics.table({"tiny": summary})
     assert "| tiny | 2 |" in text and "| tiny, constrained | 2 | " in text
     assert text.index("| tiny | 2 |") < text.index("| tiny, constrained |")
     plain = ev.evaluate_model(
         model, tokenizer, records, EvalSettings(max_tokens=2), tmp_path / "plain.jsonl", "tiny"
     )
-    assert "constrained" not in plain and "split_bias" not in plain
-    biased = EvalSettings(max_tokens=2, split_bias=0.5)  # a summary says how it was decoded
-    summary = ev.evaluate_model(model, tokenizer, records, biased, tmp_path / "b.jsonl", "tiny")
-    assert summary["split_bias"] == 0.5
+    assert "constrained" not in plain
 
 
 def test_multi_topic_f1_leaves_out_one_topic_cases():
     one = {"boundary_f1": 1.0, "gold_chunks": 1, "wellformed": 100.0}
     two = {"boundary_f1": 0.5, "gold_chunks": 2, "wellformed": 100.0}
     three = {"boundary_f1": 0.0, "gold_chunks": 3, "wellformed": 100.0}
-    s = ev.summarize([one, two, three])
+    s = metrics.summarize([one, two, three])
     assert s["boundary_f1"] == pytest.approx(0.5) and s["boundary_f1_multi"] == 0.25
-    assert s["multi_cases"] == 2 and "boundary_f1_multi" not in ev.summarize([one])
-    assert "| F1 multi-topic |" in ev.table({"m": {**s, "schema": 1, "anchors": 1, "labels": 1}})
-
-
-def test_boundary_weight_marks_where_each_chunk_is_placed(tmp_path):
-    cfg = ChunkDataConfig(seed=1, train=12, valid=2, test=2, boundary_weight=4.0)
-    case = next(c for c in data.build(cfg)["train"] if len(c["chunks"]) >= 2)
-    record = data.chat(case, boundary_weight=4.0)
-    text = record["messages"][1]["content"]
-    marked = [text[a:b] for a, b, w in record["loss_weights"]]
-    assert {w for *_, w in record["loss_weights"]} == {4.0}
-    expected = []
-    for i, c in enumerate(case["chunks"]):
-        expected += [c["start_message_uuid"][:4], c["end_message_uuid"][:4]]
-        expected.append("]" if i == len(case["chunks"]) - 1 else ",")
-    assert marked == expected
-    starts = [a for a, _, _ in record["loss_weights"]]
-    assert starts == sorted(set(starts))  # in order, each its own place:
-    for k, (a, _, _) in enumerate(record["loss_weights"]):
-        assert text[a - 1] == ("}" if k % 3 == 2 else '"')  # a uuid's start, the char after `}`
-        if k % 3 != 2:
-            assert text[:a].endswith('_uuid": "')
-    assert "loss_weights" not in data.chat(case)  # weight 1: unweighted
-    out = data.write_dataset(tmp_path / "d", cfg)
-    splits = ("train", "valid", "test")
-    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").open()] for s in splits}
-    assert all({w for *_, w in r["loss_weights"]} == {4.0} for r in rows["train"])
-    # validation loss stays plain, and so does the test split
-    assert not any("loss_weights" in r for s in ("valid", "test") for r in rows[s])
-    with pytest.raises(UserError, match="boundary_weight"):
-        ChunkDataConfig(boundary_weight=0)
+    assert s["multi_cases"] == 2 and "boundary_f1_multi" not in metrics.summarize([one])
+    assert "| F1 multi-topic |" in metrics.table(
+        {"m": {**s, "schema": 1, "anchors": 1, "labels": 1}}
+    )
 
 
 def test_an_evaluations_time_counts_its_constrained_decode():
-    from mlxlab.tasks.chunk.task import eval_seconds, pass_times, wall_line
+    from mlxlab.tasks.chunk.report import eval_seconds, pass_times, wall_line
 
     assert eval_seconds({"seconds": 476.3, "constrained": {"seconds": 536.7}}) == 1013.0
     assert eval_seconds({"seconds": 60.0}) == 60.0
@@ -1750,83 +1340,3 @@ def test_an_evaluations_time_counts_its_constrained_decode():
     )
     resumed = wall_line({"seconds": 120.0, "start_step": 60}, evals, 3000.0)
     assert resumed.startswith(line + ". Resumed at step 60: ") and resumed.count("(") == 1
-
-
-def test_split_bias_taxes_the_last_message_end_once(tiny_dir, tmp_path):
-    """`SplitBias` lowers exactly the tokens that commit a chunk's end uuid to the window's last
-    message (not those still shared with an earlier message's uuid, not once committed, not
-    outside an end uuid); a huge bias under the cover grammar ends every first chunk early, and
-    split_bias out of range is a one-line error."""
-    import mlx.core as mx
-
-    from mlxlab.tasks.chunk.config import EvalSettings
-
-    model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 2)
-    uuids = [
-        "a1b2c3d4-0000-4000-8000-000000000001",
-        "a1ffffff-0000-4000-8000-000000000002",
-        "a3000000-0000-4000-8000-000000000003",
-    ]
-    width = model.args.vocab_size
-    prompt = tokenizer.encode("hello")
-    bias = ev.SplitBias(tokenizer, uuids, 2.5)
-    bias(mx.array(prompt), mx.zeros((1, width)))  # the first call: the prompt
-
-    def taxed(text: str) -> set[str]:
-        ids = prompt + tokenizer.encode(text, add_special_tokens=False)
-        out = bias(mx.array(ids), mx.zeros((1, width)))[0].tolist()
-        assert all(v in (0.0, -2.5) for v in out)
-        return {tokenizer.decode([i]) for i, v in enumerate(out) if v}
-
-    head = '{"chunks": [{"label": "a b", "start_message_uuid": "x", "end_message_uuid": "'
-    assert taxed(head) == set()  # "a" is every candidate's first character
-    assert taxed(head + "a") == {"3"}  # commits to the last message
-    assert taxed(head + "a3") == set()  # already paid
-    assert taxed(head + "a1") == set()
-    assert taxed('{"chunks": [{"label": "a b", "start_message_uuid": "a') == set()
-    assert taxed(head + 'a1b2c3d4-0000-4000-8000-000000000001"}, {"label": "') == set()
-    # only the messages the chunk may end at count: a first character the last uuid shares with
-    # a message before the chunk's start commits already
-    shared = [
-        "b0000000-0000-4000-8000-000000000001",
-        "a1000000-0000-4000-8000-000000000002",
-        "b7000000-0000-4000-8000-000000000003",
-    ]
-
-    def chunk_at(k: int) -> str:
-        return head.replace('"x"', json.dumps(shared[k]))
-
-    bias = ev.SplitBias(tokenizer, shared, 2.5)
-    bias(mx.array(prompt), mx.zeros((1, width)))
-    assert taxed(chunk_at(1)) == {"b"}
-    assert taxed(chunk_at(0)) == set() and taxed(chunk_at(0) + "b") == {"7"}
-    assert taxed(chunk_at(2)) == set()  # a chunk at the last message has nothing to prefer
-    bias = ev.SplitBias(tokenizer, shared[:1], 2.5)  # a one-message window: no earlier end
-    bias(mx.array(prompt), mx.zeros((1, width)))
-    assert taxed(chunk_at(0)) == set()
-    # under the cover grammar, a bias no score can beat ends every first chunk before the last
-    held = ev.evaluate(
-        model,
-        tokenizer,
-        records,
-        max_tokens=1024,
-        batch_size=2,
-        constrained=True,
-        budget=8192,
-        split_bias=1e4,
-    )
-    for row, record in zip(held, records, strict=True):
-        shown = [m["uuid"] for m in data.shown(record["messages"])]
-        first = json.loads(row["output"])["chunks"][0]
-        assert first["end_message_uuid"] != shown[-1] and row["ref"] == 100.0
-    # unconstrained, the random model never writes an end uuid: the bias changes nothing
-    plain, biased = (
-        ev.evaluate(model, tokenizer, records, max_tokens=24, batch_size=2, split_bias=b)
-        for b in (0.0, 3.0)
-    )
-    assert [r["output"] for r in plain] == [r["output"] for r in biased]
-    assert "split_bias 2.5 " in ev.bias_note(EvalSettings(split_bias=2.5))
-    assert ev.bias_note(EvalSettings()) == ""  # the reports name a bias only where one was used
-    for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(UserError, match="split_bias must be"):
-            EvalSettings(split_bias=bad)

@@ -7,42 +7,39 @@
     python -m mlxlab eval chunk adapter=outputs/chunk_seg4/<run>    # a run dir means its final adapter
     python -m mlxlab eval chunk data=data/chunk split=valid cases=8 batch_size=1 out=valid.jsonl
     python -m mlxlab eval chunk constrained=true    # also decoded under the answer's grammar
-    python -m mlxlab eval chunk constrained=true cover=false   # ... which may close before the end
-    python -m mlxlab eval chunk constrained=true read_overruled=true   # ... windows it overruled read too
     python -m mlxlab eval chunk data=my_chats.json adapter=RUN   # your own exported chats
     python -m mlxlab eval chunk adapter=RUN decisions=true   # teacher-forced: which decisions fail
-    python -m mlxlab eval chunk adapter=RUN split_bias=2.0   # a one-chunk answer must win by 2 nats
     python -m mlxlab eval chunk adapter=RUN shifts=all-minilm-l6-v2   # boundaries from sentence vectors
 
 `data=` is a dataset directory (its `<split>.cases.json`) or a JSON file of cases, `[{id, name,
 uuid?, messages: [{uuid, sender, text}], chunks?}]`: without gold `chunks` only `ref` and
-`strict` are scored. A conversation longer than `max_prompt_tokens` is read in overlapping windows
-of messages and their answers merged (mlxlab/eval/chunk.py). Greedy decoding; per-case results
-(output, scores, repairs) go to `out` as JSONL and the summary table to stdout (with
-`constrained=true` a second row, "<model>, constrained", from a second decode of the split under
-the answer's grammar: its chunks follow the messages in order and, with `cover=true`, reach the
-last one; a window of a long conversation where the grammar refused the model's own top token
-is merged as unread unless `read_overruled=true`, and the log says in how many it did; its
-cases go next to `out`, named `<stem>.constrained.jsonl`; with `shifts=MODEL` one
-more row, "<model>, shift boundaries", decoded under the grammar whose chunks start where the
-topic-shift detector of mlxlab/eval/shifts.py says, the model writing only the labels, into
-`<stem>.shifts.jsonl`, and a line with the detector's own boundary F1). Without `data=`: with an
-adapter from a chunk-task run, the dataset that run trained on (and, unless max_prompt_tokens is
-set, windows as long as its training prompts; unless turns or starts is set, its answers' layout:
-with or without the `turn_topics`, `turn_quotes` or `starts` opening); else the chunk dataset built with its
-defaults (what `train +exp=chunk_seg4` builds). With an adapter from a chunk-task run and no
-max_tokens set, the run's own max_tokens (512 in chunk_seg4), so its table is reproduced.
+`strict` are scored. Every conversation is read in windows of a few messages (`window_messages`,
+at most `max_prompt_tokens` each) and their answers merged (windows.py). Greedy decoding;
+per-case results (output, scores, repairs) go to `out` as JSONL and the summary table to stdout
+(with `constrained=true` a second row, "<model>, constrained", from a second decode of the split
+under the answer's grammar: its chunks follow the messages in order; a window where the grammar
+refused the model's own top token is merged as unread, and the log says in how many it did; its
+cases go next to `out`, named `<stem>.constrained.jsonl`; with `shifts=MODEL` one more row,
+"<model>, shift boundaries", decoded under the grammar whose chunks start where the topic-shift
+detector of shifts.py says, the model writing only the labels, into `<stem>.shifts.jsonl`, and a
+line with the detector's own boundary F1). With an adapter from a chunk-task run, and unless set:
+the dataset that run trained on, windows as long as its training prompts and of as many
+messages, and the run's own max_tokens, so its table is reproduced. Without either, the chunk
+dataset built with its defaults.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from pathlib import Path
 
 from mlxlab.errors import UserError
 from mlxlab.fsutil import output_file
+from mlxlab.tasks.chunk import dataset
 from mlxlab.tasks.chunk.config import (
+    WINDOW_MESSAGES,
     ChunkBuildConfig,
     ChunkEvalConfig,
     EvalSettings,
@@ -54,10 +51,11 @@ log = logging.getLogger(__name__)
 
 def evaluate(cfg: ChunkEvalConfig) -> dict:
     """`eval chunk`: the summary, printed as a table (per-case rows to `out`)."""
-    from mlxlab.data import chunk
-    from mlxlab.eval import chunk as ev
     from mlxlab.lora import io as lora_io
     from mlxlab.models.zoo import load
+    from mlxlab.tasks.chunk.evaluate import evaluate_model
+    from mlxlab.tasks.chunk.metrics import PASSES, table
+    from mlxlab.tasks.chunk.report import detector_note, overruled_note
 
     run_dir = task_run(lora_io.resolve_dir(cfg.adapter)) if cfg.adapter else None
     data = Path(cfg.data).expanduser() if cfg.data else None
@@ -66,11 +64,11 @@ def evaluate(cfg: ChunkEvalConfig) -> dict:
         if data is not None:
             log.info(f"data={data}: the adapter's task run's dataset")
     if data is None:
-        data = chunk.write_dataset(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
+        data = dataset.write_dataset(Path(tempfile.mkdtemp(prefix="mlxlab-chunk-")) / "data")
     if cfg.decisions:
         return decisions(cfg, data)
     cfg.max_tokens = max_tokens_for(cfg, run_dir)
-    records = ev.read_split(data, cfg)  # read (and fail on bad data) before loading the model
+    records = dataset.read_split(data, cfg)  # read (and fail on bad data) before the model loads
     out = output_file(cfg.out, f"eval_chunk_{cfg.split}.jsonl")  # and a bad out= too
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
@@ -82,54 +80,45 @@ def evaluate(cfg: ChunkEvalConfig) -> dict:
         if trained:
             cfg.max_prompt_tokens = trained
             log.info(f"max_prompt_tokens={trained}: the windows the adapter was trained on")
-    trained_data = run_data(run_dir) if run_dir is not None else None
-    if run_dir is not None and not cfg.window_messages:
-        cfg.window_messages = run_eval_setting(run_dir, "window_messages") or (
-            ev.built_window_messages(trained_data) if trained_data is not None else 0
+    if not cfg.window_messages:
+        trained_data = run_data(run_dir) if run_dir is not None else None
+        inherited = (run_eval_setting(run_dir, "window_messages") if run_dir else 0) or (
+            dataset.built_window_messages(trained_data) if trained_data is not None else 0
         )
-        if cfg.window_messages:
-            log.info(f"window_messages={cfg.window_messages}: the adapter's training windows")
-        check_window_messages(
-            cfg.window_messages,
-            cfg.window_overlap,
-            "no cap",
-            "window_messages is the adapter's run's: set window_messages, or lower window_overlap",
-        )
-    # answers as the adapter's run trained them
-    for key, value in ev.openings(cfg, trained_data).items():
-        setattr(cfg, key, value)
-        if value:
-            log.info(f"{key}=true: the adapter was trained to open its answers with {key}")
-    summary = ev.evaluate_model(
-        model, tokenizer, records, cfg, out, "chunk", ev.training_labels(data)
+        cfg.window_messages = inherited or WINDOW_MESSAGES
+        if inherited:
+            log.info(f"window_messages={inherited}: the adapter's training windows")
+            check_window_messages(
+                inherited,
+                cfg.window_overlap,
+                source="window_messages is the adapter's run's: set window_messages, or lower "
+                "window_overlap",
+            )
+    summary = evaluate_model(
+        model, tokenizer, records, cfg, out, "chunk", dataset.training_labels(data)
     )
-    print(ev.table({name: summary}))
+    print(table({name: summary}))
     log.info(
         f"per-case results: {out} ({summary['seconds']:.0f} s; "
         f"peak memory {summary['peak_mem_gb']:.2f} GB)"
     )
-    for key, tag in ev.PASSES.items():
+    for key, tag in PASSES.items():
         if key in summary:
             c = summary[key]
             log.info(
-                f"{tag} per-case results: {c['results']} ({c['seconds']:.0f} s)"
-                + ev.overruled_note(c)
+                f"{tag} per-case results: {c['results']} ({c['seconds']:.0f} s)" + overruled_note(c)
             )
-    if ev.detector_note(summary):
-        print(ev.detector_note(summary))
+    if detector_note(summary):
+        print(detector_note(summary))
     return summary
 
 
 def decisions(cfg: ChunkEvalConfig, data: Path) -> dict:
-    """`decisions=true`: teacher-forced decision accuracy on `<data>/<split>.jsonl`, and how the
-    model ranks the messages the first chunk could end at (`end_choices`)."""
-    import json
-
-    from mlxlab.data import chunk
-    from mlxlab.eval import chunk as ev
+    """`decisions=true`: teacher-forced decision accuracy on `<data>/<split>.jsonl`."""
     from mlxlab.fsutil import atomic_write_text
     from mlxlab.lora import io as lora_io
     from mlxlab.models.zoo import load
+    from mlxlab.tasks.chunk import probes
 
     path = data / f"{cfg.split}.jsonl"
     if not path.is_file():
@@ -144,13 +133,9 @@ def decisions(cfg: ChunkEvalConfig, data: Path) -> dict:
         try:
             ex = json.loads(line)
             text = ex["messages"][1]["content"]
-            gold = json.loads(text)["chunks"]
-            chunk.boundary_places(text, gold)  # the data's own layout
+            probes.boundary_places(text, json.loads(text)["chunks"])  # the data's own layout
             if not isinstance(ex["messages"][0]["content"], str):
                 raise TypeError
-            shown = ev.HEADER_UUID.findall(ex["messages"][0]["content"])
-            if gold and {gold[0]["start_message_uuid"], gold[0]["end_message_uuid"]} - set(shown):
-                raise ValueError  # end_choices needs the first chunk's messages in the prompt
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             raise UserError(
                 f"{path}:{n}: not a chunk-task example (a chat record whose answer is laid out "
@@ -164,12 +149,9 @@ def decisions(cfg: ChunkEvalConfig, data: Path) -> dict:
     model, tokenizer = load(cfg.model, cfg.dtype)
     if cfg.adapter:
         lora_io.load(model, cfg.adapter)
-    result: dict = ev.decision_accuracy(model, tokenizer, examples)
-    result["first end"] = ev.end_choice_summary(ev.end_choices(model, tokenizer, examples))
+    result = probes.decision_accuracy(model, tokenizer, examples)
     atomic_write_text(out, json.dumps(result, indent=1) + "\n")
-    print(ev.decisions_table(result))
-    print()
-    print(ev.end_choice_table(result["first end"]))
+    print(probes.decisions_table(result))
     log.info(f"counts: {out}")
     return result
 
@@ -201,10 +183,8 @@ def run_data(run_dir: Path) -> Path | None:
         train = ((saved.get("data") or {}).get("train")) if isinstance(saved, dict) else None
     except (OSError, yaml.YAMLError, AttributeError):
         train = None
-    from mlxlab.data.chunk import dataset_dir
-
     for cand in ([Path(train).expanduser()] if train else []) + [run_dir / "data"]:
-        cand = dataset_dir(cand)
+        cand = dataset.dataset_dir(cand)
         if (cand / "train.jsonl").is_file():
             return cand
     return None
@@ -236,23 +216,17 @@ def trained_window(run_dir: Path, tokenizer) -> int:
     """The window budget an adapter's chunk-task run used: its task.eval.max_prompt_tokens, else
     the longest prompt of its training examples (`training_window`), else 0 (auto): an adapter
     trained on windows reads a long conversation in windows of that length."""
-    from mlxlab.eval.chunk import training_window
-
     set_to = run_eval_setting(run_dir, "max_prompt_tokens")
     data = run_data(run_dir)
-    return set_to or (training_window(data, tokenizer) if data is not None else 0)
+    return set_to or (dataset.training_window(data, tokenizer) if data is not None else 0)
 
 
 def build(cfg: ChunkBuildConfig) -> Path:
     """`data chunk`: write the dataset into `out`; print its counts and histograms."""
-    import json
-
-    from mlxlab.data import chunk
-
     out = Path(cfg.out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:
         raise UserError(f"{out} exists and is not empty; force=true replaces it")
-    out = chunk.write_dataset(out, cfg.data())
+    out = dataset.write_dataset(out, cfg.data())
     built = json.loads((out / "build.json").read_text())
     for split, st in built["stats"].items():
         n = sum(1 for line in (out / f"{split}.jsonl").read_text().splitlines() if line.strip())
@@ -262,6 +236,6 @@ def build(cfg: ChunkBuildConfig) -> Path:
             f"{st['single_chunk_share']:.0%} single-chunk"
         )
     print()
-    print(chunk.stats_markdown(built["stats"]))
+    print(dataset.stats_markdown(built["stats"]))
     print(out)
     return out

@@ -8,18 +8,25 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from mlxlab.config import DEFAULT_MODEL, DTYPES, MAX_LOSS_WEIGHT
+from mlxlab.config import DEFAULT_MODEL, DTYPES
 from mlxlab.errors import UserError
 from mlxlab.schema import check_choice
 
+WINDOW_MESSAGES = 4
+"""Messages in a window, by default: two exchanges, whether the second goes on with the first's
+topic (experiments/chunk_seg4/local-windows.md: whole conversations gave boundary F1 0.333 at
+best, windows of two exchanges 0.785)."""
 
-def check_window_messages(value: int, overlap: int, zero: str, source: str = "") -> None:
-    """UserError unless `value` is 0 (meaning `zero`) or more messages than `overlap` (and 1):
-    a window that holds no more than it shares with the one before cannot move on. `source`:
-    where an inherited value came from and what to set instead, added to the message."""
-    if value and value <= max(overlap, 1):
+
+def check_window_messages(value: int, overlap: int, zero: str = "", source: str = "") -> None:
+    """UserError unless `value` is more messages than `overlap` (and 1), or 0 where 0 means
+    something (`zero`, said in the message): a window that holds no more than it shares with the
+    one before cannot move on. `source`: where an inherited value came from and what to set
+    instead, added to the message."""
+    if (value or not zero) and value <= max(overlap, 1):
+        allowed = f"0 ({zero}) or more" if zero else "more"
         raise UserError(
-            f"window_messages must be 0 ({zero}) or more than window_overlap (and 1), "
+            f"window_messages must be {allowed} than window_overlap (and 1), "
             f"got {value} with window_overlap {overlap}" + (f" ({source})" if source else "")
         )
 
@@ -27,7 +34,7 @@ def check_window_messages(value: int, overlap: int, zero: str, source: str = "")
 @dataclass
 class ChunkDataConfig:
     """How the chunk-task dataset is built: user/assistant conversations over documentation topics
-    (mlxlab/data/chunk.py)."""
+    (docs_chats.py), read in windows of a few messages (windows.py)."""
 
     seed: int = 0
     """Seeds the topic split and every conversation."""
@@ -53,92 +60,27 @@ class ChunkDataConfig:
     """Chance that a change of topic comes without a marker ("Different question: ...")."""
     thanks_rate: float = 0.2
     """Chance that a conversation ends with a thank-you exchange (part of the last chunk)."""
-    train_brief_rate: float = 0.0
-    """Share of the training split's conversations whose assistant answers are brief: each section
-    cut to its opening sentences (at most `brief_chars`). Such a conversation has many more
-    messages, and so more topic shifts, per window: more boundary decisions per training token.
-    Valid and test are built as without it. chunk_seg4 at 0.5 closed its chunk list on 3 of 24
-    test answers and its boundaries under the grammar fell to F1 0.042 from 0.333
-    (experiments/chunk_seg4/brief-answers.md), so it keeps 0."""
-    brief_chars: int = 320
-    """A brief answer's most characters per section (cut at a line or sentence end where one
-    fits; a cut code block gets its closing fence on top)."""
     max_message_chars: int = 12000
     """A message's text is cut to this many characters."""
     window_chars: int = 4000
-    """A training example's messages take at most this many characters; a longer conversation
-    becomes overlapping windows (mlxlab/data/chunk.py `windows`). Evaluation reads a long
-    conversation in windows too, in tokens (EvalSettings.max_prompt_tokens: by default the
-    longest training prompt). Characters per token vary with the text (code and uuids take more
-    tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 gives at most
-    2,000 Gemma 3 tokens with the answer (2,117 with `turn_topics`, which then needs
-    max_seq_length 2176; 2,235 with `turn_quotes`, which needs 2304; 2,280 with train_brief_rate 0.5, which needs 2304; 2,035 with
-    `starts`), and it sets on_too_long=error, so a setting that overflows stops at load time
-    instead of cutting an answer."""
+    """A training example's messages take at most this many characters (a window of fewer than
+    `window_messages` where long messages do not fit; windows.py `windows`). Evaluation reads
+    in tokens (EvalSettings.max_prompt_tokens: by default the longest training prompt).
+    Characters per token vary with the text (code and uuids take more tokens), so check a
+    setting against data.max_seq_length: chunk_seg4's 3600 gives at most 2,000 Gemma 3 tokens
+    with the answer, and it sets on_too_long=error, so a setting that overflows stops at load
+    time instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
-    window_messages: int = 0
-    """> 0: a training example also holds at most this many messages; a conversation with more
-    becomes overlapping windows of at most that many (`window_overlap` shared), so each example
-    asks a local question: at 4 with overlap 2, whether the second exchange goes on with the
-    first's topic. Evaluation then reads every conversation with more in windows of at most as
-    many messages (EvalSettings.window_messages, by default the adapter's training dataset's),
-    each boundary one window's own decision (mlxlab/eval/chunk.py `merge_local`). 0: only
-    `window_chars` bounds a window. chunk_seg4 uses 4 (experiments/chunk_seg4/local-windows.md)."""
-    boundary_weight: float = 1.0
-    """Loss weight, in the training split's answers, of the tokens that place each chunk: the
-    first characters of every uuid the answer writes (which message) and the character after each
-    chunk (another chunk, or the end). Most answer tokens are a label or the rest of a copied
-    uuid; these few decide where a topic ends. 1: unweighted (the records carry no
-    `loss_weights`; validation and test records never do)."""
-    turn_topics: bool = False
-    """Answers (all splits' records) open with `"turns": [[uuid prefix, topic], ...]`, each user
-    message's first 8 uuid characters and the topic it asks about, before `"chunks"`: the model
-    names each question's topic where it reads it, and a chunk starts where the name changes
-    (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the prompt is unchanged."""
-    turn_quotes: bool = False
-    """Answers (all splits' records) open with `"turns"` as one entry per shown message, in
-    order: a user message's `[uuid prefix, quote, k]` (its first words, at most 80 characters
-    as JSON counts them),
-    any other's `[uuid prefix, k]`, k the number of the chunk that holds it (from 1), before
-    `"chunks"`. Each decision is then local: the model copies a question's opening words into its
-    answer and says at once whether it starts chunk k + 1, and a chunk's first and last message
-    are the first and last entries with its number, a few lines up in the answer, not a message
-    to find in the prompt (mlxlab/data/chunk.py `turns`). Both scorers read only "chunks"; the
-    prompt is unchanged. The answers are longer (chunk_seg4's windows: median 271 tokens against
-    188, the longest 789; the test split's longest 494), so it needs data.max_seq_length 2304 and
-    room in eval.max_tokens; `boundary_weight` does not weight its chunk numbers and is refused
-    beside it. chunk_seg4 with it could not walk the message list unconstrained (14 of 24 test
-    answers never reached their chunks, ref 38.1); under the grammar its numbers moved on at 4 of
-    8 true shifts and 1 of 34 follow-ups, but its chunks did not follow them (boundary F1 0.288;
-    experiments/chunk_seg4/turn-quotes.md), so it stays off."""
-    starts: bool = False
-    """Answers (all splits' records) open with `"starts": [uuid prefix, ...]`, the first 8 uuid
-    characters of each chunk's first message, before `"chunks"`: the model says where each topic
-    starts (a user message it can point at where it reads the change) before it writes any chunk,
-    so a chunk's end is the message before the next start it has already written, not a message
-    it must pick before reading on (mlxlab/data/chunk.py `answer`). Both scorers read only
-    "chunks"; the answer grammar allows this opening with eval.starts; not with `turn_topics` or
-    `turn_quotes`.
-    chunk_seg4 with it wrote one chunk on every test conversation (boundary F1 0.5, what always
-    one chunk scores there; 0.333 without it): teacher-forced, the model picks the shifting
-    message more often (0.48 against 0.23 for the end before it, in a pair of short runs) but
-    never says that another topic starts (experiments/chunk_seg4/starts.md), so it stays off."""
+    window_messages: int = WINDOW_MESSAGES
+    """A training example holds at most this many messages; a conversation with more becomes
+    overlapping windows of at most that many (`window_overlap` shared), so each example asks a
+    local question: at 4 with overlap 2, whether the second exchange goes on with the first's
+    topic. Evaluation reads every conversation with more in windows of as many messages
+    (EvalSettings.window_messages, by default the adapter's training dataset's), each boundary
+    one window's own decision (windows.py `merge_local`)."""
 
     def __post_init__(self):
-        if self.starts + self.turn_topics + self.turn_quotes > 1:
-            raise UserError(
-                "starts, turn_topics and turn_quotes are openings of the answer: pick one"
-            )
-        if self.turn_quotes and self.boundary_weight != 1:
-            raise UserError(
-                "boundary_weight weights the chunks' uuids, not turn_quotes' chunk numbers: "
-                "leave it at 1 with turn_quotes"
-            )
-        if not 0 < self.boundary_weight <= MAX_LOSS_WEIGHT:
-            raise UserError(
-                f"boundary_weight must be in (0, {MAX_LOSS_WEIGHT:g}], got {self.boundary_weight}"
-            )
         for key in ("train", "valid", "test"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -151,16 +93,14 @@ class ChunkDataConfig:
                 raise UserError(f"{key} must be non-negative with a positive sum, got {weights}")
         if not 4 <= self.max_messages <= 1000 or self.median_pairs < 1:
             raise UserError("need 4 <= max_messages <= 1000 and median_pairs >= 1")
-        for key in ("return_rate", "subtle_rate", "thanks_rate", "train_brief_rate"):
+        for key in ("return_rate", "subtle_rate", "thanks_rate"):
             if not 0 <= getattr(self, key) <= 1:
                 raise UserError(f"{key} must be in [0, 1], got {getattr(self, key)}")
         if self.max_message_chars < 40 or self.window_chars < 400 or self.window_overlap < 0:
             raise UserError(
                 "need max_message_chars >= 40, window_chars >= 400 and window_overlap >= 0"
             )
-        if self.brief_chars < 40:
-            raise UserError(f"brief_chars must be >= 40, got {self.brief_chars}")
-        check_window_messages(self.window_messages, self.window_overlap, "no cap")
+        check_window_messages(self.window_messages, self.window_overlap)
 
 
 @dataclass
@@ -182,86 +122,51 @@ class ChunkBuildConfig(ChunkDataConfig):
 
 @dataclass
 class EvalSettings:
-    """How a task is evaluated (greedy decoding over one split)."""
+    """How the task is evaluated (greedy decoding over one split)."""
 
     split: str = "test"
     """Which split of the dataset to evaluate (train | valid | test)."""
     cases: int = 0
     """Evaluate the first N cases only; 0 means all."""
     max_tokens: int = 256
-    """Most tokens generated per prompt (a case, or one window of a long one)."""
+    """Most tokens generated per prompt (one window of a conversation)."""
     batch_size: int = 8
-    """Cases decoded together (mlx-lm's batch generation); 1 decodes one at a time."""
+    """Windows decoded together (the batched decoder); 1 decodes one at a time."""
     constrained: bool = False
-    """Also decode every case under the answer's grammar (the answer's JSON, its chunks covering
-    that conversation's messages in order: the model picks where chunks end and their labels;
-    mlxlab/eval/chunk.py `answer_grammar`) and report those scores next to the unconstrained
-    ones, which stay the headline. Doubles the evaluation time."""
-    cover: bool = True
-    """Under `constrained`, the chunks must reach the conversation's (or window's) last message:
-    every answer is a cover the scorers accept without a repair, and a chunk that ends early is
-    followed by another. false lets the answer close after any chunk (a trailing gap, repaired
-    by the scorers at a cost)."""
-    read_overruled: bool = False
-    """Under `constrained`, a conversation read in windows: a window where the grammar overruled
-    the model (at some step the model's most likely token was one the grammar refuses: a label
-    of one word or more than 12, a character a label may not hold, a uuid of no message in the
-    window, a key skipped, ...; with `cover`, also an early close) is merged as the grammar
-    wrote it. false: such a window is merged as one whose answer could not be read, as an
-    unparsable unconstrained answer is (mlxlab/eval/chunk.py `score_windows`): the grammar keeps
-    every answer well formed, but where it chose tokens for the model, what follows is not the
-    model's decision."""
+    """Also decode every window under the answer's grammar (its chunks follow the window's
+    messages in order, each label 2-12 words; the answer may close after any chunk; grammar.py
+    `answer_grammar`) and report those scores next to the unconstrained ones, which stay the
+    headline. A window where the grammar refused the model's own top token somewhere is merged
+    as unread, as an unparsable plain answer is (evaluate.py `score_windows`)."""
     max_prompt_tokens: int = 0
-    """A conversation whose prompt is longer is read in windows of consecutive messages of at
-    most this many tokens, their answers merged into one cover (mlxlab/eval/chunk.py); 0: in a
-    chunk-task run, and in `eval chunk` with an adapter from one, the run's setting or else the
-    longest prompt among its training examples (windows as long as it trained on); otherwise
+    """A window's prompt holds at most this many tokens (its longest messages cut to fit); 0: in
+    a chunk-task run, and in `eval chunk` with an adapter from one, the run's setting or else
+    the longest prompt among its training examples (windows as long as it trained on); otherwise
     what the model's context leaves after max_tokens, at most 8192."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
     window_messages: int = 0
-    """> 0: every conversation with more messages is read in windows of this many (the last may
-    hold fewer; where they do not fit max_prompt_tokens together, the longest are cut to fit:
-    mlxlab/data/chunk.py `filled_windows`), their answers merged by mlxlab/eval/chunk.py `merge_local`: each
-    boundary is one window's decision about the messages it owns, a chunk its answer starts at a
-    user message or an answer that stops short of its last message (what an answer over two
-    exchanges that ends with the first says). 0: in a chunk-task run, and in `eval chunk` with an adapter from one, the run's dataset's
-    `window_messages` (build.json; windows like the training examples); otherwise no cap but the
-    token budget's."""
-    turns: bool | None = None
-    """The answers open with a `turns` list (an adapter trained with the chunk data's
-    `turn_topics` or `turn_quotes`): a window then also holds at most max_tokens // 30 messages
-    (8..180), room for a turns entry per message and the chunks, and the answer grammar allows
-    either opening. None: as the dataset the model is judged against was built (its build.json
-    `turn_topics` or `turn_quotes`):
-    in a chunk-task run the run's own data, for the base and the tuned model alike (same windows);
-    in `eval chunk`, the adapter's run's data, and false without an adapter from a run."""
-    starts: bool | None = None
-    """The answers may open with a `starts` list (an adapter trained with the chunk data's
-    `starts`): the answer grammar allows that opening. None: as `turns`, from the dataset's
-    build.json `starts`."""
+    """Every conversation with more messages is read in windows of this many (the last may hold
+    fewer; where they do not fit max_prompt_tokens together, the longest are cut to fit:
+    windows.py `filled_windows`), their answers merged by `merge_local`. 0: in a chunk-task
+    run, and in `eval chunk` with an adapter from one, the run's dataset's `window_messages`
+    (build.json; windows like the training examples); otherwise 4."""
     label_model: str = ""
     """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) that
     also scores the labels against gold by meaning: the cosine similarity of each gold chunk's
     label with its matched predicted label (`label similarity`); empty: word-overlap F1 only."""
-    split_bias: float = 0.0
-    """> 0: while writing a chunk's end, the tokens that end it at the window's last message (no
-    further chunk) lose this much log-probability, once per chunk end (mlxlab/eval/chunk.py
-    `SplitBias`), constrained or not: a one-chunk answer must beat the best earlier end by this
-    margin. 0: plain greedy decoding."""
     shifts: str = ""
     """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory) whose
-    topic-shift detector (mlxlab/eval/shifts.py: an exchange whose sentence vector is far from
-    the one before it starts a chunk) places the chunk boundaries for one more decode of the
-    split, under the answer grammar whose chunks start exactly there: the model writes only the
-    labels (an adapter trained to open its answer with turns or starts is held to the chunks
-    alone). Reported as the row "<name>, shift boundaries", with the detector's own boundary F1;
-    the decode's max_tokens grows to fit the chunks. Empty: no such decode."""
+    topic-shift detector (shifts.py: an exchange whose sentence vector is far from the one
+    before it starts a chunk) places the chunk boundaries for one more decode of the split,
+    under the answer grammar whose chunks start exactly there: the model writes only the labels.
+    Reported as the row "<name>, shift boundaries", with the detector's own boundary F1; the
+    decode's max_tokens grows to fit the chunks. Empty: no such decode."""
     shift_drop: float = 0.15
     shift_cap: float = 0.6
     shift_floor: float = 0.3
-    """The detector's cut (mlxlab/eval/shifts.py `Rule`): an exchange starts a chunk when its
-    cosine similarity with the one before is below shift_floor, or below both shift_cap and the
+    """The detector's cut (shifts.py `Rule`): an exchange starts a chunk when its cosine
+    similarity with the one before is below shift_floor, or below both shift_cap and the
     conversation's median similarity less shift_drop (a smaller drop, a higher cap or floor:
     more chunks). Chosen, never on the test split, as the best on an 80-conversation validation
     build (topics disjoint from the training and test splits') that also scores well on 14
@@ -285,8 +190,6 @@ class EvalSettings:
         if self.window_overlap < 0:
             raise UserError(f"window_overlap must be >= 0, got {self.window_overlap}")
         check_window_messages(self.window_messages, self.window_overlap, "auto")
-        if not math.isfinite(self.split_bias) or self.split_bias < 0:
-            raise UserError(f"split_bias must be a finite number >= 0, got {self.split_bias}")
         for key, low, high in (("drop", 0, 2), ("cap", -1, 1), ("floor", -1, 1)):
             value = getattr(self, f"shift_{key}")
             if not (math.isfinite(value) and low <= value <= high):
@@ -298,9 +201,8 @@ class ChunkEvalConfig(EvalSettings):
     """`python -m mlxlab eval chunk`: score a model (and adapter) on the chunk task's split."""
 
     max_tokens: int = 0
-    """Most tokens generated per prompt (a case, or one window of a long one); 0: with an adapter
-    from a chunk-task run, the run's own task.eval.max_tokens (its table is then reproduced),
-    else 256."""
+    """Most tokens generated per prompt (one window); 0: with an adapter from a chunk-task run,
+    the run's own task.eval.max_tokens (its table is then reproduced), else 256."""
     auto_max_tokens: ClassVar[bool] = True
     model: str = DEFAULT_MODEL
     """Zoo name, mlx-lm model directory, or .gguf file."""
@@ -320,10 +222,10 @@ class ChunkEvalConfig(EvalSettings):
     """Instead of decoding: teacher-forced, at each place the gold answers decide where chunks
     are (every uuid's first characters, the character after every list item), how often the
     model's most likely next token is the gold one, per kind of place, for one-chunk and
-    several-chunk answers (mlxlab/eval/chunk.py `decision_accuracy`). Reads the split's examples
-    as the chunk data writes them for training, `<data>/<split>.jsonl` of a dataset directory
-    (long conversations in the windows of the data's `window_chars`; `cases` takes the first N
-    examples); the counts go to `out`, the table to stdout. Decoding settings do not apply."""
+    several-chunk answers (probes.py `decision_accuracy`). Reads the split's examples as the
+    chunk data writes them for training, `<data>/<split>.jsonl` of a dataset directory (its
+    windows; `cases` takes the first N examples); the counts go to `out`, the table to stdout.
+    Decoding settings do not apply."""
 
     def __post_init__(self):
         super().__post_init__()

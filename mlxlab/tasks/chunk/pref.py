@@ -1,7 +1,7 @@
 """Preference training on the chunk task: DPO or ORPO on top of a chunk SFT run's adapter
 (`train +exp=chunk_dpo`, `train +exp=chunk_orpo`, or `train task=chunk_pref objective=...`).
 
-The pairs come from the SFT run's own training split (mlxlab/data/chunk.py `training_windows`,
+The pairs come from the SFT run's own training split (windows.py `training_windows`,
 the windows it trained on). For `examples` of them, most with two or more gold chunks, the SFT
 adapter writes an answer by sampling; each answer that is wrong (its chunks are not the gold's,
 or it does not score 100) becomes a pair with the gold answer as chosen and it as rejected, and
@@ -24,7 +24,11 @@ from pathlib import Path
 from mlxlab.config import DataConfig, TrainConfig, to_dict
 from mlxlab.errors import UserError
 from mlxlab.tasks.chunk.config import ChunkDataConfig, ChunkPrefConfig
-from mlxlab.tasks.chunk.task import ChunkTask, fmt_minutes
+from mlxlab.tasks.chunk.dataset import dataset_dir
+from mlxlab.tasks.chunk.prompt import answer, conversation_uuid, prompt
+from mlxlab.tasks.chunk.scoring import score_case
+from mlxlab.tasks.chunk.task import ChunkTask
+from mlxlab.tasks.chunk.windows import training_windows
 from mlxlab.train.job import Run
 
 log = logging.getLogger(__name__)
@@ -70,10 +74,15 @@ def sft_dir(cfg: ChunkPrefConfig) -> Path:
 
 
 def _data_config(build: dict):
+    """The SFT run's data settings from its build.json (a dataset built before windows were
+    capped, `window_messages` 0, read as it was built: whole conversations within window_chars)."""
     from mlxlab.schema import from_dict
 
     names = {f.name for f in dataclasses.fields(ChunkDataConfig)}
-    return from_dict(ChunkDataConfig, {k: v for k, v in build.items() if k in names})
+    settings = {k: v for k, v in build.items() if k in names}
+    if not settings.get("window_messages"):
+        settings["window_messages"] = 1000
+    return from_dict(ChunkDataConfig, settings)
 
 
 def pick(windows: list, n: int, multi_share: float, rng: random.Random) -> list:
@@ -87,10 +96,30 @@ def pick(windows: list, n: int, multi_share: float, rng: random.Random) -> list:
     return multi[:k] + single[: n - k]
 
 
+def moved_boundary(gold: list[dict], uuids: list[str], rng: random.Random) -> list[dict] | None:
+    """`gold` (chunks over `uuids`, in order) with one boundary between two chunks moved by one
+    message, earlier or later, keeping every chunk non-empty; None for a one-chunk gold."""
+    index = {u: i for i, u in enumerate(uuids)}
+    spans = [[index[c["start_message_uuid"]], index[c["end_message_uuid"]]] for c in gold]
+    options = []
+    for k in range(1, len(spans)):
+        if spans[k - 1][1] > spans[k - 1][0]:  # the earlier chunk can give its last message
+            options.append((k, -1))
+        if spans[k][1] > spans[k][0]:  # the later chunk can give its first message
+            options.append((k, +1))
+    if not options:
+        return None
+    k, step = rng.choice(options)
+    spans[k - 1][1] += step
+    spans[k][0] += step
+    return [
+        {**c, "start_message_uuid": uuids[s], "end_message_uuid": uuids[e]}
+        for c, (s, e) in zip(gold, spans, strict=True)
+    ]
+
+
 def is_right(text: str, uuids: list[str], gold: list[dict], conversation_uuid) -> bool:
     """An answer is right when both scorers give it full marks and its chunks are the gold's."""
-    from mlxlab.eval.chunk import score_case
-
     s = score_case(text, uuids, gold, conversation_uuid)
     return (
         s.ref == 100.0 and s.wellformed == 100.0 and s.exact_match == 1.0 and s.boundary_f1 == 1.0
@@ -103,17 +132,16 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from mlxlab.data import chunk as data
-    from mlxlab.eval.chunk import generate_all
+    from mlxlab.tasks.chunk.evaluate import generate_all
 
     dcfg = _data_config(json.loads((sft_data / "build.json").read_text()))
     cases = json.loads((sft_data / "train.cases.json").read_text())
-    windows = [(c, msgs, gold) for c in cases for msgs, gold in data.training_windows(c, dcfg)]
+    windows = [(c, msgs, gold) for c in cases for msgs, gold in training_windows(c, dcfg)]
     rng = random.Random(cfg.seed)
     picked = pick(windows, cfg.examples, cfg.multi_share, rng)
     prompts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": data.prompt(c, msgs)}],
+            [{"role": "user", "content": prompt(c, msgs)}],
             add_generation_prompt=True,
             return_dict=False,
         )
@@ -135,23 +163,23 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
     right = 0
     for (case, msgs, gold), text in zip(picked, texts, strict=True):
         uuids = [m["uuid"] for m in msgs]
-        user = [{"role": "user", "content": data.prompt(case, msgs)}]
+        user = [{"role": "user", "content": prompt(case, msgs)}]
         # as the SFT data writes it
-        chosen = data.gold_answer(msgs, gold, dcfg)
-        if is_right(text, uuids, gold, data.conversation_uuid(case)):
+        chosen = answer(gold)
+        if is_right(text, uuids, gold, conversation_uuid(case)):
             right += 1
         elif text.strip():
             pairs.append(
                 {"messages": user, "chosen": chosen, "rejected": text.strip(), "kind": "sampled"}
             )
             kinds["sampled"] += 1
-        moved = data.moved_boundary(gold, uuids, rng) if cfg.moved else None
+        moved = moved_boundary(gold, uuids, rng) if cfg.moved else None
         if moved is not None:
             pairs.append(
                 {
                     "messages": user,
                     "chosen": chosen,
-                    "rejected": data.gold_answer(msgs, moved, dcfg),
+                    "rejected": answer(moved),
                     "kind": "moved",
                 }
             )
@@ -201,8 +229,6 @@ class ChunkPrefTask(ChunkTask):
 
         writable_dir(run_dir)
         if data.train:
-            from mlxlab.data.chunk import dataset_dir
-
             self.check_windows(dataset_dir(data.train))
             return data
         data_dir = run_dir / "data"
@@ -272,10 +298,15 @@ class ChunkPrefTask(ChunkTask):
             saved = yaml.safe_load((self.sft / "config.yaml").read_text())["task"]["eval"]
         except (OSError, KeyError, TypeError, yaml.YAMLError):
             return False
-        if self.cfg.eval.constrained and not {"cover", "read_overruled"} <= set(saved):
-            # before eval.cover the constrained decode was under a JSON schema; before
-            # eval.read_overruled its merge read the windows the grammar overruled
-            return False
+        # options since retired: the run decoded as this one does only at their fixed values
+        now = to_dict(self.cfg.eval)
+        retired = {k: saved.pop(k) for k in list(saved) if k not in now}
+        if retired and (
+            not {"cover", "read_overruled"} <= set(retired)  # before either: decoded otherwise
+            or retired["cover"] is not False  # (before eval.cover: under a JSON schema)
+            or any(retired.get(k) for k in ("read_overruled", "turns", "starts", "split_bias"))
+        ):
+            return False  # decoded otherwise than this evaluation does
         # settings added since the SFT run: their defaults; label_model only adds a score (a run
         # without it shows none for SFT alone), so it does not stop the reuse
         saved = {
@@ -285,8 +316,9 @@ class ChunkPrefTask(ChunkTask):
         }
         if not src.is_file() or saved != to_dict(self.cfg.eval):
             return False
-        from mlxlab.eval.chunk import PASSES, pass_path
         from mlxlab.fsutil import atomic_write
+        from mlxlab.tasks.chunk.evaluate import pass_path
+        from mlxlab.tasks.chunk.metrics import PASSES
 
         for a, b in (  # the summary last: its presence says the copy is complete
             (self.sft / "eval_tuned.jsonl", run_dir / "eval_sft.jsonl"),
@@ -313,130 +345,6 @@ class ChunkPrefTask(ChunkTask):
         summary["eval"] = self.evals
 
     def report_text(self, run: Run, summary: dict) -> str:
-        return report(run, self.cfg, summary, self.evals, self.command)
+        from mlxlab.tasks.chunk.report import pref_report
 
-
-def _steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
-
-
-def report(run: Run, task: ChunkPrefConfig, summary: dict, evals: dict, command=None) -> str:
-    """The experiment's README: question, command, config, SFT vs SFT + preference, the pairs,
-    the training curve's ends, per-case boundary F1 of both, memory and time."""
-    import platform
-
-    import mlx.core as mx
-
-    from mlxlab.eval import chunk as ev
-
-    cfg, run_dir = run.cfg, run.run_dir
-    pairs = json.loads((run_dir / "data" / "pairs.json").read_text())
-    tuned = f"sft + {cfg.objective}"
-    how = summary.get("gradients", "")
-    objective = (
-        f"DPO (beta {cfg.dpo.beta}, {cfg.dpo.loss}, reference = the SFT adapter)"
-        if cfg.objective == "dpo"
-        else f"ORPO (lambda {cfg.orpo.lam})"
-    )
-    lines = [
-        f"# {cfg.name}",
-        "",
-        "## Question",
-        "",
-        f"Does {cfg.objective.upper()} on pairs made from the SFT adapter's own mistakes teach "
-        f"{cfg.model} where the topic of a conversation changes, beyond what SFT alone learned, "
-        "without losing the answer's form?",
-        "",
-        "## Command",
-        "",
-        "```bash",
-        "python -m mlxlab train " + (command or "..."),
-        "```",
-        "",
-        f"On top of the SFT run `{pairs['sft']}` (`python -m mlxlab train +exp=chunk_seg4`): its "
-        "adapter starts this run, its data gives the pairs and the evaluation split.",
-        "",
-        "## Config",
-        "",
-        f"- objective: {objective}; steps {cfg.iters} x batch {cfg.batch_size} pairs, "
-        f"{cfg.optim.name} lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup}, {cfg.optim.schedule}; "
-        f"max_seq_length {cfg.data.max_seq_length}",
-        f"- gradients: {how}",
-        f"- pairs: {pairs['pairs']} from {pairs['examples']} training examples "
-        f"({pairs['multi_chunk_examples']} with two or more gold chunks) of {pairs['windows']}: "
-        f"{pairs['pairs_sampled']} of the SFT adapter's sampled answers (temperature "
-        f"{pairs['temperature']}) that were wrong ({pairs['sampled_right']} were right), "
-        f"{pairs['pairs_moved']} gold answers with a boundary moved by one message; sampled in "
-        f"{fmt_minutes(pairs['seconds'])}",
-        f"- evaluation: {task.eval.split} split, greedy, max_tokens {task.eval.max_tokens}, "
-        f"batch {task.eval.batch_size}"
-        + ev.bias_note(task.eval)
-        + ev.constrained_note(task.eval)
-        + ev.shifts_note(task.eval),
-        f"- machine: {platform.system()} {platform.machine()}, {mx.default_device()}, "
-        f"mlx {getattr(mx, '__version__', '?')}",
-        "",
-        f"## Result ({task.eval.split} split, topics never seen in training)",
-        "",
-        ev.table(evals),
-        "",
-    ]
-    lines += ev.detector_lines(evals)
-    steps = _steps(run_dir)
-    if steps:
-        keys = [
-            k for k in ("loss", "reward_margin", "pref_accuracy", "log_odds_ratio") if k in steps[0]
-        ]
-        head, tail = steps[: min(8, len(steps))], steps[-min(8, len(steps)) :]
-        mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-        lines.append(
-            "- training, mean of the first / last 8 steps: "
-            + ", ".join(f"{k} {mean(head, k):.3f} -> {mean(tail, k):.3f}" for k in keys)
-        )
-    lines += [
-        f"- peak memory: training {summary['peak_mem_gb']:.2f} GB"
-        + "".join(
-            f", {k} evaluation {v['peak_mem_gb']:.2f} GB"
-            for k, v in evals.items()
-            if "peak_mem_gb" in v
-        ),
-        f"- wall time: {fmt_minutes(summary['wall_s'])} in all (pairs {fmt_minutes(pairs['seconds'])}, "
-        f"training {fmt_minutes(summary['seconds'])}, "
-        + ", ".join(f"{k} evaluation {fmt_minutes(v['seconds'])}" for k, v in evals.items())
-        + "; SFT alone reused from its run costs nothing here)",
-        "",
-        "Metrics as in `experiments/chunk_seg4/README.md`: ref = the predecessor's chunk-eval (the "
-        "one compared with 95.10), strict = gaps and overlaps also zero the anchors; boundary F1 "
-        "over chunk starts, F1 multi-topic on the conversations with two or more gold chunks.",
-        "",
-    ]
-    rows = {}
-    for name, path in (("sft", run_dir / "eval_sft.jsonl"), (tuned, run_dir / "eval_tuned.jsonl")):
-        if path.is_file():
-            rows[name] = {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
-    if len(rows) == 2:
-        lines += [
-            "## Per case (boundary F1 / ref)",
-            "",
-            f"| case | gold chunks | sft | {tuned} |",
-            "|---|---|---|---|",
-        ]
-        for cid, r in rows[tuned].items():
-            s = rows["sft"].get(cid, {})
-            lines.append(
-                f"| {cid} | {r.get('gold_chunks', '?')} | {ev._fmt(s.get('boundary_f1'), 2)} / "
-                f"{ev._fmt(s.get('ref'))} | {ev._fmt(r.get('boundary_f1'), 2)} / {ev._fmt(r.get('ref'))} |"
-            )
-        lines.append("")
-    lines += [
-        "## Files",
-        "",
-        f"Run directory `{run_dir}`: `adapter/`, `metrics.jsonl`, `summary.json`, `config.yaml`, "
-        "`data/` (the pairs `train.jsonl`, `pairs.json`, the SFT run's cases), per-case "
-        "`eval_sft.jsonl` / `eval_tuned.jsonl`.",
-        "",
-    ]
-    return "\n".join(lines)
+        return pref_report(run, self.cfg, summary, self.evals, self.command)

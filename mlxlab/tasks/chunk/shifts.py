@@ -12,9 +12,9 @@ exchanges on one topic are depends on the conversation: in the chunk dataset's d
 chats they have a median cosine of 0.73 and a topic change 0.55, in realistic chats 0.60 and
 0.23 (experiments/chunk_seg4/topic-shifts.md), so no one fixed threshold serves both.
 `chunk_starts` returns the message indices where chunks start, among the messages a prompt
-shows (mlxlab/data/chunk.py `shown`), the same numbering as the answer's anchors.
+shows (prompt.py `shown`), the same numbering as the answer's anchors.
 
-`eval chunk shifts=all-minilm-l6-v2` (mlxlab/eval/chunk.py `evaluate`) decodes each window under
+`eval chunk shifts=all-minilm-l6-v2` (evaluate.py `evaluate`) decodes each window under
 an answer grammar whose chunks start exactly there: the detector places the boundaries, the
 model writes the labels. The default rule was chosen on a validation build whose topics are
 disjoint from the training and test splits' and on the hand-written realistic chats
@@ -26,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from mlxlab.tasks.chunk.prompt import is_user, shown
+from mlxlab.tasks.chunk.scoring import boundary_f1, case_gold_spans, spans_of
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,14 @@ class Rule:
 
 
 def exchanges(messages: list[dict]) -> list[list[int]]:
-    """Message indices grouped as exchanges: each user message (mlxlab/data/chunk.py `asks`)
+    """Message indices grouped as exchanges: each user message (prompt.py `is_user`)
     opens one, the assistant messages after it join it; leading assistant messages join the
     first."""
-    from mlxlab.data.chunk import asks
 
     out: list[list[int]] = []
     for i, m in enumerate(messages):
-        if asks(m) or not out:
-            if out and not any(asks(messages[j]) for j in out[-1]):
+        if is_user(m) or not out:
+            if out and not any(is_user(messages[j]) for j in out[-1]):
                 out[-1].append(i)  # the leading assistant messages and the first question
             else:
                 out.append([i])
@@ -100,7 +102,6 @@ def chunk_starts(cases: list[dict], model: str, rule: Rule = Rule()) -> list[lis
     """For each case ({messages: [{uuid, sender, text}]}), the indices among its shown messages
     where a chunk starts (`starts_from_vectors`), with embedding model `model` (a zoo name or an
     MLX embedding directory). [] for a case with no shown message. Runs on this thread (MLX)."""
-    from mlxlab.data.chunk import shown
     from mlxlab.embed.model import Embedder
 
     embedder = Embedder(model)
@@ -112,4 +113,29 @@ def chunk_starts(cases: list[dict], model: str, rule: Rule = Rule()) -> list[lis
             continue
         vectors = message_vectors(embedder, msgs)
         out.append(starts_from_vectors(exchanges(msgs), vectors, rule))
+    return out
+
+
+def shift_rule(settings):
+    """The topic-shift detector's `Rule` from EvalSettings' shift_drop, shift_cap, shift_floor."""
+    return Rule(float(settings.shift_drop), float(settings.shift_cap), float(settings.shift_floor))
+
+
+def detector_summary(records: list[dict], starts: list[list[int]]) -> dict:
+    """The topic-shift detector's chunks scored alone against gold (no model): mean boundary F1,
+    over all cases and over those with two or more gold chunks, and chunks per case."""
+    f1s, multi = [], []
+    for case, st in zip(records, starts, strict=True):
+        gold = case_gold_spans(case)
+        if gold is None:
+            continue
+        f1 = boundary_f1(gold, spans_of(st, len(shown(case["messages"]))) if st else [])
+        f1s.append(f1)
+        if len(gold) >= 2:
+            multi.append(f1)
+    out = {"chunks_per_case": sum(map(len, starts)) / max(1, len(starts))}
+    if f1s:
+        out["boundary_f1"] = sum(f1s) / len(f1s)
+    if multi:
+        out["boundary_f1_multi"] = sum(multi) / len(multi)
     return out

@@ -13,7 +13,7 @@ Three sources, all offline and deterministic for a given Python and NumPy:
 
 A topic knows its subject (what a user calls it), a one-line summary, and where it came from;
 labels and user questions are written from those and from the sections' own words
-(mlxlab/data/chunk.py).
+(docs_chats.py).
 """
 
 from __future__ import annotations
