@@ -6,7 +6,8 @@
     python -m mlxlab generate model=tiny-llama --cfg job     # print the resolved config
     python -m mlxlab generate model=DIR image=photo.jpg prompt="What is in this picture?"
 
-Built on mlx-lm's `stream_generate` and samplers; the stats line reports prompt and decode
+Decoded on the decoder's serial path (mlxlab/decode/serial.py: mlx-lm's `generate_step` and
+samplers, the prompt read in steps of 512 tokens); the stats line reports prompt and decode
 tokens/s and peak memory. With `image=`, on a vision-language model (an mlx-vlm directory), the
 prompt and images become one user message, rendered and run as the server runs an image request
 (mlxlab/vision: the images checked, each after its `[Image N]` label, mlx-vlm's generate_step).
@@ -38,16 +39,63 @@ def build_prompt(tokenizer, cfg: GenerateConfig) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+def encode(tokenizer, prompt: str) -> list[int]:
+    """The prompt's token ids as mlx-lm's `stream_generate` makes them: with the tokenizer's
+    special tokens unless the text already begins with its BOS (a rendered chat template)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+
+
 def stream(model, tokenizer, cfg: GenerateConfig) -> Iterator:
-    """mlx-lm GenerationResponse items for `cfg` (text segments, then the final one with stats)."""
+    """(text segment, stats or None) pairs for `cfg` on the decoder's serial path
+    (mlxlab/decode/serial.py); the last pair carries the stats."""
+    import time
+
     import mlx.core as mx
-    from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from mlxlab.decode.batch import Row
+    from mlxlab.decode.serial import run_serial
+    from mlxlab.decode.settings import DecodeSettings
+
+    ids = encode(tokenizer, build_prompt(tokenizer, cfg))
     mx.random.seed(cfg.seed)
     sampler = make_sampler(temp=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-    prompt = build_prompt(tokenizer, cfg)
-    yield from stream_generate(model, tokenizer, prompt, max_tokens=cfg.max_tokens, sampler=sampler)
+    eos = set(tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    segments: list[str] = []
+    times = [time.perf_counter()]
+
+    def feed(token: int, _logprobs) -> str | None:
+        if len(times) == 1:
+            times.append(time.perf_counter())  # the first token: the prompt is read
+        if token in eos:
+            return "stop"
+        detok.add_token(token)
+        segments.append(detok.last_segment)
+        return None
+
+    finish = []
+    row = Row(ids, cfg.max_tokens, feed, lambda f, _t: finish.append(f), sampler=sampler)
+    run_serial(model, row, DecodeSettings())
+    detok.finalize()
+    end = time.perf_counter()
+    first = times[1] if len(times) > 1 else end
+    n = len(row.tokens) - (finish[0] == "stop")
+    for text in segments:
+        yield text, None
+    yield (
+        detok.last_segment,
+        {
+            "prompt_tokens": len(ids),
+            "prompt_tps": round(len(ids) / max(first - times[0], 1e-9), 2),
+            "generation_tokens": n,
+            "generation_tps": round(max(n - 1, 0) / max(end - first, 1e-9), 2),
+            "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
+            "finish_reason": finish[0],
+        },
+    )
 
 
 def stream_images(cfg: GenerateConfig) -> Iterator:
@@ -146,18 +194,11 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
 
         lora_io.load(model, cfg.adapter)
     mx.reset_peak_memory()
-    last = None
-    for last in stream(model, tokenizer, cfg):
-        out.write(last.text)
+    stats = None
+    for text, last in stream(model, tokenizer, cfg):
+        out.write(text)
         out.flush()
-    stats = {
-        "prompt_tokens": last.prompt_tokens,
-        "prompt_tps": round(last.prompt_tps, 2),
-        "generation_tokens": last.generation_tokens,
-        "generation_tps": round(last.generation_tps, 2),
-        "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
-        "finish_reason": last.finish_reason,
-    }
+        stats = last or stats
     out.write("\n")
     log.info(
         f"[prompt: {stats['prompt_tokens']} tokens, {stats['prompt_tps']:.1f} tok/s | "

@@ -289,3 +289,16 @@ def resolve_dtype(name: str):
     if name not in dtypes:
         raise DtypeError(f"unknown dtype {name!r}; choose one of auto, {', '.join(dtypes)}")
     return dtypes[name]
+
+
+def total_memory_bytes() -> int:
+    """The machine's memory (the GPU's working set on Apple silicon, as MLX reports it)."""
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        if info.get("memory_size"):
+            return int(info["memory_size"])
+    except Exception:  # noqa: BLE001 - no device to ask: the host's
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxlab.decode.offline import complete
 from mlxlab.errors import UserError
 from mlxlab.tasks.chunk import (
     dataset,
@@ -1213,7 +1214,7 @@ def test_a_watched_step_counts_once_its_token_is_written(tiny_dir, tmp_path, bat
         return [made[i]]
 
     prompts = [w.prompt for w in windows]
-    ev.generate_all(model, tokenizer, prompts, 6, batch_size, None, constrained)
+    complete(model, tokenizer, prompts, 6, batch_size, None, constrained)
     assert len(made) == len(windows)
     for c in made.values():  # no answer closes within 6 tokens: each was cut at 6
         refused = c.refused()
@@ -1222,11 +1223,11 @@ def test_a_watched_step_counts_once_its_token_is_written(tiny_dir, tmp_path, bat
 
 @pytest.mark.parametrize("batch_size", [2, 1])
 def test_decodes_after_the_first_reuse_the_prompt_kv(tiny_dir, tmp_path, batch_size):
-    """generate_all with a `kv` store: each prompt is prefilled once; a second decode of the
+    """complete with a prompt cache: each prompt is prefilled once; a second decode of the
     same prompts (here under the answer grammar) starts from the stored KV, and both decodes
     give the texts they give without the store."""
     from mlxlab import grammar
-    from mlxlab.serve.engine.prompt_cache import PromptCache
+    from mlxlab.decode.prompt_cache import PromptCache
 
     model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 3)
     windows = win.plan_windows(records, tokenizer, 8192, 2, 4)
@@ -1237,15 +1238,13 @@ def test_decodes_after_the_first_reuse_the_prompt_kv(tiny_dir, tmp_path, batch_s
     def constrained(i):
         return [grammar.constrain(grammars[i], tokenizer, width)]
 
-    plain = ev.generate_all(model, tokenizer, prompts, 12, batch_size)
-    held = ev.generate_all(model, tokenizer, prompts, 12, batch_size, processors=constrained)
+    plain = complete(model, tokenizer, prompts, 12, batch_size)
+    held = complete(model, tokenizer, prompts, 12, batch_size, processors=constrained)
     kv = PromptCache(1 << 30)
-    assert ev.generate_all(model, tokenizer, prompts, 12, batch_size, kv=kv) == plain
+    assert complete(model, tokenizer, prompts, 12, batch_size, cache=kv) == plain
     first = kv.stats()
     assert first["hits"] == 0 and first["entries"] == len(prompts) and first["bytes"] > 0
-    again = ev.generate_all(
-        model, tokenizer, prompts, 12, batch_size, processors=constrained, kv=kv
-    )
+    again = complete(model, tokenizer, prompts, 12, batch_size, processors=constrained, cache=kv)
     assert again == held
     second = kv.stats()
     assert second["hits"] == len(prompts) and second["entries"] == len(prompts)
@@ -1254,11 +1253,11 @@ def test_decodes_after_the_first_reuse_the_prompt_kv(tiny_dir, tmp_path, batch_s
     # one, which the next decode would need first) and are reused by every later decode
     first_bytes = first["bytes"] // len(prompts)
     small = PromptCache(first_bytes * 3 // 2)
-    assert ev.generate_all(model, tokenizer, prompts, 12, batch_size, kv=small) == plain
+    assert complete(model, tokenizer, prompts, 12, batch_size, cache=small) == plain
     kept = small.stats()
     assert kept["entries"] == 1
     for _ in range(2):
-        assert ev.generate_all(model, tokenizer, prompts, 12, batch_size, kv=small) == plain
+        assert complete(model, tokenizer, prompts, 12, batch_size, cache=small) == plain
     shortest = min(len(p) for p in prompts)
     assert small.stats()["entries"] == 1
     assert small.stats()["reused_tokens"] - kept["reused_tokens"] >= 2 * (shortest - 1)

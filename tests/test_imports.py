@@ -1,6 +1,6 @@
 """The package's import graph: no cycles (function-level imports included, so none can hide one;
 modules loaded by name with importlib, as the task registry does, are not edges here), and the
-layers import only downwards."""
+layers import only downwards; no exemptions."""
 
 from __future__ import annotations
 
@@ -88,8 +88,16 @@ def test_the_cycle_finder_finds_one():
         ("mlxlab.models", ("mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
         # the compiled kernel's loader sits below the models that use it
         ("mlxlab.kernels", ("mlxlab.models", "mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
-        # the trainer knows no task, scorer or Hydra (its `train` command entry, train/cli.py, may)
-        ("mlxlab.train", ("mlxlab.tasks", "mlxlab.eval", "mlxlab.serve", "mlxlab.cli")),
+        # the trainer knows no task, no decoder and no server
+        ("mlxlab.train", ("mlxlab.tasks", "mlxlab.serve", "mlxlab.decode")),
+        # the one batched decoder sits below the server and the tasks, above models and LoRA
+        ("mlxlab.decode", ("mlxlab.serve", "mlxlab.tasks", "mlxlab.train", "mlxlab.cli")),
+        # a task sits above the trainer and the decoder, beside the server: it knows neither
+        # the server nor another task
+        ("mlxlab.tasks", ("mlxlab.serve",)),
+        # the registry and the settings every config reads know no command, task or server
+        ("mlxlab.registry", ("mlxlab.tasks", "mlxlab.serve", "mlxlab.train", "mlxlab.cli")),
+        ("mlxlab.config", ("mlxlab.tasks", "mlxlab.serve", "mlxlab.train", "mlxlab.cli")),
         # speech and embeddings sit on models, below the server; models know neither
         ("mlxlab.audio", ("mlxlab.serve", "mlxlab.train", "mlxlab.lora", "mlxlab.embed")),
         ("mlxlab.embed", ("mlxlab.serve", "mlxlab.train", "mlxlab.lora", "mlxlab.audio")),
@@ -97,14 +105,41 @@ def test_the_cycle_finder_finds_one():
     ],
 )
 def test_layers_import_only_downwards(below, above):
-    """Library modules under `below` import nothing under `above` (command entry modules, `*.cli`,
-    sit at the top and are exempt)."""
+    """Modules under `below` import nothing under `above`."""
     graph = import_graph()
     bad = sorted(
         (m, t)
         for m, targets in graph.items()
-        if (m == below or m.startswith(below + ".")) and not m.endswith(".cli")
+        if m == below or m.startswith(below + ".")
         for t in targets
         if t.startswith(above) and not t.startswith(below)
+    )
+    assert not bad, bad
+
+
+def test_only_command_entries_use_the_hydra_glue():
+    """mlxlab/cli.py (Hydra) is imported only by the modules `python -m mlxlab <command>` runs
+    (mlxlab/__main__.py COMMANDS); everything else takes typed dataclasses."""
+    from mlxlab.__main__ import COMMANDS
+
+    entries = {target.partition(":")[0] for target, _ in COMMANDS.values()}
+    graph = import_graph()
+    users = {m for m, targets in graph.items() if "mlxlab.cli" in targets}
+    assert users and users <= entries, sorted(users - entries)
+
+
+def test_no_module_below_a_task_imports_one():
+    """Tasks register themselves (mlxlab/registry.py imports them by name): no module outside a
+    task's package imports it."""
+    graph = import_graph()
+
+    def package(module: str) -> str:  # mlxlab.tasks.chunk.windows -> mlxlab.tasks.chunk
+        return ".".join(module.split(".")[:3])
+
+    bad = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if t.startswith("mlxlab.tasks.") and package(m) != package(t)
     )
     assert not bad, bad

@@ -78,7 +78,7 @@ def lane_tokens(loaded, cfg, ps, max_tokens, join_at, cancel=()):
                 jobs[row].cancelled.set()
         lane.step()
         step += 1
-    assert lane.active == 0 and not lane.rows
+    assert lane.active == 0 and not lane.decoder.rows
     return [results[str(i)] for i in range(len(ps))], lane
 
 
@@ -351,7 +351,7 @@ def test_a_failing_forward_fails_the_batch_and_the_lane_recovers(tiny_dir, monke
     try:
         ps = prompts((8, 12), seed=5)
         good, _ = submit_all(gateway, [Job(ps[0], 6, None, Sampling(temperature=0.0), id="x")])
-        lane = gateway.batch
+        lane = gateway.batch.decoder
         real = lane._decode
 
         def broken():

@@ -13,22 +13,11 @@ at the budget as a second line of defence (`mx.set_memory_limit`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 
+from mlxlab.runtime import total_memory_bytes
+
 RESERVE_BYTES = 256 * 2**20  # interpreter, MLX buffers, one chunk's activations
-
-
-def total_memory_bytes() -> int:
-    import mlx.core as mx
-
-    try:
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        if info.get("memory_size"):
-            return int(info["memory_size"])
-    except Exception:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass

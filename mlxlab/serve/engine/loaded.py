@@ -10,11 +10,11 @@ import threading
 from pathlib import Path
 
 from mlxlab import grammar
+from mlxlab.decode.prompt_cache import PromptCache
 from mlxlab.models.zoo import resolve
 from mlxlab.serve.engine import admission, kv_quant
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.engine.output import think_markers, tool_syntax
-from mlxlab.serve.engine.prompt_cache import PromptCache
 from mlxlab.serve.engine.settings import EngineSettings
 from mlxlab.vision.model import load as load_model
 

@@ -1,5 +1,5 @@
-"""What both lanes do per job, the same way: its adapters, its sampler, the prompt pieces to run
-and cache, and its output side (`RowOutput`: tokens -> Delta events -> one Done)."""
+"""What both lanes do per job, the same way: its adapters, its sampler, its prompt-cache
+namespace, and its output side (`RowOutput`: tokens -> Delta events -> one Done)."""
 
 from __future__ import annotations
 
@@ -69,22 +69,6 @@ def make_sampling(m: Loaded, job: Job):
     if job.grammar is not None:
         processors.append(constrain(job.grammar, m.tokenizer, m.n_vocab))
     return sampler, processors
-
-
-def prompt_segments(job: Job, cached: int) -> list[tuple[int, int, str | None]]:
-    """The pieces of the prompt still to run, as (start, end, prompt-cache checkpoint kind), in
-    both lanes: up to the end of the system prompt ("system": shared by every conversation with
-    it), up to the last token ("user": the prefix of the next turn even when the answer does not
-    re-tokenize the same way), then the last token alone (None: generation starts from it)."""
-    end = len(job.prompt) - 1
-    pieces, at = [], cached
-    if job.checkpoint and at < job.checkpoint < end:
-        pieces.append((at, job.checkpoint, "system"))
-        at = job.checkpoint
-    if at < end:
-        pieces.append((at, end, "user"))
-    pieces.append((end, len(job.prompt), None))
-    return pieces
 
 
 class RowOutput:

@@ -1,23 +1,15 @@
-"""The serial lane: one request at a time, with the prompt cache.
-
-It prefills all but the last prompt token itself, so it can store prompt-cache checkpoints (end
-of the system prompt, end of the prompt), then hands the last token to mlx-lm's `generate_step`.
-A finished request also stores prompt + completion (the cache then holds exactly those tokens:
-`generate_step` feeds each token as it computes the next).
+"""The serial lane: one request at a time on the decoder's serial path (mlxlab/decode/serial.py),
+with the prompt cache; image requests on mlx-vlm's (engine/vision.py). A cancelled job (its
+client gone, or the server aborting it) stops before the next prefill chunk or the next token.
 """
 
 from __future__ import annotations
 
+from mlxlab.decode.batch import Row
+from mlxlab.decode.serial import run_serial
 from mlxlab.serve.engine.jobs import AdapterSpec, Done, Job
 from mlxlab.serve.engine.loaded import Loaded
-from mlxlab.serve.engine.prompt_cache import prefill
-from mlxlab.serve.engine.rows import (
-    RowOutput,
-    cache_namespace,
-    claim_adapters,
-    make_sampling,
-    prompt_segments,
-)
+from mlxlab.serve.engine.rows import RowOutput, cache_namespace, claim_adapters, make_sampling
 from mlxlab.serve.engine.settings import EngineSettings
 from mlxlab.serve.engine.vision import run as run_vision
 
@@ -39,39 +31,28 @@ class SerialLane:
 
     def _run(self, job: Job, ids: AdapterSpec) -> Done:
         import mlx.core as mx
-        from mlx_lm.generate import generate_step
 
         m = self.m
         out = RowOutput(m, job)
-        namespace = cache_namespace(m, ids)
-        cache, cached = m.cache.fetch(namespace, job.prompt)
-        if cache is None:
-            cache = m.kv.make_cache(m.model)
-        job.cached_tokens = cached
-        *pieces, (end, _, _) = prompt_segments(job, cached)
-        for start, stop, kind in pieces:
-            prefill(m.model, cache, job.prompt[start:stop], self.cfg.decode.prefill_step)
-            m.cache.insert(namespace, job.prompt[:stop], cache, kind=kind)
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
         sampler, processors = make_sampling(m, job)
-        steps = generate_step(
-            mx.array(job.prompt[end:]),
-            m.model,
-            max_tokens=job.max_tokens,
+        closed: list[Done] = []
+
+        def done(finish: str, _tokens: list[int]) -> None:
+            closed.append(out.close(finish))
+
+        row = Row(
+            list(job.prompt),
+            job.max_tokens,
+            out.feed,
+            done,
             sampler=sampler,
-            logits_processors=processors,
-            prompt_cache=cache,
-            prefill_step_size=self.cfg.decode.prefill_step,
+            processors=processors,
+            namespace=cache_namespace(m, ids),
+            checkpoint=job.checkpoint or 0,
+            cancelled=job.cancelled.is_set,
+            started=lambda cached: setattr(job, "cached_tokens", cached),
         )
-        finish = None
-        for token, logprobs in steps:
-            finish = out.feed(int(token), logprobs)  # the token is in the cache already (one ahead)
-            if finish:
-                break
-        steps.close()
-        done = out.close(finish or "length")  # "length": generate_step ended the loop at max_tokens
-        if done.finish_reason != "cancelled":
-            # The cache holds prompt + every token generated (each was fed as the next one was computed).
-            m.cache.insert(namespace, job.prompt + out.tokens, cache, copy_cache=False)
-        return done
+        run_serial(m.model, row, self.cfg.decode, m.cache, make_cache=m.kv.make_cache)
+        return closed[0]

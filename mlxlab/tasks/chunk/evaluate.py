@@ -2,7 +2,7 @@
 
 `evaluate_model` runs a whole split and writes per-case results (what `eval chunk` and the chunk
 task's base and tuned evaluations call). Each case is read in windows (windows.py
-`plan_windows`), decoded greedily in batches (`generate_all`), the windows' answers merged
+`plan_windows`), decoded greedily in batches (mlxlab/decode `complete`), the windows' answers merged
 (`merge_local`) and the merged answer scored (scoring.py, ref.py). With `constrained` the split
 is decoded a second time under each window's `answer_grammar`: a window where the grammar had to
 overrule the model (it refused the model's own top token somewhere) is merged as unread, as an
@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from mlxlab.decode.settings import PREFILL_STEP
+from mlxlab.decode.offline import complete, reuse_budget
 from mlxlab.tasks.chunk.config import WINDOW_MESSAGES
 from mlxlab.tasks.chunk.grammar import answer_grammar
 from mlxlab.tasks.chunk.metrics import label_similarity, summarize
@@ -46,169 +46,6 @@ def n_vocab(model, tokenizer) -> int:
     return int(getattr(getattr(model, "args", None), "vocab_size", 0) or len(tokenizer._tokenizer))
 
 
-def _batch_decode(
-    model,
-    tokenizer,
-    prompts: list[list[int]],
-    max_tokens: int,
-    processors: list[list] | None,
-    sampler=None,
-    held: list | None = None,
-) -> list[str]:
-    """`batch_generate`'s loop with one list of logits processors per row (its own keyword gives
-    every row the same processors, and a grammar constraint holds one sequence's state).
-    `held`: per row, (a prompt cache, the n prompt tokens it holds: `prefilled`); the row's
-    prefill then runs only the prompt's tokens past n."""
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(
-        model,
-        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-        sampler=sampler,
-        prefill_step_size=PREFILL_STEP,
-    )
-    extra = {}
-    if processors is not None:
-        extra["logits_processors"] = processors
-    if held is not None:
-        extra["caches"] = [c for c, _ in held]
-        extra["all_tokens"] = [list(p[:n]) for p, (_, n) in zip(prompts, held, strict=True)]
-        prompts = [p[n:] for p, (_, n) in zip(prompts, held, strict=True)]
-    try:
-        uids = gen.insert(prompts, [max_tokens] * len(prompts), **extra)
-        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-        while responses := gen.next_generated():
-            for r in responses:
-                if r.finish_reason != "stop":
-                    tokens[r.uid].append(r.token)
-    finally:
-        gen.close()
-    return [tokenizer.decode(tokens[uid]) for uid in uids]
-
-
-KV_NAMESPACE = "chunk eval"
-
-
-def kv_budget() -> int:
-    """The bytes of prompt KV an evaluation keeps for its decodes after the first: a quarter of
-    the machine's memory, at most 4 GiB. gemma3-270m holds at most ~37 KB per prompt token in
-    float32 (18 layers, one KV head of 256; prefilled in steps of PREFILL_STEP, the
-    sliding-window layers keep at most their window plus a step of it). Prompts past the budget are not kept
-    (`prefilled`) and are prefilled again."""
-    from mlxlab.serve.engine.admission import total_memory_bytes
-
-    return min(4 << 30, total_memory_bytes() // 4)
-
-
-def prefilled(model, prompt: list[int], kv) -> tuple[list, int]:
-    """(a prompt cache holding `prompt[:n]`, n = len(prompt) - 1): the longest prefix `kv`
-    (serving's PromptCache) has, the rest run here in steps of PREFILL_STEP tokens (serving's
-    `prefill`). What was run is stored back in `kv` (a copy: the caller's cache is the decode's)
-    only where it fits without evicting anything: every decode walks the prompts in the same
-    order, so evicting would drop the entry the next decode needs first, and with none evicted
-    the first prompts stay and are reused by every decode after."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mlxlab.serve.engine.prompt_cache import prefill
-
-    head = list(prompt[:-1])
-    cache, n = kv.fetch(KV_NAMESPACE, prompt)
-    if cache is None:
-        cache, n = make_prompt_cache(model), 0
-    if n < len(head):
-        prefill(model, cache, head[n:], PREFILL_STEP)
-        mx.clear_cache()
-        kv.insert(KV_NAMESPACE, head, cache, evict=False)
-    return cache, len(head)
-
-
-def generate_all(
-    model,
-    tokenizer,
-    prompts: list[list[int]],
-    max_tokens: int,
-    batch_size: int,
-    progress=None,
-    processors=None,
-    sampler=None,
-    kv=None,
-) -> list[str]:
-    """Completions of token-id prompts, in order: greedy, or drawn by `sampler` (mlx-lm's
-    `make_sampler`; seed MLX's generator first for a repeatable draw).
-
-    batch_size > 1 decodes groups of similar length together with mlx-lm's `batch_generate`
-    (left-padded, so a case's text can differ from its unbatched decode in rare near-ties);
-    batch_size = 1 uses mlx-lm's `generate` one prompt at a time. `processors(i)`, when given,
-    returns prompt i's logits processors (fresh ones: a constraint holds its sequence's state),
-    made when its group starts; the groups then run on mlx-lm's `BatchGenerator` with a list
-    per row. `kv` (serving's `PromptCache`, for one model): each prompt is prefilled on its own
-    (`prefilled`), reusing the KV a decode before stored there for the same prompt, and the
-    decode starts from it; a second decode of the same prompts then skips their prefill. A
-    decode with `kv` prefills one row at a time instead of mlx-lm's batched prefill, so its texts
-    can differ from the decode without it in rare near-ties, as batched ones can from unbatched
-    (at batch size 1 the logits processors then see the prompt's last token as its start: both
-    of ours take the context at their first call as the prompt). The model decodes in eval mode
-    (no dropout) and is put back as it was.
-    """
-    was_training = model.training
-    model.eval()
-    try:
-        return _decode_groups(
-            model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler, kv
-        )
-    finally:
-        model.train(was_training)
-
-
-def _decode_groups(
-    model, tokenizer, prompts, max_tokens, batch_size, progress, processors, sampler, kv=None
-) -> list[str]:
-    """generate_all's loop: length-sorted groups of `batch_size` prompts."""
-    from mlx_lm import batch_generate, generate
-
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    texts: list[str] = [""] * len(prompts)
-    done = 0
-    for at in range(0, len(order), batch_size):
-        group = order[at : at + batch_size]
-        rows = [processors(i) for i in group] if processors else None
-        held = [prefilled(model, prompts[i], kv) for i in group] if kv is not None else None
-        if batch_size == 1:
-            cache, n = held[0] if held else (None, 0)
-            outs = [
-                generate(
-                    model,
-                    tokenizer,
-                    prompts[group[0]][n:],
-                    max_tokens=max_tokens,
-                    logits_processors=rows[0] if rows else None,
-                    sampler=sampler,
-                    prompt_cache=cache,
-                    prefill_step_size=PREFILL_STEP,
-                )
-            ]
-        elif rows or held:
-            outs = _batch_decode(
-                model, tokenizer, [prompts[i] for i in group], max_tokens, rows, sampler, held
-            )
-        else:
-            outs = batch_generate(
-                model,
-                tokenizer,
-                [prompts[i] for i in group],
-                max_tokens=max_tokens,
-                sampler=sampler,
-                prefill_step_size=PREFILL_STEP,
-            ).texts
-        for i, text in zip(group, outs, strict=True):
-            texts[i] = text
-        done += len(group)
-        if progress:
-            progress(done, len(prompts))
-    return texts
-
-
 def evaluate(
     model,
     tokenizer,
@@ -225,14 +62,14 @@ def evaluate(
     max_messages: int | None = WINDOW_MESSAGES,
 ) -> list[dict]:
     """Greedy-decode each case's windows (`plan_windows`: at most `max_messages` messages and
-    `budget` prompt tokens each; `generate_all`, in eval mode) and score each case on their
+    `budget` prompt tokens each; `decode.offline.complete`, in eval mode) and score each case on their
     merge; one dict per case. `constrained` decodes each window under its `answer_grammar`,
     recording the steps where the grammar refused the model's own top token
     (`grammar.Constraint.refused`): a window so overruled is merged as unread (`score_windows`).
     `train_labels` (normalised training-set labels) adds the share of predicted labels that are
     one of them. `fixed_starts` (per case, the shown messages where chunks start: shifts.py
     `chunk_starts`) decodes each window under the grammar whose chunks start exactly there:
-    only the labels are the model's. `kv`: `generate_all`'s store of prompt KV, shared by the
+    only the labels are the model's. `kv`: the decoder's store of prompt KV, shared by the
     decodes of one model."""
     windows = plan_windows(cases, tokenizer, budget, overlap, max_messages)
     processors = None
@@ -264,7 +101,7 @@ def evaluate(
                 watched[i] = constraint
             return [constraint]
 
-    texts = generate_all(
+    texts = complete(
         model,
         tokenizer,
         [w.prompt for w in windows],
@@ -272,7 +109,7 @@ def evaluate(
         batch_size,
         progress,
         processors,
-        kv=kv,
+        cache=kv,
     )
     refused = [watched.pop(i).refused() for i in range(len(windows))] if watched else None
     return score_windows(cases, windows, texts, train_labels, fixed_starts, refused)
@@ -388,8 +225,8 @@ def evaluate_model(
     """Evaluate `records` (dataset.py `read_split`) with `settings` (EvalSettings), write per-case JSONL to `out`; return the summary (+ seconds, results path).
     With `settings.constrained` the split is decoded again under the answer grammar, written to
     `constrained_path(out)`, and its summary is the summary's "constrained" entry. With more than
-    one decode, each window's prompt is prefilled once (`generate_all`'s `kv`, within
-    `kv_budget`): the held KV counts in the evaluation's peak memory (`peak_mem_gb`, from the
+    one decode, each window's prompt is prefilled once (the decoder's prompt cache, within
+    `reuse_budget`): the held KV counts in the evaluation's peak memory (`peak_mem_gb`, from the
     call's start, the model's weights included)."""
     import mlx.core as mx
 
@@ -400,9 +237,9 @@ def evaluate_model(
 
     kv = None
     if getattr(settings, "constrained", False) or getattr(settings, "shifts", ""):
-        from mlxlab.serve.engine.prompt_cache import PromptCache  # (moves to mlxlab.decode)
+        from mlxlab.decode.prompt_cache import PromptCache
 
-        kv = PromptCache(kv_budget())  # the decodes after the first skip the prefill
+        kv = PromptCache(reuse_budget())  # the decodes after the first skip the prefill
 
     def run(constrained: bool, path: Path, tag: str, fixed_starts=None, t0=None) -> dict:
         t0 = time.perf_counter() if t0 is None else t0

@@ -132,7 +132,7 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from mlxlab.tasks.chunk.evaluate import generate_all
+    from mlxlab.decode.offline import complete
 
     dcfg = _data_config(json.loads((sft_data / "build.json").read_text()))
     cases = json.loads((sft_data / "train.cases.json").read_text())
@@ -149,7 +149,7 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
     ]
     t0 = time.perf_counter()
     mx.random.seed(cfg.seed)
-    texts = generate_all(
+    texts = complete(
         model,
         tokenizer,
         prompts,

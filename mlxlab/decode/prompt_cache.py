@@ -1,16 +1,18 @@
 """The prompt cache: reuse the KV of the longest cached token prefix.
 
-Built on mlx-lm's `LRUPromptCache` (a token trie, byte-capped LRU) with what serving adds:
+Built on mlx-lm's `LRUPromptCache` (a token trie, byte-capped LRU) with what the decoder adds:
 
-- entries are namespaced by (model, adapter spec), so a request never reuses KV computed under
-  another adapter;
+- entries are namespaced (the server's: by model and adapter spec), so a row never reuses KV
+  computed under another adapter;
 - lookups always leave at least one prompt token to run (the logits of the last token are needed);
-- hits, misses, reused tokens and bytes are counted for /stats.
+- hits, misses, reused tokens and bytes are counted (the server's /stats);
+- a store may refuse to evict (`insert(evict=False)`): an evaluation that decodes the same
+  prompts again keeps the first ones it stored instead of cycling through them.
 
 Sliding-window layers (Gemma 3: 512 tokens) keep a rotating cache that cannot be cut back once it
 has wrapped, so an entry longer than the shared prefix is useless to them; mlx-lm's trie then
-falls back to the longest stored *shorter* entry. The engine therefore also stores a checkpoint
-at the end of the system prompt, and every finished request stores prompt + completion, which is
+falls back to the longest stored *shorter* entry. The decoder therefore also stores a checkpoint
+at the end of the system prompt, and every finished row stores prompt + completion, which is
 exactly the prefix of the next turn of a chat.
 """
 
@@ -86,13 +88,17 @@ class PromptCache:
             }
 
 
-def prefill(model, cache, tokens: list[int], step: int) -> None:
+def prefill(model, cache, tokens: list[int], step: int, cancelled=None) -> bool:
     """Run `tokens` into `cache`, `step` tokens a forward pass, on the stream mlx-lm's
     `generate_step` uses (on a CPU the default stream ran this prefill ~4x slower: tiny-gemma3,
-    400 tokens, 2.5 s vs 0.6 s)."""
+    400 tokens, 2.5 s vs 0.6 s). `cancelled()` is asked before each chunk; False when it
+    stopped the prefill (the cache then holds a part of `tokens`)."""
     from mlx_lm.generate import generation_stream
 
     with mx.stream(generation_stream):
         for at in range(0, len(tokens), step):
+            if cancelled is not None and cancelled():
+                return False
             model(mx.array(tokens[at : at + step])[None], cache=cache)
             mx.eval([c.state for c in cache])
+    return True

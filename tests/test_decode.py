@@ -1,0 +1,220 @@
+"""The one decoder (mlxlab/decode): its batched path against mlx-lm's BatchGenerator, its serial
+path against mlx-lm's generate_step, per-row processors and adapters, the prompt cache, the
+rows' callbacks, admission and cancellation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlxlab.decode.batch import BatchDecoder, Row, prompt_pieces
+from mlxlab.decode.offline import complete
+from mlxlab.decode.prompt_cache import PromptCache
+from mlxlab.decode.serial import run_serial
+from mlxlab.decode.settings import DecodeSettings
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    from mlx_lm.utils import load
+
+    return load(str(tiny_dir("gemma3")))
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 8, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _row(prompt, max_tokens, out: dict, key, **kw) -> Row:
+    def done(finish, tokens):
+        out[key] = (finish, list(tokens))
+
+    return Row(list(prompt), max_tokens, lambda t, lp: None, done, **kw)
+
+
+def test_prompt_pieces_end_at_the_checkpoint_and_before_the_last_token():
+    p = list(range(10))
+    assert prompt_pieces(p, 0) == [(0, 9, "user"), (9, 10, None)]
+    assert prompt_pieces(p, 0, 4) == [(0, 4, "system"), (4, 9, "user"), (9, 10, None)]
+    assert prompt_pieces(p, 6, 4) == [(6, 9, "user"), (9, 10, None)]  # the cache reached past it
+    assert prompt_pieces(p, 9) == [(9, 10, None)]
+
+
+@pytest.mark.parametrize("batch_size", [4, 1])
+def test_complete_gives_mlx_lms_greedy_texts(tiny, batch_size):
+    """Batched: mlx-lm's batch_generate, group by group (its schedule: 8 rows prefilled at a
+    time); one at a time: mlx-lm's generate_step."""
+    from mlx_lm import batch_generate
+    from mlx_lm.generate import generate_step
+
+    model, tok = tiny
+    prompts = _prompts(7, seed=1)
+    got = complete(model, tok, prompts, 12, batch_size, tokens=True)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    want = [None] * len(prompts)
+    eos = set(tok.eos_token_ids)
+    for at in range(0, len(order), batch_size):
+        group = order[at : at + batch_size]
+        if batch_size == 1:
+            import mlx.core as mx
+
+            toks = []
+            for t, _ in generate_step(mx.array(prompts[group[0]]), model, max_tokens=12):
+                if int(t) in eos:
+                    break
+                toks.append(int(t))
+            want[group[0]] = toks
+        else:
+            r = batch_generate(
+                model, tok, [prompts[i] for i in group], max_tokens=12, return_token_ids=True
+            )
+            for i, t in zip(group, r.token_ids, strict=True):
+                want[i] = t
+    assert got == want
+
+
+def test_each_row_has_its_own_processors_and_sampler(tiny):
+    """A processor that forbids one token for its row alone: that row never writes it, the
+    others are the plain decode's."""
+    import mlx.core as mx
+
+    model, tok = tiny
+    prompts = _prompts(3, seed=2)
+    plain = complete(model, tok, prompts, 8, 3, tokens=True)
+    banned = plain[1][0]
+
+    def ban(tokens, logits):
+        return logits.at[:, banned].add(-mx.inf)
+
+    got = complete(
+        model, tok, prompts, 8, 3, processors=lambda i: [ban] if i == 1 else [], tokens=True
+    )
+    assert got[0] == plain[0] and got[2] == plain[2]
+    assert banned not in got[1] and got[1] != plain[1]
+
+
+def test_the_prompt_cache_serves_a_second_decode_of_the_same_prompts(tiny):
+    model, tok = tiny
+    prompts = _prompts(4, seed=3)
+    cache = PromptCache(1 << 30)
+    first = complete(model, tok, prompts, 6, 4, cache=cache, tokens=True)
+    assert cache.stats()["entries"] == 4 and cache.stats()["hits"] == 0
+    again = complete(model, tok, prompts, 6, 4, cache=cache, tokens=True)
+    assert again == first
+    s = cache.stats()
+    assert s["hits"] == 4 and s["reused_tokens"] == sum(len(p) - 1 for p in prompts)
+    assert s["entries"] == 4  # prompt checkpoints only: no prompt + completion entries
+
+
+def test_namespaces_keep_rows_apart_and_checkpoints_are_stored(tiny):
+    """A row reads only its own namespace's KV; it stores its system checkpoint, its prompt but
+    the last token, and prompt + completion."""
+    model, tok = tiny
+    cache = PromptCache(1 << 30)
+    p = _prompts(1, seed=4, lo=40, hi=40)[0]
+    out: dict = {}
+    d = BatchDecoder(model, set(tok.eos_token_ids), DecodeSettings(batch=2), cache)
+    d.add(_row(p, 4, out, "a", namespace="a", checkpoint=10))
+    d.run()
+    assert cache.stats()["entries"] == 3 and out["a"][0] == "length"
+    seen = []
+    d.add(_row(p, 4, out, "b", namespace="b", started=seen.append))
+    turn = p + out["a"][1] + [5]  # the next turn of a's chat
+    d.add(_row(turn, 4, out, "a2", namespace="a", started=seen.append))
+    d.run()
+    assert seen == [0, len(p) + 4]  # b: nothing; a2: the first row's prompt + completion
+    assert out["b"][1] == out["a"][1]  # and the same answer from its own prefill
+
+
+def test_a_feed_that_stops_and_a_cancelled_row(tiny):
+    model, tok = tiny
+    out: dict = {}
+    prompts = _prompts(3, seed=5)
+    d = BatchDecoder(model, set(tok.eos_token_ids), DecodeSettings(batch=2, prefill_batch=1))
+    stop_after = Row(prompts[0], 20, lambda t, lp: None, lambda f, t: out.update(a=(f, t)))
+    n = [0]
+
+    def feed(token, lp):
+        n[0] += 1
+        return "enough" if n[0] == 3 else None
+
+    stop_after.feed = feed
+    gone = _row(prompts[1], 20, out, "b", cancelled=lambda: True)
+    waiting = _row(prompts[2], 5, out, "c")
+    for row in (stop_after, gone, waiting):
+        d.add(row)
+    d.run()
+    assert out["a"][0] == "enough" and len(out["a"][1]) == 3
+    assert out["b"] == ("cancelled", [])  # never decoded
+    assert out["c"][0] == "length" and len(out["c"][1]) == 5
+    assert d.active == 0 and d.rows_served == 3
+
+
+def test_admission_holds_rows_until_they_fit(tiny):
+    model, tok = tiny
+    out: dict = {}
+    asked = []
+
+    def fits(lengths, copies):
+        asked.append(len(lengths))
+        return len(lengths) <= 2
+
+    d = BatchDecoder(model, set(tok.eos_token_ids), DecodeSettings(batch=4), fits=fits)
+    for i, p in enumerate(_prompts(4, seed=6)):
+        d.add(_row(p, 4, out, i))
+    while d.active:
+        d.step()
+        assert d.running <= 2
+    assert len(out) == 4 and d.memory_waits >= 1 and max(asked) == 3
+
+
+def test_the_serial_path_is_generate_steps_and_stops_within_a_prefill_step(tiny):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, tok = tiny
+    p = _prompts(1, seed=7, lo=50, hi=50)[0]
+    out: dict = {}
+    run_serial(model, _row(p, 10, out, "x"), DecodeSettings(prefill_step=16))
+    want = [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=10)]
+    assert out["x"] == ("length", want)
+    asked = []
+
+    def cancelled():
+        asked.append(1)
+        return len(asked) > 2  # after two prefill steps
+
+    row = _row(p, 10, out, "y", cancelled=cancelled)
+    assert run_serial(model, row, DecodeSettings(prefill_step=16)) == "cancelled"
+    assert out["y"] == ("cancelled", []) and len(asked) == 3
+
+
+def test_per_row_adapters_in_one_batch(tiny_dir, tmp_path):
+    """Rows with different adapters in one batch: each row's tokens are those it gets in a batch
+    of its own adapter (the selection set per forward pass)."""
+    from mlx_lm.utils import load
+
+    from mlxlab.serve.engine.adapters import Adapters
+    from tests.helpers.serve import make_adapter
+
+    model_dir = tiny_dir("llama")
+    model, tok = load(str(model_dir))
+    adapters = Adapters(model, tmp_path)
+    for name, seed in (("a", 1), ("b", 2)):
+        adapters.mount(name, make_adapter(model_dir, tmp_path / name, seed))
+    prompts = _prompts(2, seed=8)
+    eos = set(tok.eos_token_ids)
+
+    def decode(specs):
+        out: dict = {}
+        d = BatchDecoder(model, eos, DecodeSettings(batch=2), selection=adapters.selection)
+        for i, (p, spec) in enumerate(zip(prompts, specs, strict=True)):
+            d.add(_row(p, 6, out, i, adapter=spec))
+        d.run()
+        return [out[i][1] for i in range(len(prompts))]
+
+    mixed = decode([("a",), ("b",)])
+    assert mixed[0] == decode([("a",), ("a",)])[0] and mixed[1] == decode([("b",), ("b",)])[1]
+    assert decode([("a",), ("a",)]) != decode([(), ()])  # the adapters change the answers
