@@ -6,7 +6,7 @@ by a real short training run. Accessibility: axe-core (the axe.min.js that the P
 axe-playwright-python bundles) in the page, no serious or critical violations.
 
 Screenshots of both pages are written to the test's temp dir; `MLXLAB_UPDATE_SCREENSHOTS=1`
-copies them over docs/img/web_chat.png and docs/img/web_runs.png (the README's)."""
+copies them over docs/img/web_chat.png and docs/img/web_runs.png (docs/serving.md's)."""
 
 from __future__ import annotations
 
