@@ -102,51 +102,11 @@ THANKS = [
 
 LABEL_WORDS = 9  # a gold label's most words: under the metric's 12 with room for a longer copy
 
-TRAILING = {
-    "a",
-    "an",
-    "and",
-    "as",
-    "at",
-    "by",
-    "for",
-    "from",
-    "in",
-    "into",
-    "of",
-    "on",
-    "or",
-    "the",
-    "to",
-    "with",
-    "over",
-    "along",
-    "its",
-    "their",
-    "is",
-    "are",
-    "that",
-    "which",
-    "than",
-    "some",
-    "more",
-    "most",
-    "all",
-    "this",
-    "these",
-    "not",
-    "be",
-    "can",
-    "given",
-    "specified",
-    "using",
-    "two",
-    "whose",
-    "where",
-    "when",
-    "like",
-    "efficiently",
-}
+TRAILING = frozenset(
+    "a an and as at by for from in into of on or the to with over along its their is "
+    "are that which than some more most all this these not be can given specified "
+    "using two whose where when like efficiently".split()
+)
 
 # a module summary's opening that says nothing about the module ("This module provides access to")
 BOILERPLATE = re.compile(

@@ -25,35 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 from mlxlab.tasks.chunk.ref import RefScore, schema_share, score_ref
 
-GENERIC = {
-    "chunk",
-    "chunks",
-    "topic",
-    "topics",
-    "misc",
-    "miscellaneous",
-    "other",
-    "others",
-    "general",
-    "discussion",
-    "conversation",
-    "part",
-    "section",
-    "summary",
-    "untitled",
-    "n/a",
-    "na",
-    "none",
-    "unknown",
-    "various",
-    "stuff",
-    "messages",
-    "message",
-    "the",
-    "a",
-    "and",
-    "of",
-}
+GENERIC = frozenset(
+    "chunk chunks topic topics misc miscellaneous other others general discussion "
+    "conversation part section summary untitled n/a na none unknown various stuff "
+    "messages message the a and of".split()
+)
 
 
 def extract_json(text: str):
