@@ -2,6 +2,8 @@
 
 It prefills all but the last prompt token itself, so it can store prompt-cache checkpoints (end
 of the system prompt, end of the prompt), then hands the last token to mlx-lm's `generate_step`.
+A cancelled job (its client gone, or the server aborting it) stops before the next prefill chunk
+or the next token.
 A finished request also stores prompt + completion (the cache then holds exactly those tokens:
 `generate_step` feeds each token as it computes the next).
 """
@@ -50,8 +52,14 @@ class SerialLane:
         job.cached_tokens = cached
         *pieces, (end, _, _) = prompt_segments(job, cached)
         for start, stop, kind in pieces:
-            prefill(m.model, cache, job.prompt[start:stop], self.cfg.prefill_step)
+            # a client gone during a long prompt stops it within a chunk (serve.prefill_step)
+            if not prefill(
+                m.model, cache, job.prompt[start:stop], self.cfg.prefill_step, job.cancelled
+            ):
+                return out.close("cancelled")
             m.cache.insert(namespace, job.prompt[:stop], cache, kind=kind)
+        if job.cancelled.is_set():
+            return out.close("cancelled")
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
         sampler, processors = make_sampling(m, job)
