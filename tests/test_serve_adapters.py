@@ -146,7 +146,10 @@ def test_validation_is_all_or_nothing_and_paths_are_confined(served, root, tmp_p
         and "adapter_config.json" in r.json()["error"]["message"]
         and "adapters.safetensors" in r.json()["error"]["message"]
     )  # every problem listed
-    assert client.post("/v1/adapters", json={"id": "x", "path": "nothing-here"}).status_code == 400
+    missing = client.post("/v1/adapters", json={"id": "x", "path": "nothing-here"})
+    assert (
+        missing.status_code == 404 and missing.json()["error"]["code"] == "adapter_path_not_found"
+    )
     for path in ("../outside", str(tmp_path), "/etc"):
         r = client.post("/v1/adapters", json={"id": "x", "path": path})
         assert r.status_code == 403 and r.json()["error"]["code"] == "outside_adapter_root"

@@ -19,11 +19,13 @@ import logging
 import re
 import uuid
 from collections.abc import Callable
+from typing import Annotated
 
 from fastapi import params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,21 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Shape = Callable[["APIError"], tuple[int, dict]]
+
+
+def _integral(value):
+    """JSON has one kind of number: 16.0 is the integer 16, as JSON Schema's "integer" (which
+    the OpenAPI schema publishes) says; pydantic's strict int would refuse it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+"""An integer field of a request model (strict otherwise: no strings, no booleans)."""
+OptInt = Annotated[int | None, BeforeValidator(_integral)]
+"""An optional one. (Not `Int | None`: pydantic would then write a Field's bounds into the
+JSON schema as `ge`/`le`, which JSON Schema does not know, instead of minimum/maximum.)"""
 
 
 class APIError(Exception):
