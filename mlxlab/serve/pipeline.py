@@ -460,6 +460,8 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         grammar=grammar,
         vision=seen.inputs if seen is not None else None,
         preamble=seen.preamble if seen is not None else "",
+        default_limit=ask.max_tokens is None,
+        slow_s=cfg.read_timeout_s,
     )
 
 

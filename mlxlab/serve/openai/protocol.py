@@ -184,7 +184,12 @@ class Sampled(_Base):
     """Fields shared by every generation request."""
 
     model: str | None = None
-    max_tokens: OptInt = Field(None, ge=1)
+    max_tokens: OptInt = Field(
+        None,
+        ge=1,
+        description="Absent: the server's max_tokens setting (1024 unless configured), cut to "
+        "what the context leaves (not OpenAI's 16 of the legacy completions endpoint)",
+    )
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: OptInt = Field(None, ge=0)
