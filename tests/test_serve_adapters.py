@@ -18,7 +18,7 @@ import mlxlab  # noqa: F401  (BLAS before MLX)
 from mlxlab.lora import apply as lora_apply
 from mlxlab.lora import io as lora_io
 from mlxlab.serve.engine.jobs import Delta, Done, Job, Sampling
-from tests.helpers.serve import make_adapter, make_client
+from tests.helpers.serve import free_port, make_adapter, make_client
 
 PROMPT = [{"role": "user", "content": "What does the zip builtin do?"}]
 
@@ -236,7 +236,7 @@ def test_mount_switch_off_and_start_time_mounts(root, tiny_dir, tmp_path):
             "mlxlab",
             "serve",
             "model=tiny-gemma3",
-            "port=8731",
+            f"port={free_port()}",  # a fixed one may be taken
             f"+adapters.bad={root / 'llama'}",
         ],
         capture_output=True,
