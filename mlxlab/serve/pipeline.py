@@ -510,7 +510,10 @@ async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
         ) from None
 
     async def watch():
-        while (await receive())["type"] != "http.disconnect":
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a connection that cannot be read is a client gone
             pass
         job.cancelled.set()
         events.put_nowait(_GONE)
