@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -67,13 +69,24 @@ def test_non_finite_logits_give_nan_not_a_number():
     assert np.isnan(np.array(kernel()(x[1:2], mx.array([3]))[0])).all()
 
 
-def test_token_ce_uses_the_kernel_and_falls_back(monkeypatch):
+def primitives(tmp_path, out: mx.array) -> set[str]:
+    """The primitives of the graph that computes `out` (before it is evaluated), by name."""
+    dot = tmp_path / "graph.dot"
+    mx.export_to_dot(str(dot), out)
+    return set(re.findall(r'label ="(\w+)"', dot.read_text()))
+
+
+def test_token_ce_uses_the_kernel_and_falls_back(monkeypatch, tmp_path):
     x = mx.random.normal((6, 50))
     labels = mx.random.randint(0, 50, (6,))
+    mx.eval(x, labels)
     fast = losses.token_ce(x, labels)
+    assert "CrossEntropy" in primitives(tmp_path, fast)  # the kernel's primitive computes it
+    mx.eval(fast)
     monkeypatch.setenv("MLXLAB_TRAIN_KERNELS", "off")
     assert kernels.cross_entropy() is None
     slow = losses.token_ce(x, labels)
+    assert "CrossEntropy" not in primitives(tmp_path, slow)  # MLX's own ops
     np.testing.assert_allclose(np.array(fast), np.array(slow), rtol=1e-6, atol=1e-6)
     # other dtypes take MLX's path
     half = losses.token_ce(x.astype(mx.bfloat16), labels)

@@ -10,13 +10,37 @@ from pathlib import Path
 
 import pytest
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (requires-python allows it): tomli, which the dev extra installs there
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _pyproject():
     return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_the_toml_reader_exists_on_every_python_the_package_allows():
+    """These tests read pyproject.toml on every Python that requires-python allows: the standard
+    library's tomllib from 3.11, before it the dev extra's tomli (they used to skip on 3.10)."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = _pyproject()["project"]
+    allowed = SpecifierSet(project["requires-python"])
+    before_tomllib = [v for v in ("3.8", "3.9", "3.10") if v in allowed]
+    dev = [Requirement(r) for r in project["optional-dependencies"]["dev"]]
+    tomli = [r for r in dev if r.name == "tomli"]
+    for version in before_tomllib:
+        assert any(
+            r.marker is None or r.marker.evaluate({"python_version": version}) for r in tomli
+        ), (
+            f"requires-python allows {version}, which has no tomllib: the dev extra needs tomli there"
+        )
+    for r in tomli:  # and only there: 3.11 has tomllib
+        assert r.marker is not None and not r.marker.evaluate({"python_version": "3.11"}), r
 
 
 def test_every_subpackage_is_listed():

@@ -422,6 +422,32 @@ def test_cancelled_job_stops_within_a_step(server):
     assert gateway.stats()["cancelled"] >= 1
 
 
+def test_a_request_without_max_tokens_gets_the_server_default_and_a_long_one_is_logged(
+    server, caplog
+):
+    """/v1/completions with no max_tokens runs up to serve.max_tokens (1024 by default; OpenAI's
+    legacy endpoint stops at 16), and an answer still generating after serve.read_timeout_s is
+    logged once, saying so."""
+    client, gateway = server
+    cfg = client.app.state.cfg
+    job = pipeline.make_job(gateway, cfg, pipeline.Ask(prompt="def f(x):"))
+    assert job.default_limit and job.max_tokens == cfg.max_tokens == 1024
+    assert job.slow_s == cfg.read_timeout_s
+    given = pipeline.make_job(gateway, cfg, pipeline.Ask(prompt="def f(x):", max_tokens=7))
+    assert not given.default_limit and given.max_tokens == 7
+    # the same job, as if its client's timeout were tiny: the warning comes once, mid-answer
+    got, finished = [], threading.Event()
+    job.max_tokens, job.slow_s, job.id = 12, 1e-6, "cmpl-slow"
+    job.sampling = Sampling(temperature=0.0)
+    job.sink = lambda ev: (got.append(ev), isinstance(ev, Done) and finished.set())
+    with caplog.at_level("WARNING", logger="mlxlab.serve.engine.rows"):
+        gateway.submit(job)
+        assert finished.wait(60)
+    slow = [r.getMessage() for r in caplog.records if "cmpl-slow" in r.getMessage()]
+    assert len(slow) == 1, slow
+    assert "past serve.read_timeout_s" in slow[0] and "gave no max_tokens" in slow[0]
+
+
 def test_sampling_precedence(server):
     _, gateway = server
     loaded = gateway.loaded

@@ -18,7 +18,7 @@ import mlxlab  # noqa: F401  (BLAS before MLX)
 from mlxlab.lora import apply as lora_apply
 from mlxlab.lora import io as lora_io
 from mlxlab.serve.engine.jobs import Delta, Done, Job, Sampling
-from tests.helpers.serve import make_adapter, make_client
+from tests.helpers.serve import free_port, make_adapter, make_client
 
 PROMPT = [{"role": "user", "content": "What does the zip builtin do?"}]
 
@@ -146,7 +146,10 @@ def test_validation_is_all_or_nothing_and_paths_are_confined(served, root, tmp_p
         and "adapter_config.json" in r.json()["error"]["message"]
         and "adapters.safetensors" in r.json()["error"]["message"]
     )  # every problem listed
-    assert client.post("/v1/adapters", json={"id": "x", "path": "nothing-here"}).status_code == 400
+    missing = client.post("/v1/adapters", json={"id": "x", "path": "nothing-here"})
+    assert (
+        missing.status_code == 404 and missing.json()["error"]["code"] == "adapter_path_not_found"
+    )
     for path in ("../outside", str(tmp_path), "/etc"):
         r = client.post("/v1/adapters", json={"id": "x", "path": path})
         assert r.status_code == 403 and r.json()["error"]["code"] == "outside_adapter_root"
@@ -233,7 +236,7 @@ def test_mount_switch_off_and_start_time_mounts(root, tiny_dir, tmp_path):
             "mlxlab",
             "serve",
             "model=tiny-gemma3",
-            "port=8731",
+            f"port={free_port()}",  # a fixed one may be taken
             f"+adapters.bad={root / 'llama'}",
         ],
         capture_output=True,

@@ -17,7 +17,14 @@ from mlxlab.serve.engine import kv_quant
 from mlxlab.serve.engine.batch import BatchLane
 from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job, Sampling, parse_adapter_spec
 from mlxlab.serve.engine.loaded import Loaded
-from tests.helpers.serve import SYSTEM, make_adapter, make_client, sse_events, streamed_content
+from tests.helpers.serve import (
+    SYSTEM,
+    free_port,
+    make_adapter,
+    make_client,
+    sse_events,
+    streamed_content,
+)
 
 LENGTHS = (5, 40, 17, 90, 3, 60)
 MAX_TOKENS = (20, 8, 30, 12, 25, 16)
@@ -511,7 +518,8 @@ def test_bad_batch_or_kv_settings_stop_the_server_with_one_line(tiny_dir, arg, m
 
     tiny_dir("gemma3")
     r = subprocess.run(
-        [sys.executable, "-m", "mlxlab", "serve", "model=tiny-gemma3", "port=8732", arg],
+        # a free port: a fixed one may be taken, and the server would stop for that instead
+        [sys.executable, "-m", "mlxlab", "serve", "model=tiny-gemma3", f"port={free_port()}", arg],
         capture_output=True,
         text=True,
         timeout=120,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -684,12 +685,26 @@ def test_port_taken_and_sigterm_drain(served, real_model_dir):
     while time.time() < deadline and not httpx.get(url + "/stats").json()["queue"]["running"]:
         time.sleep(0.05)
     assert httpx.get(url + "/stats").json()["queue"]["running"], "the request never started"
+    # An exchange that keeps the drain waiting however fast the answer above is: a request whose
+    # body has not all arrived (it holds no generation; its client sends the rest, or leaves,
+    # after the probe). Without it, a fast machine finished the answer and exited before a
+    # probe sent 0.3 s after the signal arrived: a refused connection, not a 503.
+    # Its `Expect: 100-continue` makes the server say when the app has it (counted in flight).
+    holder = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60)
+    holder.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    assert holder.recv(64).startswith(b"HTTP/1.1 100"), "the holding request was not read"
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    deadline = time.time() + 30  # the drain is on once /health says so (it answers throughout)
+    while time.time() < deadline and httpx.get(url + "/health").json()["status"] != "draining":
+        time.sleep(0.02)
     refused = httpx.post(
         url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
     )
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    holder.close()
     t.join(300)
     assert "error" not in result, result
     assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] in (

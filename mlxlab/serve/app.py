@@ -11,7 +11,8 @@
 Routers reach the engine through `app.state` (`gateway`, `cfg`, `response_store`, `draining`,
 `in_flight`, `metrics`). Every response carries `X-Request-ID` (the client's, or a new one); each router
 answers its errors in its own protocol's shape (`http.protocol_route`); paths no router has get
-404/405 in the shape `shape_for` picks (the Anthropic one under /v1/messages, else OpenAI's),
+404/405 in the shape `shape_for` picks (the Anthropic one under /v1/messages, else OpenAI's; a
+405 with the `Allow` header listing the path's methods),
 and so do the Host/Origin/API-key refusals of `guard.Guard` and the bodies over
 serve.max_body_mb (413) or slower than serve.read_timeout_s (408), which `http.BodyLimit`
 answers: both before any router runs.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from mlxlab.serve.admin import router as admin
 from mlxlab.serve.anthropic import router as anthropic
@@ -45,6 +47,18 @@ def shape_for(path: str) -> Shape:
     """The error shape for a request no route has answered (yet): the Anthropic shape under its
     prefix, else OpenAI's (which Responses and admin use too)."""
     return anthropic_error_shape if path.startswith("/v1/messages") else error_shape
+
+
+def allowed_methods(routes: list, scope) -> str:
+    """The `Allow` header of a 405: every method of every route whose path matches, across the
+    routers (Starlette names only the first matching route's, and a path such as /v1/adapters
+    has its GET and its POST in two routers)."""
+    methods = set()
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
 
 
 def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> FastAPI:
@@ -80,7 +94,7 @@ def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> 
     )
     app.add_middleware(Requests, metrics=app.state.metrics)
     app.add_middleware(Exchanges, counter=app.state.in_flight)
-    for router in (
+    routers = (
         admin.health_router,
         admin.router,
         admin.admin_router,
@@ -91,14 +105,20 @@ def create_app(cfg: ServeConfig, gateway: Gateway, keys: Keys | None = None) -> 
         web.runs_router,
         audio.router,
         embeddings.router,
-    ):
+    )
+    for router in routers:
         app.include_router(router)
+    routes = [route for router in routers for route in router.routes]
 
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110 15.5.6: the methods the path takes
+            headers["Allow"] = allowed_methods(routes, request.scope) or headers.get("Allow", "")
         return respond(
-            APIError(exc.status_code, str(exc.detail), type=kind), shape_for(request.url.path)
+            APIError(exc.status_code, str(exc.detail), type=kind, headers=headers),
+            shape_for(request.url.path),
         )
 
     @app.exception_handler(Exception)

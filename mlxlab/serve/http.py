@@ -6,9 +6,9 @@ reads each request's body within a size cap and a deadline before the app sees i
 Each protocol owns its error shape: its router is built with `protocol_route(shape)`, where
 `shape(err) -> (status, body)`. The route answers, in that shape: `APIError`s raised by the
 handler, body validation errors (400, the first problem named; a JSON route's body sent under
-another Content-Type is a 400 that says so), a JSON body holding a lone UTF-16 surrogate (400,
-before the handler), unexpected exceptions (500), and, while the server drains, every new request
-(503 + Retry-After).
+another Content-Type is a 400 that says so), a JSON body holding a lone UTF-16 surrogate or a
+NaN/Infinity literal (400 naming the field, before the handler), unexpected exceptions (500),
+and, while the server drains, every new request (503 + Retry-After).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import logging
 import re
 import uuid
 from collections.abc import Callable
+from typing import Annotated
 
 from fastapi import params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,21 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Shape = Callable[["APIError"], tuple[int, dict]]
+
+
+def _integral(value):
+    """JSON has one kind of number: 16.0 is the integer 16, as JSON Schema's "integer" (which
+    the OpenAPI schema publishes) says; pydantic's strict int would refuse it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+"""An integer field of a request model (strict otherwise: no strings, no booleans)."""
+OptInt = Annotated[int | None, BeforeValidator(_integral)]
+"""An optional one. (Not `Int | None`: pydantic would then write a Field's bounds into the
+JSON schema as `ge`/`le`, which JSON Schema does not know, instead of minimum/maximum.)"""
 
 
 class APIError(Exception):
@@ -119,6 +136,49 @@ def unicode_problem(body: bytes) -> APIError | None:
     return None
 
 
+class _Constant:
+    """Where json.loads read a NaN, Infinity or -Infinity literal (`constant_problem`)."""
+
+    def __init__(self, literal: str):
+        self.literal = literal
+
+
+def _where(path: list) -> str:
+    """A body path as the server names fields: `messages[0].content`."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def constant_problem(body: bytes) -> APIError | None:
+    """A 400 naming the field for a JSON body holding NaN, Infinity or -Infinity: Python's
+    json.loads reads them (JSON has no such numbers, RFC 8259 6), and a NaN compares false
+    with every bound, so a field's own check would say something misleading, or nothing. Only a
+    body that holds one of those words (also inside a string: then it is fine) is parsed twice."""
+    if b"NaN" not in body and b"Infinity" not in body:
+        return None
+    try:
+        doc = json.loads(body, parse_constant=_Constant)
+    except (ValueError, RecursionError):  # not JSON, or too deep: the route's own parse says so
+        return None
+    stack: list[tuple[list, object]] = [([], doc)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _Constant):
+            where = _where(path) or "body"
+            return APIError(
+                400,
+                f"{where}: {value.literal} is not a JSON number (JSON has no NaN or Infinity)",
+                param=where if path else None,
+            )
+        if isinstance(value, dict):
+            stack.extend((path + [k], v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((path + [i], v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 def respond(err: APIError, shape: Shape) -> JSONResponse:
     status, body = shape(err)
     return JSONResponse(body, status_code=status, headers=dict(err.headers))
@@ -181,7 +241,8 @@ def protocol_route(
                 kind = request.headers.get("content-type")
                 try:
                     if json_body and is_json_type(kind):
-                        problem = unicode_problem(await request.body())
+                        body = await request.body()
+                        problem = unicode_problem(body) or constant_problem(body)
                         if problem is not None:
                             return respond(problem, shape)
                     return await handler(request)
@@ -200,7 +261,10 @@ def protocol_route(
                         )
                     return respond(validation_error(e), shape)
                 except StarletteHTTPException as e:  # e.g. a body that is not UTF-8
-                    return respond(APIError(e.status_code, str(e.detail)), shape)
+                    return respond(
+                        APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})),
+                        shape,
+                    )
                 except Exception as e:  # noqa: BLE001 - a bug answers 500, the server carries on
                     log.exception("mlxlab serve: %s %s failed", request.method, request.url.path)
                     return respond(
@@ -219,8 +283,22 @@ class InFlight:
         self.count = 0
 
 
+REQUEST_ID = re.compile(rb"[A-Za-z0-9._:+/=@-]{1,128}")
+"""A client's X-Request-ID that is echoed: at most 128 letters, digits and `._:+/=@-` (UUIDs,
+ULIDs, trace ids, base64); anything else is replaced, so a client cannot make the server emit
+arbitrary header content."""
+
+
+def request_id(given: bytes) -> str:
+    """The X-Request-ID of an exchange: the client's when REQUEST_ID takes it, else a new one."""
+    if REQUEST_ID.fullmatch(given):
+        return given.decode("ascii")
+    return f"req_{uuid.uuid4().hex}"
+
+
 class Exchanges:
-    """Pure ASGI middleware: stamps `X-Request-ID` (the client's, or a new one) on every response
+    """Pure ASGI middleware: stamps `X-Request-ID` (the client's, when it is an acceptable id
+    (`REQUEST_ID`), or a new one) on every response
     and counts HTTP exchanges in flight in `counter`. An exchange ends when the app returns: it has
     handed its last body chunk to the server (whose write buffer may still hold it: the drain
     waits for those buffers too) or the client has gone."""
@@ -232,7 +310,7 @@ class Exchanges:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1") or f"req_{uuid.uuid4().hex}"
+        rid = request_id(headers.get(b"x-request-id", b""))
 
         async def stamped(message):
             if message["type"] == "http.response.start":
@@ -240,7 +318,7 @@ class Exchanges:
                     **message,
                     "headers": [
                         *message.get("headers", []),
-                        (b"x-request-id", rid.encode("latin-1")),
+                        (b"x-request-id", rid.encode("ascii")),
                     ],
                 }
             await send(message)

@@ -460,17 +460,27 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         grammar=grammar,
         vision=seen.inputs if seen is not None else None,
         preamble=seen.preamble if seen is not None else "",
+        default_limit=ask.max_tokens is None,
+        slow_s=cfg.read_timeout_s,
     )
 
 
 # --- Job -> events -> encoders -------------------------------------------------------------------
 
 
-async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator[Event]:
+_GONE = object()  # the client of a response that is not streamed left
+
+
+async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
     """Submit `job` and yield its events; the job is cancelled if the consumer goes away.
 
-    `is_disconnected` (an async callable) is polled while waiting, for responses that are not
-    streamed (a streamed response is cancelled by the server when its client leaves).
+    `receive`: the request's ASGI receive, its body already read (`http.BodyLimit`), for a
+    response that is not streamed: a task awaits it while the job runs, and the client leaving
+    (`http.disconnect`: it closed the connection, whether or not it read anything) cancels the
+    job at once, so the engine stops it before its next token or prefill chunk. (A streamed
+    response is cancelled by the server when its client leaves.) This used to poll
+    `request.is_disconnected()` when no event had come for 0.25 s, which a generation sending
+    a token every few milliseconds never gave it: an abandoned answer ran to max_tokens.
     """
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -498,19 +508,23 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
         raise APIError(
             503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
         ) from None
+
+    async def watch():
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a connection that cannot be read is a client gone
+            pass
+        job.cancelled.set()
+        events.put_nowait(_GONE)
+
+    watcher = asyncio.ensure_future(watch()) if receive is not None else None
     preamble = job.preamble  # the image table: sent before the model's first text
     try:
         while True:
-            if is_disconnected is None:
-                ev = await events.get()
-            else:
-                try:
-                    ev = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await is_disconnected():
-                        job.cancelled.set()
-                        return
-                    continue
+            ev = await events.get()
+            if ev is _GONE:
+                return
             if isinstance(ev, Done) and ev.finish_reason == "cancelled" and job.aborted:
                 ev = shutting_down(job.aborted)
             if preamble and not isinstance(ev, Failed):
@@ -521,6 +535,8 @@ async def run(gateway: Gateway, job: Job, is_disconnected=None) -> AsyncIterator
                 return
     finally:
         job.cancelled.set()  # a no-op when the job has finished
+        if watcher is not None:
+            watcher.cancel()
 
 
 class Encoder:
@@ -612,10 +628,11 @@ class Collector(Encoder):
         return "".join(self.parts["reasoning"])
 
 
-async def collect(gateway: Gateway, job: Job, is_disconnected) -> Collector:
-    """Run a job to the end for a response that is not streamed."""
+async def collect(gateway: Gateway, job: Job, receive) -> Collector:
+    """Run a job to the end for a response that is not streamed; `receive`: the request's
+    (`request.receive`), whose disconnect cancels the job (`run`)."""
     got = Collector()
-    async for _ in pump(run(gateway, job, is_disconnected), got):
+    async for _ in pump(run(gateway, job, receive), got):
         pass
     if got.finished is None:
         raise APIError(499, "client closed the request")

@@ -8,8 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field
 class MountRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    path: str = Field(min_length=1)
+    id: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.:-]+$",
+        json_schema_extra={"not": {"enum": ["none", "base"]}},  # what requests say for no adapter
+    )
+    path: str = Field(min_length=1, pattern=r"^[^\x00]+$")  # no NUL: no file name has one
 
 
 class Health(BaseModel):

@@ -159,6 +159,18 @@ async def mount(body: MountRequest, request: Request):
             403, str(e), type="permission_error", param="path", code="outside_adapter_root"
         ) from None
     try:
+        found = path.exists()
+    except OSError:  # e.g. a name too long for the file system: nothing can be there
+        found = False
+    if not found:  # what it names is not there: a 404, as for any missing resource
+        raise APIError(
+            404,
+            f"no adapter directory {body.path!r} under the adapter root {reg.root}",
+            type="not_found_error",
+            param="path",
+            code="adapter_path_not_found",
+        )
+    try:
         mounted = await request.app.state.gateway.call(lambda: reg.mount(body.id, path))
     except UserError as e:
         raise APIError(400, str(e), param="path", code="invalid_adapter") from None

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve import vision
-from mlxlab.serve.http import APIError
+from mlxlab.serve.http import APIError, Int, OptInt
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, text_of
 from mlxlab.serve.structured import Shape, named
 
@@ -93,14 +93,14 @@ class OutputConfig(_Base):
 class MessagesRequest(_Base):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: Int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     stop_sequences: list[str] | None = Field(None, max_length=16)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: OptInt = Field(None, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
     adapter: str | None = None

@@ -31,7 +31,7 @@ async def messages(body: MessagesRequest, request: Request):
     job.id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
         return await pipeline.stream(gateway, job, encode.MessageStream(job.id, cfg.model, job))
-    got = await pipeline.collect(gateway, job, request.is_disconnected)
+    got = await pipeline.collect(gateway, job, request.receive)
     return encode.message_body(job.id, cfg.model, got)
 
 

@@ -6,22 +6,37 @@ Errors in the OpenAI shape."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from mlxlab.serve.http import APIError
+from mlxlab.serve.http import APIError, Int, OptInt
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+_TEXT = {"type": "string", "minLength": 1}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+INPUT_SCHEMA = {
+    "anyOf": [
+        _TEXT,
+        {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_INPUTS},
+        _IDS,
+        {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_INPUTS},
+    ],
+    "description": "A text, texts, a token array or token arrays (ids below the model's "
+    "vocabulary size); none empty",
+}
+"""What `texts_or_ids` accepts, as the OpenAPI schema says it (its checks keep their messages)."""
 
 
 class EmbeddingsRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[Int] | list[list[Int]], WithJsonSchema(INPUT_SCHEMA)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: OptInt = Field(None, ge=1)
     user: str | None = None
     truncate: bool = False
 

@@ -90,6 +90,11 @@ class Job:
     # through mlx-vlm on the serial lane (engine/vision.py), without the prompt cache.
     vision: object | None = None
     preamble: str = ""  # text the answer begins with, before the model's (the image table)
+    # max_tokens was not given: the server's default (serve.max_tokens, clamped to what fits)
+    default_limit: bool = False
+    # Log once when the answer is still generating after this many seconds (serve.read_timeout_s:
+    # a client with a timeout of that order is giving up); 0: never.
+    slow_s: float = 0.0
 
     def abort(self, reason: str) -> None:
         """Stop the job before its next token for a reason of the server's: its client gets

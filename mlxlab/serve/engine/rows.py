@@ -85,6 +85,7 @@ class RowOutput:
         self.ttft = 0.0
         # the logprobs of tokens not yet known to be text or markup (`_send`)
         self.held: list[dict] = []
+        self.slow_logged = False
 
     def _send(self, deltas, lp=None, before: str = "content", final: bool = False) -> None:
         """Sink the parser's (kind, text) deltas with the logprobs of the tokens that made them.
@@ -128,6 +129,8 @@ class RowOutput:
         if not self.tokens:
             self.ttft = time.perf_counter() - self.t0
         self.tokens.append(token)
+        if job.slow_s and not self.slow_logged and time.perf_counter() - self.t0 > job.slow_s:
+            self.log_slow()
         if job.cancelled.is_set():
             return "cancelled"
         if token in self.m.eos:
@@ -147,6 +150,29 @@ class RowOutput:
         self.detok.add_token(token)
         self._send(self.parser.feed(self.detok.last_segment), lp, before)
         return "stop" if self.parser.stopped is not None else None
+
+    def log_slow(self) -> None:
+        """One warning for an answer still generating after `job.slow_s` (serve.read_timeout_s),
+        saying whether its max_tokens was the server's default: a client that sent none (OpenAI's
+        legacy /v1/completions stops at 16) may give up long before it ends."""
+        self.slow_logged = True
+        job = self.job
+        default = (
+            "; the request gave no max_tokens, so the server's default applies (serve.max_tokens, "
+            "clamped to what fits)"
+            if job.default_limit
+            else ""
+        )
+        log.warning(
+            "mlxlab serve: %s has generated for %.1f s (past serve.read_timeout_s=%g), "
+            "%d of max_tokens=%d tokens so far%s",
+            job.id or "a request",
+            time.perf_counter() - self.t0,
+            job.slow_s,
+            len(self.tokens),
+            job.max_tokens,
+            default,
+        )
 
     def close(self, finish: str) -> Done:
         parser = self.parser

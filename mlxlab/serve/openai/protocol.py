@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from mlxlab.serve.http import APIError
+from mlxlab.audio.decode import FORMATS
+from mlxlab.serve.http import APIError, Int, OptInt
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages
 from mlxlab.serve.structured import Shape, named
 
@@ -39,6 +40,141 @@ def error_shape(err: APIError) -> tuple[int, dict]:
 
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
 
+# What the OpenAPI schema says of fields whose checks are code (`WithJsonSchema`: the checks and
+# their messages stay as they are), so that a request the schema allows is refused only for what
+# a schema cannot say: the model (its vocabulary, context, vision), the server's state, or a rule
+# across fields or messages (tests/test_serve_fuzz.py lists those).
+STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+        {"type": "null"},
+    ],
+    "default": None,
+    "description": "A stop sequence, or up to 4 non-empty ones",
+}
+LOGIT_BIAS_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        {"type": "null"},
+    ],
+    "default": None,
+    "description": "Token id (below the model's vocabulary size) -> bias in [-100, 100]",
+}
+_TEXT_PART = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": ["text", "input_text", "output_text"]},
+        "text": {"type": "string"},
+    },
+    "required": ["type", "text"],
+}
+_URL = {"type": "string", "minLength": 1}
+_IMAGE_PARTS = [
+    {
+        "type": "object",
+        "properties": {
+            "type": {"const": "image_url"},
+            "image_url": {
+                "anyOf": [
+                    {"type": "object", "properties": {"url": _URL}, "required": ["url"]},
+                    _URL,
+                ]
+            },
+        },
+        "required": ["type", "image_url"],
+        "description": "An image (a data: URL, or http(s) if allowed), in a user message, for "
+        "a model that reads images",
+    },
+    {
+        "type": "object",
+        "properties": {"type": {"const": "input_image"}, "image_url": _URL},
+        "required": ["type", "image_url"],
+    },
+]
+_AUDIO_PART = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "input_audio"},
+        "input_audio": {
+            "type": "object",
+            "properties": {
+                "data": {"type": "string", "contentEncoding": "base64"},
+                "format": {"enum": list(FORMATS)},
+            },
+            "required": ["data"],
+        },
+    },
+    "required": ["type", "input_audio"],
+    "description": "Audio (serve.stt_model transcribes it)",
+}
+CONTENT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"anyOf": [_TEXT_PART, *_IMAGE_PARTS, _AUDIO_PART]}},
+        {"type": "null"},
+    ],
+    "default": None,
+}
+RESPONSE_FORMAT_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {"type": {"enum": ["text", "json_object"]}},
+            "required": ["type"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                        "description": {"type": ["string", "null"]},
+                        "schema": {"type": ["object", "null"]},
+                        "strict": {"type": ["boolean", "null"]},
+                    },
+                },
+            },
+            "required": ["type", "json_schema"],
+        },
+        {"type": "null"},
+    ],
+    "default": None,
+    "description": "text, json_object, or json_schema with a JSON schema the grammar engine "
+    "compiles",
+}
+TOOL_CHOICE_SCHEMA = {
+    "anyOf": [
+        {"enum": ["auto", "none", "required"]},
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "minLength": 1}},
+                    "required": ["name"],
+                },
+            },
+            "required": ["type", "function"],
+        },
+        {
+            "type": "object",
+            "properties": {"type": {"type": "string", "not": {"const": "function"}}},
+            "required": ["type"],
+            "description": "allowed_tools, or a kind of tool this server does not run (auto)",
+        },
+        {"type": "null"},
+    ],
+    "default": None,
+}
+
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -48,20 +184,28 @@ class Sampled(_Base):
     """Fields shared by every generation request."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: OptInt = Field(
+        None,
+        ge=1,
+        description="Absent: the server's max_tokens setting (1024 unless configured), cut to "
+        "what the context leaves (not OpenAI's 16 of the legacy completions endpoint)",
+    )
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: OptInt = Field(None, ge=0)
     min_p: Unit | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # int64 or uint64
+    seed: OptInt = Field(None, ge=-(2**63), le=2**64 - 1)  # int64 or uint64
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    stop: str | list[str] | None = None
+    logit_bias: Annotated[
+        dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None,
+        WithJsonSchema(LOGIT_BIAS_SCHEMA),
+    ] = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: Int = Field(1, ge=1, le=1)
     user: str | None = None
     adapter: str | None = None
 
@@ -94,7 +238,7 @@ class ToolCall(_Base):
 
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(CONTENT_SCHEMA)] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -190,13 +334,13 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
 
 class ChatRequest(Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: OptInt = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: OptInt = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
+    response_format: Annotated[ResponseFormat | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tool_choice")
@@ -250,12 +394,29 @@ class ChatRequest(Sampled):
         )
 
 
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},  # "" too: the model reads its BOS
+        {
+            "type": "array",
+            "items": {"type": "string"},
+            "minItems": 1,
+            "maxItems": 1,
+        },
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    ],
+    "description": "A text, a list of one text, or token ids (below the vocabulary size)",
+}
+
+
 class CompletionRequest(Sampled):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
-    response_format: ResponseFormat | None = None
+    prompt: Annotated[str | list[str] | list[Int], WithJsonSchema(PROMPT_SCHEMA)]
+    logprobs: OptInt = Field(None, ge=0, le=20)
+    echo: bool = Field(False, json_schema_extra={"const": False, "description": "Not supported"})
+    suffix: str | None = Field(
+        None, json_schema_extra={"anyOf": [{"const": ""}, {"type": "null"}]}
+    )  # not supported
+    response_format: Annotated[ResponseFormat | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
 
     @field_validator("prompt")
     @classmethod

@@ -25,7 +25,7 @@ async def chat(body: ChatRequest, request: Request):
     if body.stream:
         stream = audio.chat_stream(head, body.include_usage(), heard)
         return await pipeline.stream(gateway, job, stream)
-    got = await pipeline.collect(gateway, job, request.is_disconnected)
+    got = await pipeline.collect(gateway, job, request.receive)
     return audio.with_usage(encode.chat_body(head, got, body.logprobs), heard)
 
 
@@ -44,5 +44,5 @@ async def completions(body: CompletionRequest, request: Request):
         return await pipeline.stream(
             gateway, job, encode.CompletionStream(head, body.include_usage())
         )
-    got = await pipeline.collect(gateway, job, request.is_disconnected)
+    got = await pipeline.collect(gateway, job, request.receive)
     return encode.completion_body(head, got)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve import vision
-from mlxlab.serve.http import APIError
+from mlxlab.serve.http import APIError, OptInt
 from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages, text_of
 from mlxlab.serve.structured import Shape, named
 
@@ -63,10 +63,10 @@ class ResponsesRequest(BaseModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: OptInt = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: OptInt = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -77,7 +77,7 @@ class ResponsesRequest(BaseModel):
     adapter: str | None = None
     reasoning: dict[str, Any] | None = None
     include: list[INCLUDABLE] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: OptInt = Field(None, ge=0, le=20)
 
     @property
     def logprobs(self) -> bool:

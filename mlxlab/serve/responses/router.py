@@ -103,7 +103,7 @@ async def create(body: ResponsesRequest, request: Request):
 
     if body.stream:
         return await pipeline.stream(gateway, job, ResponseStream(draft, on_final))
-    got = await pipeline.collect(gateway, job, request.is_disconnected)
+    got = await pipeline.collect(gateway, job, request.receive)
     resp = draft.final(got.finished, got.reasoning, got.content, got.content_logprobs)
     on_final(resp, got.finished, got.content)
     return resp
