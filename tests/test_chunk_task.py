@@ -1322,6 +1322,22 @@ def test_multi_topic_f1_leaves_out_one_topic_cases():
     )
 
 
+def test_chunks_per_case_against_the_gold_and_over_and_under_splits():
+    rows = [
+        {"chunks": 3, "gold_chunks": 1, "wellformed": 100.0},  # over
+        {"chunks": 1, "gold_chunks": 4, "wellformed": 100.0},  # under
+        {"chunks": 2, "gold_chunks": 2, "wellformed": 100.0},
+        {"chunks": 0, "gold_chunks": 2, "wellformed": 0.0},  # no answer: under
+        {"chunks": 2, "wellformed": 100.0},  # no gold: not counted
+    ]
+    s = metrics.summarize(rows)
+    assert (s["chunks_per_case"], s["gold_chunks_per_case"]) == (1.5, 2.25)
+    assert (s["over_split"], s["under_split"]) == (1, 2)
+    text = metrics.table({"m": {**s, "schema": 1, "anchors": 1, "labels": 1}})
+    assert "| 1.50 / 2.25 | 1 / 2 |" in text
+    assert "over_split" not in metrics.summarize([rows[-1]])
+
+
 def test_an_evaluations_time_counts_its_constrained_decode():
     from mlxlab.tasks.chunk.report import eval_seconds, pass_times, wall_line
 

@@ -195,9 +195,10 @@ def score_windows(
         if case.get("chunks") is not None:
             row["gold_chunks"] = len(case["chunks"])
         row.update(score_case(text, uuids, case.get("chunks"), conv).to_dict())
+        obj = extract_json_ref(text)
+        chunks = obj.get("chunks") if isinstance(obj, dict) else None
+        row["chunks"] = len(chunks) if isinstance(chunks, list) else 0
         if train_labels is not None:
-            obj = extract_json_ref(text)
-            chunks = obj.get("chunks") if isinstance(obj, dict) else None
             labs = [c.get("label") for c in chunks or [] if isinstance(c, dict)]
             labs = [x for x in labs if isinstance(x, str)]
             if labs:

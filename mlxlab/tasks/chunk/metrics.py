@@ -62,6 +62,12 @@ def summarize(rows: list[dict]) -> dict:
         out["overruled_windows"] = sum(refused)
         out["windows"] = len(refused)
         out["unread_windows"] = sum(r.get("window_unread", 0) for r in rows)
+    counted = [r for r in rows if r.get("chunks") is not None and r.get("gold_chunks")]
+    if counted:  # how many chunks, against the gold's: over- and under-split cases
+        out["chunks_per_case"] = sum(r["chunks"] for r in counted) / len(counted)
+        out["gold_chunks_per_case"] = sum(r["gold_chunks"] for r in counted) / len(counted)
+        out["over_split"] = sum(r["chunks"] > r["gold_chunks"] for r in counted)
+        out["under_split"] = sum(r["chunks"] < r["gold_chunks"] for r in counted)
     multi = [r["boundary_f1"] for r in rows if r.get("gold_chunks", 0) >= 2]
     if multi:  # on a one-topic case any one-chunk answer has F1 1: these are the telling ones
         out["boundary_f1_multi"] = sum(multi) / len(multi)
@@ -83,10 +89,11 @@ def table(summaries: dict[str, dict]) -> str:
     "shifts" entry (decoded with the topic-shift detector's boundaries) "<name>, shift
     boundaries"."""
     head = (
-        "| model | cases | ref | strict | boundary F1 | F1 multi-topic | exact chunks | label F1 "
-        "| label similarity | memorized labels | schema | anchors | labels |"
+        "| model | cases | ref | strict | boundary F1 | F1 multi-topic | chunks / gold | over / "
+        "under | exact chunks | label F1 | label similarity | memorized labels | schema | anchors "
+        "| labels |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 15]
     rows = []
     for name, s in summaries.items():
         rows.append((name, s))
@@ -97,6 +104,8 @@ def table(summaries: dict[str, dict]) -> str:
         lines.append(
             f"| {name} | {s['cases']} | {fmt(s.get('ref'))} | {s['wellformed']:.1f} | "
             f"{fmt(s.get('boundary_f1'), 3)} | {fmt(s.get('boundary_f1_multi'), 3)} | "
+            f"{fmt(s.get('chunks_per_case'), 2)} / {fmt(s.get('gold_chunks_per_case'), 2)} | "
+            f"{s.get('over_split', '-')} / {s.get('under_split', '-')} | "
             f"{fmt(s.get('exact_match'), 3)} | "
             f"{fmt(s.get('label_f1'), 3)} | {fmt(s.get('label_sim'), 3)} | "
             f"{fmt(s.get('memorized_labels'), 3)} | "
