@@ -1324,10 +1324,10 @@ def test_multi_topic_f1_leaves_out_one_topic_cases():
 
 def test_chunks_per_case_against_the_gold_and_over_and_under_splits():
     rows = [
-        {"chunks": 3, "gold_chunks": 1, "wellformed": 100.0},  # over
-        {"chunks": 1, "gold_chunks": 4, "wellformed": 100.0},  # under
-        {"chunks": 2, "gold_chunks": 2, "wellformed": 100.0},
-        {"chunks": 0, "gold_chunks": 2, "wellformed": 0.0},  # no answer: under
+        {"chunks": 3, "gold_chunks": 1, "wellformed": 100.0, "boundary_f1": 0.0},  # over
+        {"chunks": 1, "gold_chunks": 4, "wellformed": 100.0, "boundary_f1": 0.0},  # under
+        {"chunks": 2, "gold_chunks": 2, "wellformed": 100.0, "boundary_f1": 1.0},
+        {"chunks": 0, "gold_chunks": 2, "wellformed": 0.0, "boundary_f1": 0.0},  # none: under
         {"chunks": 2, "wellformed": 100.0},  # no gold: not counted
     ]
     s = metrics.summarize(rows)
