@@ -11,13 +11,13 @@ chunk dataset). The windows are planned again as the evaluation planned them (`p
 with the budget, overlap and message cap it used: `--window-messages 0` for an adapter of whole
 conversations), so the saved answers line up with them. `--train DIR` (a dataset directory)
 adds the memorized-label share; `--shifts MODEL` re-runs the topic-shift detector for a
-shift-boundaries decode's rows. Prints the summary; `--places` also prints, place by place,
+shift-boundaries decode's rows (`--shifts saved`: the starts its windows' answers were held to). Prints the summary; `--places` also prints, place by place,
 where a window's answer starts a chunk against where gold does (found, missed, false split) and
 the windows whose answers stop short.
 
 `--committed` re-scores the per-case answers committed under experiments/chunk_seg4 (the
-chunk_seg4 dataset rebuilt in a temporary directory; gemma3-270m's tokenizer; all-minilm-l6-v2
-for the shift-boundaries files) and compares every figure with experiments/chunk_seg4/rescored.json,
+chunk_seg4 dataset rebuilt in a temporary directory; gemma3-270m's tokenizer; the shift-boundaries
+files' starts read back from their answers) and compares every figure with experiments/chunk_seg4/rescored.json,
 the figures the code before the chunk package gave (b39fbdc): a refactor must not move them.
 `--write` rewrites that file instead.
 """
@@ -80,7 +80,9 @@ def rescore(rows, cases, tokenizer, budget, overlap, cap, train_labels=None, shi
         texts += outs
         refused += row.get("window_refused") or [[] for _ in outs]
     starts = None
-    if shifts:
+    if shifts == "saved":  # the starts the windows were decoded under: their answers' own
+        starts = saved_starts(cases, windows, texts)
+    elif shifts:
         from mlxlab.tasks.chunk.shifts import chunk_starts
 
         starts = chunk_starts(cases, shifts)
@@ -89,6 +91,21 @@ def rescore(rows, cases, tokenizer, budget, overlap, cap, train_labels=None, shi
         cases, windows, texts, train_labels, starts, refused if constrained else None
     )
     return new, windows
+
+
+def saved_starts(cases, windows, texts) -> list[list[int]]:
+    """A shift-boundaries decode's fixed chunk starts, read back from its windows' answers (the
+    grammar held each window's chunks to them: `window_starts`): per case, every chunk start an
+    answer puts after its window's first message (which every answer starts a chunk at), and
+    message 0."""
+    from mlxlab.tasks.chunk.prompt import conversation_uuid
+    from mlxlab.tasks.chunk.windows import window_chunks
+
+    out = [{0} for _ in cases]
+    for w, text in zip(windows, texts, strict=True):
+        chunks, _, _ = window_chunks(text, w.uuids, conversation_uuid(cases[w.case]))
+        out[w.case] |= {s + w.first for s, _ in chunks if s > 0}
+    return [sorted(s) for s in out]
 
 
 def places(rows: list[dict], cases: list[dict], windows) -> dict:
@@ -150,7 +167,7 @@ def committed(write: bool) -> None:
                 cases = [c for part in source.split("+") for c in read_cases(str(EXP / part))]
             rows = [json.loads(x) for x in (EXP / name).read_text().splitlines() if x.strip()]
             new, _ = rescore(
-                rows, cases, tokenizer, budget, 2, cap, labels, "all-minilm-l6-v2" if shifts else ""
+                rows, cases, tokenizer, budget, 2, cap, labels, "saved" if shifts else ""
             )
             got[name] = figures(new)
     path = EXP / "rescored.json"

