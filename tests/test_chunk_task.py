@@ -883,6 +883,7 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
             "task.eval.max_tokens=6",
             "task.eval.constrained=true",
             "task.eval.shifts=tiny-bert",
+            "task.eval_splits=[valid]",
             "data.max_seq_length=8192",  # the tiny tokenizer takes ~1.4 characters a token
             "iters=2",
             "batch_size=2",
@@ -894,7 +895,9 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
     )
     summary = cli.run(cfg)
     run_dir = tmp_path / "run"
-    assert set(summary["eval"]) == {"base", "tuned"} and summary["eval"]["tuned"]["cases"] == 3
+    assert set(summary["eval"]) == {"base", "tuned", "base, valid", "tuned, valid"}
+    assert summary["eval"]["tuned"]["cases"] == 3 and summary["eval"]["tuned, valid"]["cases"] == 2
+    assert (run_dir / "eval_tuned_valid.jsonl").is_file()
     for name in ("eval_base.jsonl", "eval_tuned.jsonl", "README.md", "data/train.jsonl"):
         assert (run_dir / name).is_file(), name
     text = report.read_text()
@@ -905,9 +908,11 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
         and "wall time" in text
     )
     assert "| base, constrained | 3 |" in text and "| tuned, constrained | 3 |" in text
+    assert "| tuned, valid | 2 |" in text and "| tuned, valid, constrained | 2 |" in text
     assert (run_dir / "eval_tuned.constrained.jsonl").is_file()
     assert "| base, shift boundaries | 3 |" in text and "| tuned, shift boundaries | 3 |" in text
-    assert text.count("the topic-shift detector alone (tiny-bert") == 1
+    assert text.count("the topic-shift detector alone (tiny-bert") == 2  # one per split
+    assert "- base, tuned: the topic-shift detector alone (tiny-bert" in text
     assert "rows marked shift boundaries: tiny-bert sentence vectors" in text
     assert (run_dir / "eval_tuned.shifts.jsonl").is_file()
     # A run directory stands for its final adapter, never a checkpoint.

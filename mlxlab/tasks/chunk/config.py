@@ -275,11 +275,16 @@ class ChunkTaskConfig:
     """With eval.constrained (or eval.shifts), also decode the base model under the answer
     grammar (false saves those passes: the base model writes to max_tokens unconstrained, the
     slowest decode of a run)."""
+    eval_splits: list[str] = field(default_factory=list)
+    """More splits evaluated as `eval.split` is, base and tuned, each its own rows in the report
+    ("tuned, dev (off-domain)"): dev and export with a dataset built with `data.dev`."""
     report: str | None = None
     """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
 
     def __post_init__(self):
         check_choice("task.name", self.name, ("chunk",), "task")
+        for split in self.eval_splits:
+            check_choice("task.eval_splits", split, SPLITS)
 
 
 @dataclass

@@ -18,6 +18,9 @@ from mlxlab.tasks.chunk import dataset
 from mlxlab.tasks.chunk.config import WINDOW_MESSAGES, ChunkTaskConfig, check_window_messages
 from mlxlab.train.job import Hooks, Run
 
+SPLIT_NAMES = {"dev": "dev (off-domain)", "export": "export-like chats"}
+"""How the report names a split's rows."""
+
 log = logging.getLogger(__name__)
 
 
@@ -73,11 +76,20 @@ class ChunkTask(Hooks):
 
             check_model(self.cfg.eval.shifts)
         if self.cfg.eval_base:
-            self.evals["base"] = self.evaluate(run, "base")
+            self.evaluate_splits(run, "base")
 
     def after_training(self, run: Run, summary: dict) -> None:
-        self.evals["tuned"] = self.evaluate(run, "tuned")
+        self.evaluate_splits(run, "tuned")
         summary["eval"] = self.evals
+
+    def evaluate_splits(self, run: Run, which: str) -> None:
+        """`which` on eval.split (its row `which`), then on each of eval_splits (its row
+        "<which>, <split's name>")."""
+        self.evals[which] = self.evaluate(run, which)
+        for split in self.cfg.eval_splits:
+            self.evals[f"{which}, {SPLIT_NAMES.get(split, split)}"] = self.evaluate(
+                run, which, split
+            )
 
     def report_text(self, run: Run, summary: dict) -> str:
         """The run's report (README.md); a subclass's task writes its own."""
@@ -99,17 +111,21 @@ class ChunkTask(Hooks):
             log.info(f"report: {self.cfg.report}")
         log.info(table(self.evals))
 
-    def evaluate(self, run: Run, which: str) -> dict:
-        """Evaluate on the task's split; results in <run>/eval_<which>.jsonl, summary cached in
-        <run>/eval_<which>.json (a resumed run does not evaluate the base model again)."""
+    def evaluate(self, run: Run, which: str, split: str | None = None) -> dict:
+        """Evaluate on the task's split (or `split`); results in <run>/eval_<which>[_<split>].jsonl,
+        summary cached in <run>/eval_<which>[_<split>].json (a resumed run does not evaluate the
+        base model again)."""
         from mlxlab.fsutil import atomic_write_text
         from mlxlab.tasks.chunk.evaluate import evaluate_model
 
-        cached = run.run_dir / f"eval_{which}.json"
+        settings = self.cfg.eval
+        if split is not None:
+            settings = dataclasses.replace(settings, split=split)
+        stem = f"eval_{which}" + (f"_{split}" if split is not None else "")
+        cached = run.run_dir / f"{stem}.json"
         if cached.is_file():
             return json.loads(cached.read_text())
         data_dir = dataset.dataset_dir(run.data.train)
-        settings = self.cfg.eval
         records = dataset.read_split(data_dir, settings)  # a missing or bad split fails here
         if which == "base" and not self.cfg.eval_base_constrained:
             settings = dataclasses.replace(settings, constrained=False, shifts="")
@@ -124,7 +140,7 @@ class ChunkTask(Hooks):
             run.tokenizer,
             records,
             settings,
-            run.run_dir / f"eval_{which}.jsonl",
+            run.run_dir / f"{stem}.jsonl",
             which,
             dataset.training_labels(data_dir),
         )
