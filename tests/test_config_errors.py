@@ -72,7 +72,11 @@ ENUMS = {
 }
 # Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
 TASK_ENUMS = {
-    "chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")},
+    "chunk": {
+        "name": ("chunk",),
+        "eval.split": ("train", "valid", "test"),
+        "eval_splits": ("train", "valid", "test", "dev", "export"),
+    },
     "chunk_pref": {"name": ("chunk_pref",), "eval.split": ("train", "valid", "test")},
 }
 
@@ -182,13 +186,14 @@ TASK_CASES = [(t, p, v) for t, fields in TASK_ENUMS.items() for p, v in fields.i
 )
 def test_bad_task_value_is_a_user_error(task, path, allowed):
     cls = TASKS[task]
+    listed = path.endswith("splits")  # a list of choices: each element is checked
     with pytest.raises(UserError) as e:
-        config.from_dict(cls, nested(path, "bogus"))
+        config.from_dict(cls, nested(path, ["bogus"] if listed else "bogus"))
     message = str(e.value)
     assert "\n" not in message and path.rpartition(".")[2] in message
     assert all(a in message for a in allowed), message
     for value in allowed:
-        config.from_dict(cls, nested(path, value))
+        config.from_dict(cls, nested(path, [value] if listed else value))
 
 
 def test_task_group_options_are_checked_before_hydra():
