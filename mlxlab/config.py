@@ -130,18 +130,24 @@ class ModelsConfig:
     """`python -m mlxlab models list|pull|convert|info`: the model zoo."""
 
     action: str = "list"
-    """list | pull | convert | info (BLAS and device report)."""
+    """list | pull | convert | quantize | info (BLAS and device report)."""
     target: str | None = None
-    """Zoo name for pull, .gguf path for convert."""
+    """Zoo name for pull, .gguf path for convert, any model spec for quantize."""
     out: str | None = None
-    """Output directory for convert (default: the cache)."""
+    """Output directory for convert and quantize (default: the cache)."""
     dtype: str = "bfloat16"
     """dtype of the converted safetensors."""
     force: bool = False
     """Reconvert even if the model is already in the cache."""
+    bits: int = 4
+    """quantize: bits per weight (2, 3, 4, 5, 6, 8; MLX's affine quantization, as mlx_lm.convert -q)."""
+    group_size: int = 64
+    """quantize: weights per scale and bias (32, 64, 128)."""
 
     def __post_init__(self):
-        check_choice("action", self.action, ("list", "pull", "convert", "info"), "models action")
+        check_choice(
+            "action", self.action, ("list", "pull", "convert", "quantize", "info"), "models action"
+        )
         check_choice("dtype", self.dtype, SAVE_DTYPES)
 
 

@@ -187,6 +187,55 @@ def convert_gguf(
     return gguf.convert(path, out, dtype=dtype, force=force)
 
 
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUPS = (32, 64, 128)
+
+
+def quantize(
+    spec: str,
+    bits: int = 4,
+    group_size: int = 64,
+    out: str | Path | None = None,
+    force: bool = False,
+) -> Path:
+    """An MLX-quantized copy of model `spec` (affine, `bits` per weight in groups of
+    `group_size`), written by mlx-lm's own converter exactly as `mlx_lm.convert -q` writes it
+    (linears and embeddings whose width the group divides); into `out`, or the cache as
+    `<name>-q<bits>g<group_size>`. Atomic: an interrupted run leaves nothing that loads."""
+    import contextlib
+    import io
+    import json
+
+    if bits not in QUANT_BITS:
+        raise UserError(f"bits={bits}: MLX quantizes to {', '.join(map(str, QUANT_BITS))} bits")
+    if group_size not in QUANT_GROUPS:
+        raise UserError(
+            f"group_size={group_size}: MLX's groups are {', '.join(map(str, QUANT_GROUPS))}"
+        )
+    src = resolve(spec)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization") or config.get("quantization_config"):
+        raise UserError(f"{spec} is quantized already ({src / 'config.json'})")
+    if out is None:
+        name = spec if spec in ZOO else spec.replace("/", "--") if is_repo_id(spec) else src.name
+        out = _writable(models_dir()) / f"{name}-q{bits}g{group_size}"
+    out = Path(out).expanduser()
+    if is_complete(out) and not force:
+        return out
+
+    def write(tmp: Path) -> None:
+        from mlx_lm.convert import convert
+
+        with contextlib.redirect_stdout(io.StringIO()):  # its [INFO] lines
+            convert(str(src), str(tmp / "q"), quantize=True, q_group_size=group_size, q_bits=bits)
+        for f in (tmp / "q").iterdir():
+            os.replace(f, tmp / f.name)
+        (tmp / "q").rmdir()
+
+    log.info(f"quantizing {spec} to {bits} bits, groups of {group_size} -> {out}")
+    return atomic_dir(out, write)
+
+
 # A Hugging Face repo id: `org/name`, each part letters, digits, `-`, `_`, `.` (the Hub's rule).
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 # What mlx-lm fetches of a repo (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS): config, weights, tokenizer.
