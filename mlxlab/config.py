@@ -175,8 +175,13 @@ class LoraToolConfig:
 class LoraConfig:
     """Where and how LoRA adapters are attached."""
 
+    type: str = "lora"
+    """lora | dora (mlx-lm's DoRA: LoRA plus a trained magnitude per output row) | full (the
+    targets' own weights trained, saved as mlx_lm.lora's `full` saves them; rank, scale and
+    dropout unused)."""
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
-    """Projections by short name (q k v o gate up down) or module path (self_attn.q_proj)."""
+    """Projections by short name (q k v o gate up down) or module path (self_attn.q_proj);
+    `all`: every linear of the chosen layers (full: every module with parameters, norms too)."""
     layers: Any = "all"
     """"all", an int N (the last N layers), or a list of layer indices."""
     rank: int = 8
@@ -192,6 +197,7 @@ class LoraConfig:
     reference policy (the model the run starts from)."""
 
     def __post_init__(self):
+        check_choice("lora.type", self.type, ("lora", "dora", "full"))
         if self.rank < 1:
             raise UserError(f"lora.rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
@@ -498,6 +504,9 @@ class DiagConfig:
     when that is lossless, as for zoo models: half the bytes of the step's largest read, for
     half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
     rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    lora_type: str = "lora"
+    """parity, memory: lora | dora | full (what is trained: mlx-lm's LoRALinear, its
+    DoRALinear, or the projections' own weights; parity's random adapter is of this kind)."""
     objective: str = "sft"
     """parity: the loss checked: sft (against mlx-lm's default_loss), dpo or orpo (on one pair,
     against a straightforward implementation on mlx-lm's model: per-token log-probs from its
@@ -513,6 +522,7 @@ class DiagConfig:
             "action", self.action, ("parity", "leak", "memory", "decode", "profile"), "diag action"
         )
         check_choice("objective", self.objective, ("sft", "dpo", "orpo"))
+        check_choice("lora_type", self.lora_type, ("lora", "dora", "full"))
         if self.batch_size < 1 or self.steps_timed < 1:
             raise UserError("batch_size and steps_timed must be >= 1")
         if not 0.0 < self.trained <= 1.0:

@@ -31,7 +31,7 @@ def _optimizers() -> tuple[str, ...]:
 ENUMS = {
     "generate": {"dtype": DTYPES, "decode_head": ("auto", "exact", "bfloat16")},
     "models": {
-        "action": ("list", "pull", "convert", "info"),
+        "action": ("list", "pull", "convert", "quantize", "info"),
         "dtype": ("float32", "bfloat16", "float16"),
     },
     "lora": {"action": ("check", "fuse"), "dtype": DTYPES},
@@ -44,6 +44,7 @@ ENUMS = {
         "backward.mode": ("full", "checkpoint", "segmented"),
         "backward.plan": ("size", "auto"),
         "objective": ("sft", "dpo", "orpo"),
+        "lora.type": ("lora", "dora", "full"),
         "dpo.loss": ("sigmoid", "ipo"),
         "dist.backend": ("any", "ring", "mpi", "jaccl", "nccl"),
     },

@@ -128,7 +128,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_quantized_training_modes_resume_and_mlx_lm_parity(quant_dir, tmp_path):
-    """Training on a 4-bit base: the three backward modes give the same losses and adapter
+    """Training on a 4-bit base: the full and segmented backward give the same losses and adapter
     bytes; a run resumed from its step-2 checkpoint ends on the same adapter; mlx-lm loads the
     adapter onto the same quantized model with equal logits."""
     import mlx.core as mx
@@ -139,13 +139,13 @@ def test_quantized_training_modes_resume_and_mlx_lm_parity(quant_dir, tmp_path):
     qdir = str(quant_dir("gemma3", 4, 32))
     runs = {
         mode: run(_cfg(tmp_path / mode, qdir, backward=BackwardConfig(mode=mode, segment_size=2)))
-        for mode in ("full", "checkpoint", "segmented")
+        for mode in ("full", "segmented")  # checkpoint: the gradient tests above
     }
     losses = {m: _losses(Path(s["adapter"]).parent) for m, s in runs.items()}
-    assert losses["full"] == losses["checkpoint"] == losses["segmented"]
+    assert losses["full"] == losses["segmented"]
     assert losses["full"][4] < losses["full"][1]
     blobs = {m: (Path(s["adapter"]) / "adapters.safetensors").read_bytes() for m, s in runs.items()}
-    assert blobs["full"] == blobs["checkpoint"] == blobs["segmented"]
+    assert blobs["full"] == blobs["segmented"]
 
     # killed after its step-2 checkpoint (a run of 3 steps stands for it), then resumed to 4
     part = run(_cfg(tmp_path / "resumed", qdir, iters=3, save_every=2))
