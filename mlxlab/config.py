@@ -153,22 +153,28 @@ class ModelsConfig:
 
 @dataclass
 class LoraToolConfig:
-    """`python -m mlxlab lora fuse|check`: adapters outside training."""
+    """`python -m mlxlab lora check|fuse|export|import`: adapters outside training."""
 
     action: str = "check"
-    """check (validate an adapter against a model) | fuse (merge it and save a model dir)."""
+    """check (validate an adapter against a model) | fuse (merge it and save a model dir) |
+    export (to another format) | import (a PEFT adapter into mlx-lm's layout)."""
     model: str = DEFAULT_MODEL
     """The base model the adapter was trained on."""
     adapter: str | None = None
-    """Adapter directory."""
+    """Adapter directory (import: the PEFT adapter directory)."""
     out: str | None = None
-    """Output model directory for fuse."""
+    """fuse: the model directory; export: the PEFT directory or the .gguf file; import: the
+    adapter directory."""
     dtype: str = "bfloat16"
     """dtype of the fused model's saved weights (auto: the compute dtype, float32 on a CPU)."""
+    format: str = "peft"
+    """export: peft (transformers + peft: adapter_config.json, adapter_model.safetensors) | gguf
+    (a llama.cpp LoRA adapter, `--lora`)."""
 
     def __post_init__(self):
-        check_choice("action", self.action, ("check", "fuse"), "lora action")
+        check_choice("action", self.action, ("check", "fuse", "export", "import"), "lora action")
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("format", self.format, ("peft", "gguf"))
 
 
 @dataclass

@@ -34,7 +34,11 @@ ENUMS = {
         "action": ("list", "pull", "convert", "quantize", "info"),
         "dtype": ("float32", "bfloat16", "float16"),
     },
-    "lora": {"action": ("check", "fuse"), "dtype": DTYPES},
+    "lora": {
+        "action": ("check", "fuse", "export", "import"),
+        "dtype": DTYPES,
+        "format": ("peft", "gguf"),
+    },
     "train": {
         "dtype": DTYPES,
         "wandb": ("offline", "online", "disabled"),
@@ -54,6 +58,7 @@ ENUMS = {
         "decode_head": ("auto", "exact", "bfloat16"),
         "mode": ("full", "checkpoint", "segmented"),
         "modes": ("full", "checkpoint", "seg1", "seg12", "auto", "mlx_lm", "mlx_lm_gc"),
+        "lora_type": ("lora", "dora", "full"),
         "objective": ("sft", "dpo", "orpo"),
         "dpo.loss": ("sigmoid", "ipo"),
     },
