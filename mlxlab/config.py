@@ -99,10 +99,11 @@ class GenerateConfig:
     adapter: str | None = None
     """LoRA adapter directory (mlxlab's or mlx-lm's layout) to apply."""
     decode_head: str = "auto"
-    """What the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
-    when that is lossless, as for zoo models: half the bytes of the step's largest read, for
-    half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
-    rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    """What decode steps read on the CPU: auto (bf16 copies of the LM head and every other
+    linear, read with float32 sums, where that is lossless, as for zoo models: half the bytes of
+    a step, for half the weights' size in memory), exact (the float32 weights), or bfloat16 (the
+    head's copy even where it rounds: opt-in, approximate; `diag decode decode_head=bfloat16`
+    measures it)."""
     image: Any = None
     """Image file(s) for a vision-language model (JPEG, PNG, GIF, WebP): `image=photo.jpg` or
     `image=[a.png,b.png]`; the prompt becomes a user message with them (as `chat=true`)."""

@@ -74,9 +74,16 @@ def _timed(fn) -> float:
 
 
 def _nbytes(module) -> int:
+    """The bytes a decode step reads from `module`'s parameters: a decode module's weight as it
+    reads it (its bf16 copy, when it has one: models/fastdecode.py)."""
     from mlx.utils import tree_flatten
 
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    from mlxlab.models.fastdecode import _DecodeWeight
+
+    n = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    if isinstance(module, _DecodeWeight):
+        n += module._decode_weight().nbytes - module["weight"].nbytes
+    return n
 
 
 class _Clock:
@@ -347,7 +354,7 @@ def run(cfg) -> dict:
     import mlx.core as mx
 
     from mlxlab import kernels
-    from mlxlab.models.fastdecode import head_reads, lm_head
+    from mlxlab.models.fastdecode import decode_copies, head_reads
     from mlxlab.models.zoo import load
     from mlxlab.runtime import blas_report
 
@@ -362,19 +369,11 @@ def run(cfg) -> dict:
     ).split()
     ids = tokenizer.encode(" ".join(words * (cfg.length // 4 + 8)))[: cfg.length]
     report = profile(model, ids, steps=cfg.decode_steps)
-    head = lm_head(model)
     report["decode_head"] = head_reads(model)
+    copies = decode_copies(model)
+    report["bf16_copies"] = copies["copies"]
+    report["copy_mb"] = round(copies["copy_bytes"] / 1e6, 1)
     if report["decode_head"] != "exact":
-        # The step reads the reduced copy instead of the head's own weight.
-        saved = head["weight"].nbytes - head._decode_weight().nbytes
-        report["bytes_read_mb"] = round(report["bytes_read_mb"] - saved / 1e6, 2)
-        report["groups"]["lm head"]["mb"] = round(
-            report["groups"]["lm head"]["mb"] - saved / 1e6, 2
-        )
-        ms = report["groups"]["lm head"]["ms"]
-        report["groups"]["lm head"]["gbps"] = (
-            round(report["groups"]["lm head"]["mb"] / ms, 2) if ms else None
-        )
         text_ids = tokenizer.encode(TEXT)[: max(cfg.length, 64)]
         report["head_copy"] = head_agreement(model, text_ids)
     bw = measure_bandwidth()
@@ -417,7 +416,8 @@ def table(report: dict) -> str:
     lines += [
         f"{'sum of groups':<26}{total:>9.2f}   (instrumented step {report['instrumented_step_ms']:.2f} ms)",
         f"plain step {report['step_ms']:.2f} ms ({report['tok_per_s']:.1f} tok/s), "
-        f"{report['bytes_read_mb']:.0f} MB read",
+        f"{report['bytes_read_mb']:.0f} MB read; {report['bf16_copies']} weights read from bf16 "
+        f"copies ({report['copy_mb']:.0f} MB beside the float32 weights)",
         f"bandwidth {bw['all_threads_gbps']:.1f} GB/s on {bw['threads']} threads "
         f"({bw['one_thread_gbps']:.1f} on one): bound {report['bound_ms']:.2f} ms "
         f"({report['bound_tok_per_s']:.1f} tok/s); the step runs at "

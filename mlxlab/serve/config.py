@@ -33,10 +33,11 @@ class ServeConfig:
     dtype: str = "auto"
     """Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
     decode_head: str = "auto"
-    """What the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
-    when that is lossless, as for zoo models: half the bytes of the step's largest read, for
-    half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
-    rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    """What decode steps read on the CPU: auto (bf16 copies of the LM head and every other
+    linear, read with float32 sums, where that is lossless, as for zoo models: half the bytes of
+    a step, for half the weights' size in memory), exact (the float32 weights), or bfloat16 (the
+    head's copy even where it rounds: opt-in, approximate; `diag decode decode_head=bfloat16`
+    measures it)."""
     host: str = "127.0.0.1"
     """Interface to bind (loopback by default; 0.0.0.0 exposes the server to the network)."""
     port: int = 8090
