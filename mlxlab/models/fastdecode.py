@@ -32,6 +32,7 @@ tried and measured no faster end to end: the compiled call's Python overhead eat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import mlx.core as mx
@@ -48,14 +49,37 @@ BLAS vs kernel): the 262144 x 640 head at 1/2/4/8 rows 97/114/113/116 vs 43/53/6
 wins."""
 
 
+VERIFY_ROWS = 16
+"""Rows (tokens, over every row of the batch) up to which a verify step's products go to the
+kernel (`verifying`): a speculative step checks k draft tokens per row in one forward pass, and
+BLAS's many-row path for those few rows reads the weights at a fraction of the bandwidth. The
+kernel's AVX-512 loops take 8 rows per pass over a weight row, so k + 1 tokens cost little more
+than one; past this many rows BLAS's blocking catches up."""
+
+_verify_rows = 0  # > 0 inside `verifying`
+
+
+@contextlib.contextmanager
+def verifying(rows: int = VERIFY_ROWS):
+    """Within the block, products of up to `rows` rows go to the kernel whatever their tokens per
+    row (a verify step's [B, k + 1] inputs); outside, only one token per row does. The kernel's
+    sum for each row is the same whatever rows it is computed with, so a verified token's
+    products equal a plain step's bit for bit."""
+    global _verify_rows
+    before, _verify_rows = _verify_rows, rows
+    try:
+        yield
+    finally:
+        _verify_rows = before
+
+
 def _one_token_rows(x: mx.array) -> bool:
-    return (
-        x.ndim >= 3
-        and x.shape[-2] == 1
-        and x.shape[-1] > 0
-        and x.size // x.shape[-1] <= MAX_ROWS
-        and mx.default_device() == mx.cpu
-    )
+    if x.ndim < 3 or x.shape[-1] == 0 or mx.default_device() != mx.cpu:
+        return False
+    rows = x.size // x.shape[-1]
+    if x.shape[-2] == 1 and rows <= MAX_ROWS:
+        return True
+    return rows <= _verify_rows
 
 
 def _kernel_applies(x: mx.array, w: mx.array):
