@@ -89,6 +89,8 @@ class Row:
     """Prompt tokens that came from the prompt cache."""
     cache: list | None = None
     pieces: list[list] = field(default_factory=list)  # [tokens, end, kind] still to run
+    speculation: object | None = None
+    """Its drafted and accepted tokens (`speculative.Counts`) when it was decoded speculatively."""
 
     @property
     def length(self) -> int:
