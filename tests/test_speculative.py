@@ -326,3 +326,107 @@ def test_bad_settings_are_one_line_errors():
         spec.check_mode("draft_model", None)
     with pytest.raises(UserError, match="only with speculative=draft_model"):
         spec.check_mode("prompt_lookup", "gemma3-270m")
+
+
+# --- the batched path --------------------------------------------------------------------------
+
+
+def _batch(model, tok, prompts, settings, draft=None, cache=None, selection=None, specs=None):
+    from mlxlab.decode.batch import BatchDecoder
+
+    out: dict = {}
+    d = BatchDecoder(
+        model, set(tok.eos_token_ids), settings, cache, selection=selection, draft_model=draft
+    )
+    for i, p in enumerate(prompts):
+        d.add(
+            Row(
+                list(p),
+                24 + 3 * i,  # rows finish at different steps: others join and leave
+                lambda t, lp: None,
+                lambda f, t, i=i: out.__setitem__(i, (f, list(t))),
+                adapter=specs[i] if specs else (),
+                namespace="n" if cache is not None else None,
+            )
+        )
+    d.run()
+    return [out[i] for i in range(len(prompts))], d.speculation_counts()
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_batched_rows_accept_different_counts_and_decode_as_plain(family, gemma, llama):
+    """Six rows, four at a time, past the sliding window's wrap: a draft made of the model's
+    first layers (a real draft model: rows accept different numbers of its tokens each step),
+    the whole model as its own draft (every draft accepted) and prompt lookup all give the
+    plain batch's tokens."""
+    model, tok = gemma if family == "gemma" else llama
+    layers = len(model.model.layers)
+    prompts = [_prompt(s) for s in range(6)]
+    plain, _ = _batch(model, tok, prompts, DecodeSettings(batch=4))
+    partial = spec.self_draft(model, layers // 2)
+    whole = spec.self_draft(model, layers)
+    for mode, draft in (("draft_model", partial), ("draft_model", whole), ("prompt_lookup", None)):
+        settings = DecodeSettings(batch=4, speculative=mode, draft_tokens=5)
+        got, counts = _batch(model, tok, prompts, settings, draft)
+        assert got == plain, (mode, draft is whole)
+        if draft is whole:
+            assert counts.accepted == counts.drafted > 0
+        elif draft is partial:
+            assert 0 < counts.accepted < counts.drafted
+
+
+def test_batched_speculation_stores_what_plain_decoding_stores(gemma):
+    model, tok = gemma
+    prompts = [_prompt(s, 20, 30) for s in range(3)]
+    entries = {}
+    for mode in ("off", "draft_model"):
+        cache = PromptCache(1 << 26)
+        settings = DecodeSettings(batch=3, speculative=mode, draft_tokens=4)
+        draft = spec.self_draft(model, 3) if mode != "off" else None
+        got, _ = _batch(model, tok, prompts, settings, draft, cache=cache)
+        found = []
+        for p, (_, tokens) in zip(prompts, got, strict=True):
+            kv, n = cache.fetch("n", p + tokens + [0])
+            found.append((tokens, n, [c.offset for c in kv], [c.keys.shape for c in kv]))
+        entries[mode] = found
+    assert entries["off"] == entries["draft_model"]
+    assert all(
+        n == len(p) + len(t) for p, (t, n, _, _) in zip(prompts, entries["off"], strict=True)
+    )
+
+
+def test_each_row_is_verified_under_its_own_adapter(tiny_dir, tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxlab.serve.engine.adapters import Adapters
+    from tests.helpers.serve import make_adapter
+
+    model_dir = tiny_dir("llama")
+    model, tok = load(str(model_dir))
+    adapters = Adapters(model, tmp_path)
+    for name, seed in (("a", 1), ("b", 2)):
+        adapters.mount(name, make_adapter(model_dir, tmp_path / name, seed))
+    prompts = [_prompt(s) for s in (20, 21)]
+    # the whole model as its own draft, sharing its adapters: drafted under each row's own
+    # adapter, every draft is accepted
+    draft = spec.self_draft(model, len(model.model.layers))
+
+    def run(specs, mode):
+        settings = DecodeSettings(batch=2, speculative=mode, draft_tokens=4)
+        got, counts = _batch(
+            model,
+            tok,
+            prompts,
+            settings,
+            draft if mode == "draft_model" else None,
+            selection=adapters.selection,
+            specs=specs,
+        )
+        return [t for _, t in got], counts
+
+    mixed, counts = run([("a",), ("b",)], "draft_model")
+    assert counts.accepted == counts.drafted > 0
+    assert mixed == run([("a",), ("b",)], "off")[0]
+    assert mixed[0] == run([("a",), ("a",)], "off")[0][0]
+    assert mixed[1] == run([("b",), ("b",)], "off")[0][1]
+    assert run([("a",), ("b",)], "prompt_lookup")[0] == mixed

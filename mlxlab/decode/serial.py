@@ -67,7 +67,7 @@ def run_serial(
         )
         row.speculation = drafter.counts
         finish = speculative.run(model, row, kv, drafter, row.prompt[end])
-        return _finish(row, finish, cache, kv, evict)
+        return _finish(row, finish, cache, speculative.compact(kv), evict)
     steps = generate_step(
         mx.array(row.prompt[end:]),
         model,

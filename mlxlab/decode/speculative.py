@@ -300,12 +300,11 @@ class Drafter:
 def make_drafter(
     mode: str,
     limit: int,
-    prompt: Sequence[int],
     processors,
     draft_model=None,
     prefill_step: int = 512,
 ):
-    """The row's Drafter for `mode` (None when off)."""
+    """A row's Drafter for `mode` (None when off); its text is handed to `extend`."""
     if mode == "off":
         return None
     grammars = [p for p in processors or [] if hasattr(p, "draft") and hasattr(p, "rewind")]
@@ -353,6 +352,24 @@ def rollback(cache: list, n: int) -> None:
                 raise ValueError(f"cannot roll back {n} tokens of {type(c).__name__}")
         else:
             raise ValueError(f"speculative decoding cannot roll back a {type(c).__name__}")
+
+
+def compact(cache: list) -> list:
+    """A one-row cache as a plain decode leaves it, for the prompt cache: a KVCache's buffer cut
+    at its offset (a rollback only moves the offset back), a rotating cache's at its window (a
+    multi-token update keeps max_size - 1 older tokens beside the new ones). The tokens a later
+    request sees are the same either way; the stored entry's bytes are then the plain one's."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    for c in cache:
+        if type(c) is KVCache and c.keys is not None and c.keys.shape[2] > c.offset:
+            c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        elif isinstance(c, RotatingKVCache) and c.keys is not None:
+            keys, values, offset, keep, max_size, idx = c.state
+            if idx == keys.shape[2] and keys.shape[2] > max_size and keep == 0:
+                keys, values = keys[..., -max_size:, :], values[..., -max_size:, :]
+                c.state = (keys, values, offset, keep, max_size, max_size)
+    return cache
 
 
 def rollback_rows(cache: list, rejected: list[int]) -> None:
@@ -490,3 +507,89 @@ def run(model, row, kv, drafter: Drafter, last: int) -> str:
                     return finish
             drafter.extend([t for t, _ in written])
             head, pending_lp = samples[a], logprobs[a]
+
+
+# --- the batched path --------------------------------------------------------------------------
+
+
+@dataclass
+class Written:
+    """What one row of a batched verify step wrote: (token, logprobs) in order, the finish
+    reason mlx-lm's stop rules gave (max_tokens, a stop token) at the last of them, and its
+    cache when it finished there (already cut to end at that token)."""
+
+    tokens: list[tuple[int, object]]
+    finish: str | None = None
+    fed: int = 1
+    """Tokens of this step now in the row's cache (its pending token and the accepted drafts,
+    some of which may follow the finishing token)."""
+    cache: list | None = None
+
+
+def verify_batch(
+    model, gen, drafts: list[list[int]], forced: list[int], drafters: list
+) -> list[Written]:
+    """One speculative step of mlx-lm's GenerationBatch `gen`: each row feeds its pending token
+    (`gen._next_tokens`, sampled and not yet fed) and its drafts ([B, L], rows with fewer drafts
+    padded; the padding is rejected like a wrong draft), samples every position with its own
+    processors and sampler, keeps the drafts its samples confirm, rolls the rest back row by row
+    (`rollback_rows`), and leaves `gen` as its own `next()` would have: the cache holding every
+    token written, `tokens`, the processors' token buffers, the stop matchers and token counts
+    advanced, and `_next_tokens` the rows' next pending tokens. Rows mlx-lm's rules finish are
+    not filtered out here; the caller does that with its own finishes. Returns what each row
+    wrote (its pending token first)."""
+    import mlx.core as mx
+
+    pending = gen._next_tokens.tolist()
+    n = len(pending)
+    width = 1 + max(len(d) for d in drafts)
+    inputs = [[p] + d + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
+    logits = forward(model, inputs, gen.prompt_cache)
+    procs = gen.logits_processors or [[] for _ in range(n)]
+    logprobs = [
+        process(logits[i, : 1 + len(drafts[i])], procs[i], gen.tokens[i], [pending[i]] + drafts[i])
+        for i in range(n)
+    ]
+    samplers = [s or gen.fallback_sampler for s in (gen.samplers or [None] * n)]
+    samples: list = [None] * n
+    for s in {id(s): s for s in samplers}.values():  # one call per distinct sampler
+        rows = [i for i in range(n) if samplers[i] is s]
+        out = s(mx.concatenate([logprobs[i] for i in rows], axis=0))
+        at = 0
+        for i in rows:
+            samples[i] = out[at : at + logprobs[i].shape[0]]
+            at += logprobs[i].shape[0]
+    mx.eval(samples)
+    samples = [s.tolist() for s in samples]
+    accepted_n = [accepted(samples[i], drafts[i]) for i in range(n)]
+    rollback_rows(gen.prompt_cache, [width - 1 - a for a in accepted_n])
+
+    results = []
+    nxt, nxt_lp = [], []
+    for i in range(n):
+        a = accepted_n[i]
+        rewind(procs[i], len(drafts[i]) - a)
+        drafters[i].settle(len(drafts[i]), a, forced[i])
+        written = [(pending[i], gen._next_logprobs[i])] + [
+            (drafts[i][j], logprobs[i][j]) for j in range(a)
+        ]
+        tokens = [t for t, _ in written]
+        gen.tokens[i].extend(tokens)
+        gen._token_context[i].update_and_fetch(mx.array(tokens))
+        finish = None
+        fed = len(tokens)
+        for j, t in enumerate(tokens):
+            gen._num_tokens[i] += 1
+            if gen._num_tokens[i] >= gen.max_tokens[i]:
+                finish = "length"
+            if gen._matchers[i].advance(t):
+                finish = "stop"
+            if finish is not None:
+                written = written[: j + 1]
+                break
+        results.append(Written(written, finish, fed))
+        nxt.append(samples[i][a])
+        nxt_lp.append(logprobs[i][a])
+    gen._next_tokens = mx.array(nxt)
+    gen._next_logprobs = nxt_lp
+    return results
