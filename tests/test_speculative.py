@@ -430,3 +430,71 @@ def test_each_row_is_verified_under_its_own_adapter(tiny_dir, tmp_path):
     assert mixed[0] == run([("a",), ("a",)], "off")[0][0]
     assert mixed[1] == run([("b",), ("b",)], "off")[0][1]
     assert run([("a",), ("b",)], "prompt_lookup")[0] == mixed
+
+
+# --- grammars ----------------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "size": {"type": "integer"},
+    },
+    "required": ["name", "tags", "size"],
+}
+
+
+def _width(model, tok):
+    return max(model.model.embed_tokens.weight.shape[0], len(tok._tokenizer))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("watch", [False, True])
+def test_constrained_rows_fast_forward_and_decode_as_plain(gemma, batch_size, watch):
+    """Under a JSON schema the grammar forces keys and punctuation: those are drafted first
+    (llguidance's fast-forward) and cost no step of their own; drafts the grammar refuses are
+    cut before they are verified. Texts, and where a watching constraint saw the grammar refuse
+    the model's top token, equal the plain decode's."""
+    from mlxlab import grammar
+    from mlxlab.decode.offline import complete
+
+    model, tok = gemma
+    width = _width(model, tok)
+    g = grammar.json_schema(SCHEMA)
+    prompts = [_prompt(s) for s in range(3)]
+    made: dict = {}
+
+    def run(mode):
+        def processors(i):
+            made[(mode, i)] = grammar.constrain(g, tok, width, watch=watch)
+            return [made[(mode, i)]]
+
+        counts = spec.Counts()
+        texts = complete(
+            model, tok, prompts, 40, batch_size, None, processors, speculative=mode, counts=counts
+        )
+        return texts, counts
+
+    plain, _ = run("off")
+    ours, counts = run("prompt_lookup")
+    assert ours == plain
+    assert counts.forced > 0 and counts.accepted >= counts.forced
+    if watch:
+        for i in range(len(prompts)):
+            assert made[("prompt_lookup", i)].refused() == made[("off", i)].refused()
+
+
+def test_a_constraint_drafts_its_forced_tokens_then_what_it_allows(gemma):
+    from mlxlab import grammar
+
+    model, tok = gemma
+    c = grammar.constrain(grammar.json_schema(SCHEMA), tok, _width(model, tok))
+    want = tok.encode('{"name":', add_special_tokens=False)
+    ok = tok.encode(' "ab"', add_special_tokens=False)
+    bad = tok.encode("}", add_special_tokens=False)  # "tags" and "size" are required
+    drafts, forced = c.draft([], 12, lambda forced, n: ok + bad + ok)
+    assert drafts[:forced] == want  # the key is forced
+    assert drafts == want + ok  # the drafter's tokens, cut before the refused "}"
+    assert c.draft([], 12, lambda f, n: []) == (want, len(want))  # the matcher is unchanged
+    assert c.allowed_prefix([], want + ok + bad) == len(want + ok)
