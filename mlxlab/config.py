@@ -104,6 +104,15 @@ class GenerateConfig:
     a step, for half the weights' size in memory), exact (the float32 weights), or bfloat16 (the
     head's copy even where it rounds: opt-in, approximate; `diag decode decode_head=bfloat16`
     measures it)."""
+    speculative: str = "off"
+    """off | prompt_lookup | draft_model: draft tokens (copied from the prompt and the text so
+    far, or from `draft_model`) and verify them k at a time in one forward pass; greedy text is
+    the plain decode's, sampled text keeps its distribution."""
+    draft_tokens: int = 8
+    """Draft tokens verified in one forward pass at most (1..15)."""
+    draft_model: str | None = None
+    """speculative=draft_model's drafts: a model with the same tokenizer, or self:N (the
+    model's own first N layers and its head)."""
     image: Any = None
     """Image file(s) for a vision-language model (JPEG, PNG, GIF, WebP): `image=photo.jpg` or
     `image=[a.png,b.png]`; the prompt becomes a user message with them (as `chat=true`)."""
@@ -111,6 +120,11 @@ class GenerateConfig:
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
+        from mlxlab.decode.speculative import check_mode
+
+        check_mode(self.speculative, self.draft_model)
+        if not 1 <= self.draft_tokens <= 15:
+            raise UserError(f"draft_tokens must be in [1, 15], got {self.draft_tokens}")
         if self.image is not None:
             files = [self.image] if isinstance(self.image, str) else list(self.image)
             if not files or not all(isinstance(f, str) and f for f in files):

@@ -361,7 +361,9 @@ def test_batched_rows_accept_different_counts_and_decode_as_plain(family, gemma,
     plain batch's tokens."""
     model, tok = gemma if family == "gemma" else llama
     layers = len(model.model.layers)
-    prompts = [_prompt(s) for s in range(6)]
+    # lengths far apart: short rows sit behind left padding in rotated sliding-window caches
+    spans = [(3, 5), (40, 45), (10, 12), (80, 90), (2, 3), (50, 60)]
+    prompts = [_prompt(s, lo, hi) for s, (lo, hi) in enumerate(spans)]
     plain, _ = _batch(model, tok, prompts, DecodeSettings(batch=4))
     partial = spec.self_draft(model, layers // 2)
     whole = spec.self_draft(model, layers)

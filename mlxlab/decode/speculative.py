@@ -372,6 +372,23 @@ def compact(cache: list) -> list:
     return cache
 
 
+def temporal_rows(cache: list) -> None:
+    """Put every rotated BatchRotatingKVCache of a batch cache in temporal order (what its own
+    multi-token update does first), before a verify step builds its mask. mlx-lm's `make_mask`
+    for several new tokens reckons the trim the update will make from the rotated buffer's
+    index, while the update trims from the temporally ordered one: on a rotated cache the two
+    differ and a left-padded row's mask is one slot off (it hides the row's first token). mlx-lm
+    itself never feeds several tokens to a rotated batch cache; a verify step does."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    for c in cache:
+        if isinstance(c, BatchRotatingKVCache) and c.rotated:
+            (keys, values, offset, left, max_size, _offset, idx, _) = c.state
+            keys, values = mx.roll(keys, -idx, axis=2), mx.roll(values, -idx, axis=2)
+            c.state = (keys, values, offset, left, max_size, _offset, keys.shape[2], False)
+
+
 def rollback_rows(cache: list, rejected: list[int]) -> None:
     """Per-row rollback of a batch cache right after a multi-token update (mlx-lm's BatchKVCache
     and BatchRotatingKVCache, whose own `trim` drops the same count from every row): every row
@@ -544,6 +561,7 @@ def verify_batch(
     n = len(pending)
     width = 1 + max(len(d) for d in drafts)
     inputs = [[p] + d + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
+    temporal_rows(gen.prompt_cache)
     logits = forward(model, inputs, gen.prompt_cache)
     procs = gen.logits_processors or [[] for _ in range(n)]
     logprobs = [
