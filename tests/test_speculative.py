@@ -500,3 +500,29 @@ def test_a_constraint_drafts_its_forced_tokens_then_what_it_allows(gemma):
     assert drafts == want + ok  # the drafter's tokens, cut before the refused "}"
     assert c.draft([], 12, lambda f, n: []) == (want, len(want))  # the matcher is unchanged
     assert c.allowed_prefix([], want + ok + bad) == len(want + ok)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_the_chunk_evaluation_decodes_as_plain_with_speculation(tiny_dir, tmp_path, batch_size):
+    """The chunk task's decode (answers that copy message uuids from the prompt), constrained
+    and not: every row as without speculation, and the drafted tokens counted."""
+    from mlxlab.tasks.chunk import evaluate as ev
+    from tests.test_chunk_task import _tiny_chunk_cases
+
+    model, tokenizer, records = _tiny_chunk_cases(tiny_dir, tmp_path, 3)
+    for constrained in (False, True):
+        plain = ev.evaluate(model, tokenizer, records, 40, batch_size, constrained=constrained)
+        counts = spec.Counts()
+        ours = ev.evaluate(
+            model,
+            tokenizer,
+            records,
+            40,
+            batch_size,
+            constrained=constrained,
+            speculation={"speculative": "prompt_lookup", "counts": counts},
+        )
+        assert [r["output"] for r in ours] == [r["output"] for r in plain]
+        assert counts.drafted > 0
+        if constrained:
+            assert counts.forced > 0
