@@ -502,6 +502,12 @@ class DiagConfig:
     """memory: modes (full checkpoint segN auto mlx_lm mlx_lm_gc)."""
     decode_steps: int = 16
     """decode: steps timed (the median is reported)."""
+    speculative: str = "off"
+    """decode: with prompt_lookup, also profile speculative decoding: a verify step's cost by
+    draft length against a plain step's, its logits against the plain steps' (top-1 agreement,
+    near ties), and a decode of a text that repeats itself (tok/s, drafted and accepted)."""
+    draft_tokens: int = 8
+    """decode: the longest draft verified (speculative)."""
     decode_head: str = "auto"
     """decode: what the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
     when that is lossless, as for zoo models: half the bytes of the step's largest read, for
@@ -536,6 +542,9 @@ class DiagConfig:
             raise UserError(f"length must be >= 4, got {self.length}")
         if self.decode_steps < 1:
             raise UserError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        check_choice("speculative", self.speculative, ("off", "prompt_lookup"))
+        if not 1 <= self.draft_tokens <= 15:
+            raise UserError(f"draft_tokens must be in [1, 15], got {self.draft_tokens}")
         if self.steps <= self.warmup + 2:
             raise UserError(f"steps ({self.steps}) must exceed warmup ({self.warmup}) by 3 or more")
 
