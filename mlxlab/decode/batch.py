@@ -339,12 +339,18 @@ class BatchDecoder:
         nor past max_tokens) and how many of them its grammar forced."""
         import mlx.core as mx
 
+        from mlxlab.models import fastdecode
+
         gen = self.gen
         mx.eval(gen._next_tokens)
+        # A verify step's rows x tokens stay within what the decode kernel takes (past it the
+        # products go to BLAS's many-row path, which reads float32 weights at a fraction of the
+        # bandwidth): 2 rows verify up to 7 drafts each, 4 rows 3, 8 rows 1, more rows none.
+        width = fastdecode.VERIFY_ROWS // max(len(gen), 1) - 1
         plan = []
         for i, (uid, token) in enumerate(zip(gen.uids, gen._next_tokens.tolist(), strict=True)):
             row = self.rows[uid]
-            room = gen.max_tokens[i] - gen._num_tokens[i] - 1
+            room = min(gen.max_tokens[i] - gen._num_tokens[i] - 1, width)
             if token in self.eos or room < 1:
                 plan.append(([], 0))
                 continue
