@@ -20,10 +20,10 @@ Workloads (gemma3-270m, greedy, as a user runs them):
   against mlxlab plain, on the same draft: gemma3-270m's first 6 layers and its head written as
   a model directory (`self_draft`); mlx-lm 0.32 has no prompt lookup. In-process, one prompt.
 - chunk: the chunk task's evaluation decode (answers that copy message uuids from their
-  prompt) with an adapter (`--chunk-run`: a chunk_seg4 run directory: its adapter and test
-  split), `--chunk-cases` cases, at batch sizes 1, 8 and 32, off and prompt_lookup, plain and
-  constrained; every decode after a first one reuses the prompts' KV (the decode phase
-  alone), and the texts are compared.
+  prompt) with an adapter (`--chunk-run`: a chunk_seg4 run directory: its adapter, else the
+  base model, and its test split), `--chunk-cases` cases, at batch sizes 1, 8 and 32, off and
+  prompt_lookup, plain and constrained; every decode after a first one reuses the prompts' KV
+  (the decode phase alone), and the texts are compared.
 
 The machine is shared: every figure is a median of rounds interleaved across the sides, and the
 ratios are what to read.
@@ -371,7 +371,8 @@ from mlxlab.tasks.chunk.windows import plan_windows
 from mlxlab.tasks.chunk.grammar import answer_grammar
 model, tok = load("gemma3-270m")
 adapter = Path(run_dir) / "adapter"
-lora_io.load(model, str(adapter if adapter.is_dir() else run_dir))
+if adapter.is_dir() or (Path(run_dir) / "adapters.safetensors").is_file():
+    lora_io.load(model, str(adapter if adapter.is_dir() else run_dir))  # else the base model
 records = read_cases(Path(run_dir) / "data" / "test.cases.json")[:cases]
 windows = plan_windows(records, tok, 1800, 2, 4)
 prompts = [w.prompt for w in windows]
