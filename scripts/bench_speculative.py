@@ -387,7 +387,11 @@ for constrained in (False, True):
     procs = (lambda i: [grammar.constrain(grammars[i], tok, width)]) if constrained else None
     for mode in modes:
         counts = Counts()
-        kw = {} if mode == "before" else {"speculative": mode, "counts": counts}
+        if mode == "uncapped":  # every row drafts its full length, whatever the batch
+            from mlxlab.decode import speculative
+            speculative.BATCH_ROWS = 1 << 20
+        kw = {} if mode == "before" else {
+            "speculative": "off" if mode == "off" else "prompt_lookup", "counts": counts}
         t = time.perf_counter()
         texts = complete(model, tok, prompts, 256, batch, None, procs, cache=kv, **kw)
         s = time.perf_counter() - t
@@ -405,7 +409,7 @@ def chunk(args) -> dict:
         rows = {}
         for side, cwd, modes in (
             ("before", worktree(args.before), "before"),
-            ("now", REPO, "off,prompt_lookup"),
+            ("now", REPO, "off,prompt_lookup" + (",uncapped" if batch > 8 else "")),
         ):
             got = subprocess.run(
                 [
@@ -436,6 +440,11 @@ def chunk(args) -> dict:
                 "same_texts": before["texts"] == off["texts"] == look["texts"],
                 "lookup_counts": look["counts"],
             }
+            wide = rows["now"].get(f"{kind} uncapped")
+            if wide is not None:
+                res[kind]["uncapped_s"] = wide["seconds"]
+                res[kind]["uncapped_counts"] = wide["counts"]
+                res[kind]["uncapped_same_texts"] = wide["texts"] == off["texts"]
             print(
                 f"batch {batch} {kind}: before {before['seconds']:.1f} s, off {off['seconds']:.1f}"
                 f" s, lookup {look['seconds']:.1f} s ({look['counts']['acceptance_rate']})",

@@ -572,3 +572,19 @@ def test_gemma3_270m_speculative_greedy_is_plain_but_for_near_ties(real_model_di
     assert accepted > 100
     assert all(gap <= 1e-4 for gap in differ), differ
     assert len(differ) <= max(1, positions // 1000), (differ, positions)
+
+
+def test_a_wide_batch_verifies_within_the_kernels_rows(gemma, monkeypatch):
+    """Ten rows cannot verify a draft within 16 rows x tokens: plain steps, no drafts. With the
+    bound lifted (BLAS's many-row products) they draft, and still decode as plain."""
+    model, tok = gemma
+    prompts = [_prompt(s) for s in range(10)]
+    plain, _ = _batch(model, tok, prompts, DecodeSettings(batch=10))
+    settings = DecodeSettings(batch=10, speculative="prompt_lookup")
+    got, counts = _batch(model, tok, prompts, settings)
+    assert got == plain and counts.drafted == 0
+    assert spec.batch_width(4) == 3 and spec.batch_width(8) == 1 and spec.batch_width(9) == 0
+    monkeypatch.setattr(spec, "BATCH_ROWS", 1 << 20)
+    draft = DecodeSettings(batch=10, speculative="draft_model", draft_tokens=4)
+    got, counts = _batch(model, tok, prompts, draft, spec.self_draft(model, 6))
+    assert got == plain and counts.accepted > 0

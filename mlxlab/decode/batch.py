@@ -334,19 +334,17 @@ class BatchDecoder:
         if leaving:
             gen.filter([i for i in range(len(gen)) if i not in leaving])
 
-    def _drafts(self) -> list[tuple[list[int], int]]:
+    def _drafts(self) -> list[tuple[list[int], int]] | None:
         """Each generating row's drafts to follow its pending token (none after an end token,
-        nor past max_tokens) and how many of them its grammar forced."""
+        nor past max_tokens, nor past `speculative.batch_width`) and how many of them its grammar
+        forced; None when the batch is too wide to verify any."""
         import mlx.core as mx
 
-        from mlxlab.models import fastdecode
-
         gen = self.gen
+        width = speculative.batch_width(len(gen))
+        if width < 1:  # too many rows to verify drafts: plain steps, pipelined as mlx-lm's
+            return None
         mx.eval(gen._next_tokens)
-        # A verify step's rows x tokens stay within what the decode kernel takes (past it the
-        # products go to BLAS's many-row path, which reads float32 weights at a fraction of the
-        # bandwidth): 2 rows verify up to 7 drafts each, 4 rows 3, 8 rows 1, more rows none.
-        width = fastdecode.VERIFY_ROWS // max(len(gen), 1) - 1
         plan = []
         for i, (uid, token) in enumerate(zip(gen.uids, gen._next_tokens.tolist(), strict=True)):
             row = self.rows[uid]
