@@ -420,9 +420,11 @@ class GRPOConfig:
     dynamic sampling does (without sampling more to refill the batch); null: true for dapo."""
     share_prefill: bool = True
     """Prefill each prompt once and start its group's other rows from that prompt cache
-    (false: each row prefills its own prompt; the completions are drawn the same way)."""
-    val_max_tokens: int | None = None
-    """Validation (greedy, one completion per prompt): most tokens; null: max_tokens."""
+    (false: each row prefills its own prompt; completions from the same distribution, though
+    not the same draws: the rows join the batch at other steps)."""
+    log_completions: bool = True
+    """Write every completion of every step (its text, reward and finish) to the run
+    directory's completions.jsonl."""
 
     def __post_init__(self):
         check_choice("grpo.loss", self.loss, GRPO_LOSSES)
@@ -433,8 +435,6 @@ class GRPOConfig:
             )
         if self.max_tokens < 1:
             raise UserError(f"grpo.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.val_max_tokens is not None and self.val_max_tokens < 1:
-            raise UserError(f"grpo.val_max_tokens must be >= 1, got {self.val_max_tokens}")
         if not self.temperature > 0:
             raise UserError(
                 f"grpo.temperature must be > 0, got {self.temperature} (a greedy group holds "
@@ -467,22 +467,38 @@ class GRPOConfig:
                 )
         if self.beta < 0:
             raise UserError(f"grpo.beta must be >= 0, got {self.beta}")
-        low, high = GRPO_CLIP[self.loss]
-        self.epsilon = low if self.epsilon is None else float(self.epsilon)
-        if self.epsilon_high is None:
-            self.epsilon_high = high if self.epsilon == low else self.epsilon
-        if not 0 < self.epsilon < 1 or not self.epsilon_high > 0:
+        low, high = self.clip
+        if not 0 < low < 1 or not high > 0:
             raise UserError(
-                f"grpo.epsilon must be in (0, 1) and grpo.epsilon_high > 0, got "
-                f"{self.epsilon} and {self.epsilon_high}"
+                f"grpo.epsilon must be in (0, 1) and grpo.epsilon_high > 0, got {low} and {high}"
             )
         if self.updates < 1:
             raise UserError(f"grpo.updates must be >= 1, got {self.updates}")
-        if self.scale_rewards is None:
-            self.scale_rewards = "none" if self.loss == "dr_grpo" else "group"
-        check_choice("grpo.scale_rewards", self.scale_rewards, ("group", "none"))
-        if self.drop_uniform_groups is None:
-            self.drop_uniform_groups = self.loss == "dapo"
+        if self.scale_rewards is not None:
+            check_choice("grpo.scale_rewards", self.scale_rewards, ("group", "none"))
+
+    # The settings left null take the loss's published values (resolved here, not stored, so a
+    # config that changes grpo.loss alone gets the new loss's).
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        """(epsilon, epsilon_high): the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+        low, high = GRPO_CLIP[self.loss]
+        eps = low if self.epsilon is None else float(self.epsilon)
+        if self.epsilon_high is not None:
+            return eps, float(self.epsilon_high)
+        return eps, high if self.epsilon is None else eps
+
+    @property
+    def scale(self) -> str:
+        """How advantages are scaled: group (by the group's reward std) | none."""
+        if self.scale_rewards is not None:
+            return self.scale_rewards
+        return "none" if self.loss == "dr_grpo" else "group"
+
+    @property
+    def drops_uniform_groups(self) -> bool:
+        return self.loss == "dapo" if self.drop_uniform_groups is None else self.drop_uniform_groups
 
 
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")

@@ -25,6 +25,7 @@ so a resumed run continues with the completions the uninterrupted one drew.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -60,9 +61,9 @@ def score(cfg, reward_fns, prompts, completions) -> Rollout:
     g = cfg.grpo
     records = [p.record for p in prompts for _ in range(g.group_size)]
     total, per = R.score(reward_fns, [c.text for c in completions], records)
-    adv = L.group_advantages(total, g.group_size, g.scale_rewards)
+    adv = L.group_advantages(total, g.group_size, g.scale)
     keep = np.ones(len(total), bool)
-    if g.drop_uniform_groups:
+    if g.drops_uniform_groups:
         keep = np.repeat(~L.uniform_groups(total, g.group_size), g.group_size)
     return Rollout(prompts, completions, total, per, adv, keep)
 
@@ -119,29 +120,50 @@ def rollout_record(ro: Rollout, group_size: int) -> dict:
 
 
 def validate(model, tokenizer, sampler, cfg, reward_fns, limit: int = 0) -> dict:
-    """Greedy completions (one per prompt) of the validation prompts, scored: the mean reward
-    in total (`val_reward`) and per reward function."""
+    """The validation prompts' mean reward (`val_reward`, and per reward function): each
+    sampled `group_size` times as the rollouts are, from a key fixed for the run (the seed's,
+    not the rollouts' key, so every validation draws alike and none moves the training draws)."""
     g = cfg.grpo
+    key = mx.random.split(mx.random.key(cfg.seed), 3)[2]
     texts, records = [], []
-    for prompts in sampler.one_pass(limit):
+    for k, prompts in enumerate(sampler.one_pass(limit)):
         if not prompts:
             continue
         done = rollout(
             model,
             tokenizer,
             [p.ids for p in prompts],
-            1,
-            g.val_max_tokens or g.max_tokens,
-            None,
+            g.group_size,
+            g.max_tokens,
+            KeyedSampler(mx.random.split(key, k + 1)[k], g.temperature, g.top_p, g.top_k),
             g.stop,
-            share_prefill=False,
+            g.share_prefill,
         )
         texts += [c.text for c in done]
-        records += [p.record for p in prompts]
+        records += [p.record for p in prompts for _ in range(g.group_size)]
     total, per = R.score(reward_fns, texts, records)
     rec = {"val_reward": float(np.mean(total))}
     rec.update({f"val_reward_{k}": float(np.mean(v)) for k, v in per.items()})
     return rec
+
+
+def completions_record(step: int, ro: Rollout, group_size: int) -> dict:
+    """One line of completions.jsonl: every completion of the step, with its prompt's line in
+    the prompt file, its reward(s) and how it ended."""
+    rows = []
+    for k, c in enumerate(ro.completions):
+        rows.append(
+            {
+                "line": ro.prompts[k // group_size].line,
+                "text": c.text,
+                "reward": ro.rewards[k],
+                **{f"reward_{n}": v[k] for n, v in ro.per_reward.items()},
+                "tokens": len(c.tokens),
+                "finish": c.finish,
+                "kept": bool(ro.keep[k]),
+            }
+        )
+    return {"step": step, "completions": rows}
 
 
 def train(
@@ -173,6 +195,9 @@ def train(
     optimizer = trainer.make_optimizer(cfg.optim, cfg.iters * g.updates)
     optimizer.init(model.trainable_parameters())
     start = trainer._resume(run_dir, model, optimizer, train_sampler) if cfg.resume else 0
+    completions_log = run_dir / "completions.jsonl"
+    if cfg.resume:  # the records a killed run wrote after its checkpoint are redone
+        trainer._truncate_metrics(completions_log, start)
     run_log = run_log or trainer.RunLog(run_dir, cfg.iters)
     model.train()
     mx.reset_peak_memory()
@@ -258,6 +283,9 @@ def train(
             if "loss" in record and not math.isfinite(record["loss"]):
                 raise trainer.TrainingDiverged(f"loss became {record['loss']} at step {step}")
             run_log.metrics(record, show="tok_per_s" in record or "val_reward" in record)
+            if g.log_completions:
+                with completions_log.open("a") as f:
+                    f.write(json.dumps(completions_record(step, ro, g.group_size)) + "\n")
             summary["loss"] = record.get("loss")
             summary["reward"] = record["reward"]
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:

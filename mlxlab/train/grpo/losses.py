@@ -144,7 +144,7 @@ class GRPOObjective:
     @classmethod
     def from_config(cls, cfg) -> GRPOObjective:
         g = cfg.grpo
-        return cls(g.loss, g.epsilon, g.epsilon_high, g.beta, g.max_tokens, g.updates == 1)
+        return cls(g.loss, *g.clip, g.beta, g.max_tokens, g.updates == 1)
 
     @property
     def metrics(self) -> tuple[str, ...]:
