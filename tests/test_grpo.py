@@ -20,15 +20,9 @@ from mlxlab.train import backward as bw
 from mlxlab.train import trainer
 from mlxlab.train.grpo import loop
 from mlxlab.train.grpo import losses as L
-from mlxlab.train.grpo.rollout import Completion
-from tests.helpers.lora_model import lora_model
+from tests.helpers.grpo_case import REWARDS, G, case_config, rollout_case
 
 VARIANTS = ("grpo", "dr_grpo", "gspo", "dapo")
-G = 4
-# two groups of four: (prompt tokens after BOS, completion tokens)
-PROMPTS = [9, 14]
-COMPLETIONS = [5, 12, 3, 8, 10, 4, 7, 6]
-REWARDS = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.25]
 
 
 # --- advantages, by hand ------------------------------------------------------------------------
@@ -53,31 +47,11 @@ def test_group_advantages_by_hand():
 
 
 def _rollout(family: str = "llama", seed: int = 0):
-    """A tiny model with LoRA and fixed completions and rewards, as a scored rollout."""
-    shapes = [(PROMPTS[k // G] + c, PROMPTS[k // G] + 1) for k, c in enumerate(COMPLETIONS)]
-    model, examples = lora_model(family, shapes, seed)
-    for e in examples:
-        e.ids = [int(t) for t in e.ids]
-    prompts = [Prompt(examples[k * G].ids[: PROMPTS[k] + 1], {}) for k in range(2)]
-    completions = []
-    for k, e in enumerate(examples):
-        tail = list(e.ids[len(prompts[k // G].ids) :])
-        assert len(tail) == COMPLETIONS[k]
-        completions.append(Completion(tail, "", "stop"))
-    return model, prompts, completions
+    return rollout_case(family, seed)
 
 
 def _cfg(variant: str, updates: int = 2, beta: float = 0.05, **kw) -> TrainConfig:
-    grpo = GRPOConfig(
-        loss=variant,
-        group_size=G,
-        max_tokens=16,
-        updates=updates,
-        beta=beta,
-        rewards=["json"],
-        **kw,
-    )
-    return TrainConfig(objective="grpo", batch_size=2, grpo=grpo)
+    return case_config(variant, updates, beta, **kw)
 
 
 def _batches(variant: str, family: str = "llama", updates: int = 2, grad_accum: int = 1, **kw):
@@ -600,3 +574,81 @@ def test_grpo_overrides_compose_from_the_command_line():
     assert compose("train", ["grpo.loss=gspo", "grpo.epsilon=0.01"]).grpo.clip == (0.01, 0.01)
     exp = compose("train", ["+exp=grpo_json"])
     assert exp.objective == "grpo" and exp.grpo.stop == ["\n"] and exp.grpo.group_size == 8
+
+
+# --- data parallel (slow: each starts two ranks on loopback, as mlx.launch does) -------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["grpo", "dapo"])
+def test_data_parallel_update_is_the_ranks_shares_summed(tiny_dir, session_home, tmp_path, variant):
+    """Each rank holds one group (its own reference pass, its own loss units); the all-summed
+    gradient is bit for bit one process computing the two shares one after the other, added."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.cli import REPO
+    from tests.helpers.dist import start_ranks, wait_all
+
+    env = {"OPENBLAS_NUM_THREADS": "1", "MLXLAB_HOME": str(session_home)}
+    args = [str(tmp_path / "dp.npz"), variant]
+    ranks = start_ranks(args, 2, tmp_path, env, "tests.helpers.grpo_dist_step")
+    for rank, (code, _, err) in enumerate(wait_all(ranks)):
+        assert code == 0, (rank, err[-2000:])
+    one = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.grpo_dist_step", str(tmp_path / "one.npz"), variant],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    dp, shares, whole = (np.load(tmp_path / f"{n}.npz") for n in ("dp", "one_shares", "one"))
+    assert sorted(dp.files) == sorted(whole.files) and len(dp.files) > 2
+    for k in dp.files:
+        assert np.array_equal(dp[k], shares[k]), k
+    assert float(dp["loss"]) == pytest.approx(float(whole["loss"]), rel=1e-5, abs=1e-7)
+    assert float(dp["grad_norm"]) > 0
+
+
+@pytest.mark.slow
+def test_a_data_parallel_grpo_run_resumes_to_the_same_adapter(tiny_dir, session_home, tmp_path):
+    """Two ranks, each rolling out one of a step's two prompts: the world's reward figures and
+    per-rank peaks are logged; stopped after step 1 and resumed (rank 0 restores, the key and
+    the position go to rank 1), the run ends with the uninterrupted run's records and adapter."""
+    from tests.helpers.dist import start_ranks, wait_all
+
+    tiny_dir("llama")
+    env = {"OPENBLAS_NUM_THREADS": "1", "MLXLAB_HOME": str(session_home)}
+    data = _write_prompts(tmp_path)
+
+    def args(out, *extra):
+        return [
+            "train", "model=tiny-llama", "objective=grpo", f"out_dir={out}",
+            f"data.train={data}", "data.max_seq_length=64", "batch_size=2", "log_every=1",
+            "val_every=0", "wandb=disabled", "lora.targets=[q,v,down]", "lora.rank=4",
+            "optim.lr=1e-2", "optim.schedule=constant", f"grpo.group_size={G}",
+            "grpo.max_tokens=12", "grpo.rewards=[tests.helpers.grpo_rewards:vowels]", *extra,
+        ]  # fmt: skip
+
+    def run(out, *extra):
+        done = wait_all(start_ranks(args(out, *extra), 2, tmp_path, env))
+        assert [c for c, _, _ in done] == [0, 0], done[0][2][-3000:] + done[1][2][-2000:]
+        return done
+
+    run(tmp_path / "whole", "iters=3")
+    run(tmp_path / "legs", "iters=2", "save_every=1")
+    resumed = run(tmp_path / "legs", "iters=3", "save_every=1", "resume=true")
+    assert "resumed from" in resumed[0][2]
+    a, b = _steps(tmp_path / "whole"), _steps(tmp_path / "legs")
+    assert len(a) == 3 and len(a[0]["peak_mem_gb_ranks"]) == 2
+    lines = (tmp_path / "whole" / "completions.jsonl").read_text().splitlines()
+    assert len(json.loads(lines[0])["completions"]) == G  # rank 0's share: one prompt's group
+    for key in ("loss", "reward", "reward_std", "completion_len", "grad_norm"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert len({r["reward"] for r in a}) > 1
+    assert (tmp_path / "whole" / "adapter" / "adapters.safetensors").read_bytes() == (
+        tmp_path / "legs" / "adapter" / "adapters.safetensors"
+    ).read_bytes()

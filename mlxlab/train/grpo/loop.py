@@ -18,6 +18,12 @@ Each of `iters` steps:
 One record per step goes to metrics.jsonl: the update's loss, gradient norm and head metrics
 (averaged over the mu updates), the reward's mean and std (in total and per reward function),
 completion lengths and the truncated share, and the rollout, reference and update times.
+
+Data parallel (`dist`, train/parallel.py): each rank rolls out its share of every batch's
+prompts (its rank folded into the step's key), scores and normalizes its own groups, and the
+update is the trainer's data-parallel step (units summed, gradients all-summed); the record's
+reward and length figures are the world's, its times rank 0's, completions.jsonl rank 0's
+share.
 Checkpoints hold the trainer's state plus the prompt sampler's position and the rollouts' key,
 so a resumed run continues with the completions the uninterrupted one drew.
 """
@@ -103,47 +109,79 @@ def _mean_std(values) -> tuple[float, float]:
     return float(a.mean()), float(a.std())
 
 
-def rollout_record(ro: Rollout, group_size: int) -> dict:
+def rollout_stats(ro: Rollout) -> dict[str, list[float]]:
+    """The numbers a step's record is made of, per completion."""
+    stats = {"reward": list(ro.rewards)}
+    stats.update({f"reward_{n}": list(v) for n, v in ro.per_reward.items()})
+    stats["length"] = [float(len(c.tokens)) for c in ro.completions]
+    stats["truncated"] = [float(c.finish == "length") for c in ro.completions]
+    stats["keep"] = [float(k) for k in ro.keep]
+    return stats
+
+
+def gather_stats(stats: dict[str, list[float]], world) -> dict[str, list[float]]:
+    """Every rank's completions' numbers, rank after rank (a data-parallel world; every rank
+    has as many completions)."""
+    if world is None:
+        return stats
+    keys = list(stats)
+    n = len(stats["reward"])
+    rows = world.gather_values([v for k in keys for v in stats[k]], "gathering the rewards")
+    return {k: [v for row in rows for v in row[i * n : (i + 1) * n]] for i, k in enumerate(keys)}
+
+
+def rollout_record(stats: dict[str, list[float]], group_size: int) -> dict:
     """The step's reward and completion statistics."""
-    total = np.asarray(ro.rewards, np.float64)
+    total = np.asarray(stats["reward"], np.float64)
     rec = {}
     rec["reward"], rec["reward_std"] = _mean_std(total)
     rec["reward_group_std"] = float(total.reshape(-1, group_size).std(axis=1, ddof=1).mean())
-    for name, values in ro.per_reward.items():
-        rec[f"reward_{name}"], rec[f"reward_{name}_std"] = _mean_std(values)
-    lengths = [len(c.tokens) for c in ro.completions]
+    for name, values in stats.items():
+        if name.startswith("reward_"):
+            rec[name], rec[f"{name}_std"] = _mean_std(values)
+    lengths = stats["length"]
     rec["completion_len"] = float(np.mean(lengths))
-    rec["completion_len_min"], rec["completion_len_max"] = min(lengths), max(lengths)
-    rec["truncated"] = float(np.mean([c.finish == "length" for c in ro.completions]))
-    rec["groups_kept"] = float(ro.keep.reshape(-1, group_size)[:, 0].mean())
+    rec["completion_len_min"], rec["completion_len_max"] = int(min(lengths)), int(max(lengths))
+    rec["truncated"] = float(np.mean(stats["truncated"]))
+    rec["groups_kept"] = float(np.asarray(stats["keep"]).reshape(-1, group_size)[:, 0].mean())
     return rec
 
 
-def validate(model, tokenizer, sampler, cfg, reward_fns, limit: int = 0) -> dict:
+def validate(model, tokenizer, sampler, cfg, reward_fns, limit: int = 0, world=None) -> dict:
     """The validation prompts' mean reward (`val_reward`, and per reward function): each
     sampled `group_size` times as the rollouts are, from a key fixed for the run (the seed's,
-    not the rollouts' key, so every validation draws alike and none moves the training draws)."""
+    not the rollouts' key, so every validation draws alike and none moves the training draws).
+    `world`: each rank its share of every batch (its rank folded into the key), summed."""
     g = cfg.grpo
     key = mx.random.split(mx.random.key(cfg.seed), 3)[2]
     texts, records = [], []
     for k, prompts in enumerate(sampler.one_pass(limit)):
         if not prompts:
             continue
+        batch_key = mx.random.split(key, k + 1)[k]
+        if world is not None:
+            batch_key = mx.random.split(batch_key, world.size)[world.rank]
         done = rollout(
             model,
             tokenizer,
             [p.ids for p in prompts],
             g.group_size,
             g.max_tokens,
-            KeyedSampler(mx.random.split(key, k + 1)[k], g.temperature, g.top_p, g.top_k),
+            KeyedSampler(batch_key, g.temperature, g.top_p, g.top_k),
             g.stop,
             g.share_prefill,
         )
         texts += [c.text for c in done]
         records += [p.record for p in prompts for _ in range(g.group_size)]
-    total, per = R.score(reward_fns, texts, records)
-    rec = {"val_reward": float(np.mean(total))}
-    rec.update({f"val_reward_{k}": float(np.mean(v)) for k, v in per.items()})
+    total, per = R.score(reward_fns, texts, records) if texts else ([], {})
+    names = [r.name for r in reward_fns]
+    sums = [float(np.sum(total)), float(len(total))] + [
+        float(np.sum(per.get(n, []))) for n in names
+    ]
+    if world is not None:
+        sums = world.sum_values(sums, "summing validation rewards")
+    rec = {"val_reward": sums[0] / sums[1]}
+    rec.update({f"val_reward_{n}": v / sums[1] for n, v in zip(names, sums[2:], strict=True)})
     return rec
 
 
@@ -182,21 +220,34 @@ def train(
 ) -> dict:
     """Train `model`'s LoRA parameters for cfg.iters rollout batches; return a summary. Resumes
     from the newest checkpoint in `run_dir` when cfg.resume is set."""
-    from mlxlab.errors import UserError
     from mlxlab.train import trainer
 
-    if dist is not None:
-        raise UserError("objective=grpo trains on one process (data parallel is not wired yet)")
     g = cfg.grpo
+    world = None if dist is None else dist.world
+    writer = dist is None or dist.writer
     reward_fns = R.resolve(g.rewards, g.reward_weights)
     R.check(reward_fns, [p.record for p in train_sampler.prompts], "training prompts")
     if valid_sampler is not None:
         R.check(reward_fns, [p.record for p in valid_sampler.prompts], "validation prompts")
     optimizer = trainer.make_optimizer(cfg.optim, cfg.iters * g.updates)
     optimizer.init(model.trainable_parameters())
-    start = trainer._resume(run_dir, model, optimizer, train_sampler) if cfg.resume else 0
     completions_log = run_dir / "completions.jsonl"
-    if cfg.resume:  # the records a killed run wrote after its checkpoint are redone
+    if dist is None:
+        start = trainer._resume(run_dir, model, optimizer, train_sampler) if cfg.resume else 0
+    else:  # rank 0 restores; every rank gets its state, and the rollouts' key
+        start = 0
+        if cfg.resume:
+            start = dist.on_writer(
+                lambda: trainer._resume(
+                    run_dir, model, optimizer, train_sampler, dist.world_info()
+                ),
+                "restoring the checkpoint",
+            )
+        start = dist.sync(model, optimizer, train_sampler, start or 0)
+        key = mx.array(np.asarray(train_sampler.key, np.uint32))
+        key = world.broadcast_arrays([key], "copying the rollouts' key")[0]
+        train_sampler.key = [int(x) for x in np.array(key)]
+    if cfg.resume and writer:  # the records a killed run wrote after its checkpoint are redone
         trainer._truncate_metrics(completions_log, start)
     run_log = run_log or trainer.RunLog(run_dir, cfg.iters)
     model.train()
@@ -206,12 +257,12 @@ def train(
     window_tokens = 0
     try:
         if valid_sampler is not None and cfg.val_every and start == 0:
-            val = validate(model, tokenizer, valid_sampler, cfg, reward_fns, cfg.val_batches)
+            val = validate(model, tokenizer, valid_sampler, cfg, reward_fns, cfg.val_batches, world)
             run_log.metrics({"step": 0, **val}, show=True)
             summary["initial_val_reward"] = val["val_reward"]
         for step in range(start + 1, cfg.iters + 1):
             prompts = train_sampler.next()
-            train_sampler.key, key = step_key(train_sampler.key)
+            train_sampler.key, key = step_key(train_sampler.key, 0 if world is None else world.rank)
             sampler = KeyedSampler(key, g.temperature, g.top_p, g.top_k)
             stats = RolloutStats()
             completions = rollout(
@@ -231,21 +282,39 @@ def train(
             record = {"step": step}
             losses, norms, metrics = [], [], []
             tokens = trained = 0
-            if ro.keep.any():
-                batches = update_batches(ro, cfg, cfg.grad_accum, start_adapter, model, timer)
+            kept = int(ro.keep.sum())
+            if world is not None:  # every rank updates, or none
+                kept_world = int(world.sum_values([kept], "counting the kept groups")[0])
+            else:
+                kept_world = kept
+            if kept_world:
+                if kept:
+                    batches = update_batches(ro, cfg, cfg.grad_accum, start_adapter, model, timer)
+                else:  # this rank's groups all left out: one row that weighs nothing
+                    none = dataclasses.replace(
+                        ro,
+                        advantages=np.zeros_like(ro.advantages),
+                        keep=np.eye(len(ro.keep))[0] > 0,
+                    )
+                    batches = [
+                        dataclasses.replace(b, unit_count=0.0)
+                        for b in update_batches(none, cfg, 1, start_adapter, model, timer)
+                    ]
                 t_update = time.perf_counter()
                 for u in range(g.updates):
                     update = (step - 1) * g.updates + u + 1
                     mx.random.seed(cfg.seed * 1_000_003 + update)  # dropout of this update
                     loss, norm, aux = trainer.train_step(
-                        model, optimizer, grad_fn, batches, cfg.optim.grad_clip, update
+                        model, optimizer, grad_fn, batches, cfg.optim.grad_clip, update, dist
                     )
                     losses.append(loss)
                     norms.append(norm)
                     metrics.append(aux)
                 timer["update_s"] = time.perf_counter() - t_update
-                tokens = sum(sum(b.lengths) for b in batches) * g.updates
-                trained = sum(b.ntoks for b in batches)
+                tokens = sum(sum(b.lengths) for b in batches if b.units) * g.updates
+                trained = sum(b.ntoks for b in batches if b.units)
+                if dist is not None:  # the world's
+                    tokens, trained, _ = dist.counts(tokens, trained, 0.0)
                 record.update(
                     loss=float(np.mean(losses)),
                     lr=optimizer.learning_rate.item(),
@@ -256,7 +325,7 @@ def train(
                 )
                 if g.updates > 1:
                     record["loss_updates"] = losses
-            record.update(rollout_record(ro, g.group_size))
+            record.update(rollout_record(gather_stats(rollout_stats(ro), world), g.group_size))
             record.update(
                 elapsed_s=round(time.perf_counter() - t0, 3),
                 tokens=tokens,
@@ -271,25 +340,30 @@ def train(
                 now = time.perf_counter()
                 record["tok_per_s"] = window_tokens / (now - since)
                 record["peak_mem_gb"] = mx.get_peak_memory() / 1e9
+                if dist is not None:  # every rank's peak memory and traffic
+                    record.update(dist.log_fields())
                 window_tokens, since = 0, now
             if (
                 valid_sampler is not None
                 and cfg.val_every
                 and (step % cfg.val_every == 0 or step == cfg.iters)
             ):
-                val = validate(model, tokenizer, valid_sampler, cfg, reward_fns, cfg.val_batches)
+                val = validate(
+                    model, tokenizer, valid_sampler, cfg, reward_fns, cfg.val_batches, world
+                )
                 record.update(val)
                 summary["val_reward"] = val["val_reward"]
             if "loss" in record and not math.isfinite(record["loss"]):
                 raise trainer.TrainingDiverged(f"loss became {record['loss']} at step {step}")
             run_log.metrics(record, show="tok_per_s" in record or "val_reward" in record)
-            if g.log_completions:
+            if g.log_completions and writer:  # (rank 0's share, under data parallel)
                 with completions_log.open("a") as f:
                     f.write(json.dumps(completions_record(step, ro, g.group_size)) + "\n")
             summary["loss"] = record.get("loss")
             summary["reward"] = record["reward"]
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
-                trainer.save_checkpoint(
+                save = trainer.save_checkpoint if dist is None else dist.save_checkpoint
+                save(
                     run_dir, step, model, plan, optimizer, train_sampler, meta or {}, cfg.keep_last
                 )
     finally:
@@ -297,4 +371,6 @@ def train(
     summary.update(
         steps=cfg.iters, seconds=time.perf_counter() - t0, peak_mem_gb=mx.get_peak_memory() / 1e9
     )
+    if dist is not None:  # every rank's peak memory and traffic over the run
+        summary.update(dist.summary_fields())
     return summary
