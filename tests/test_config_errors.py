@@ -43,8 +43,10 @@ ENUMS = {
         "optim.schedule": ("cosine", "constant"),
         "backward.mode": ("full", "checkpoint", "segmented"),
         "backward.plan": ("size", "auto"),
-        "objective": ("sft", "dpo", "orpo"),
+        "objective": ("sft", "dpo", "orpo", "grpo"),
         "dpo.loss": ("sigmoid", "ipo"),
+        "grpo.loss": ("grpo", "dr_grpo", "gspo", "dapo"),
+        "grpo.scale_rewards": ("group", "none"),
         "dist.backend": ("any", "ring", "mpi", "jaccl", "nccl"),
     },
     "diag": {
@@ -90,6 +92,8 @@ FREE = {
         "data.valid",
         "lora.targets",
         "lora.init",
+        "grpo.stop",
+        "grpo.rewards",  # format-checked (a built-in name or module:function)
     },
     "diag": {"model", "adapter", "out"},
     "data chunk": {"out"},

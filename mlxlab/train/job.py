@@ -231,6 +231,12 @@ def load(s: Start) -> Prepared:
     from mlxlab.models.zoo import load as load_model
 
     cfg = s.cfg
+    if (
+        cfg.objective == "grpo"
+    ):  # a reward that cannot be imported stops the run before the model loads
+        from mlxlab.train.grpo.rewards import resolve
+
+        resolve(cfg.grpo.rewards, cfg.grpo.reward_weights)
     data_cfg = s.hooks.prepare_data(cfg.data, s.run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
     # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
@@ -296,10 +302,14 @@ def distribute(s: Start, d: Prepared, init) -> tuple[object, tuple[int, int]]:
 
         log.info(
             f"data parallel: each rank trains on {cfg.batch_size // world.size} of every "
-            f"{cfg.batch_size} {'pairs' if d.pairs else 'examples'}; rank 0 writes {s.run_dir}"
+            f"{cfg.batch_size} {_units(cfg, d)}; rank 0 writes {s.run_dir}"
         )
         return DataParallel(world), (world.rank, world.size)
     return None, (0, 1)
+
+
+def _units(cfg: TrainConfig, d: Prepared) -> str:
+    return "pairs" if d.pairs else "prompts" if cfg.objective == "grpo" else "examples"
 
 
 def samplers(cfg: TrainConfig, d: Prepared, shard: tuple[int, int]):
