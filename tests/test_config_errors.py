@@ -47,9 +47,11 @@ ENUMS = {
         "optim.schedule": ("cosine", "constant"),
         "backward.mode": ("full", "checkpoint", "segmented"),
         "backward.plan": ("size", "auto"),
-        "objective": ("sft", "dpo", "orpo"),
+        "objective": ("sft", "dpo", "orpo", "grpo"),
         "lora.type": ("lora", "dora", "full"),
         "dpo.loss": ("sigmoid", "ipo"),
+        "grpo.loss": ("grpo", "dr_grpo", "gspo", "dapo"),
+        "grpo.scale_rewards": ("group", "none"),
         "dist.backend": ("any", "ring", "mpi", "jaccl", "nccl"),
     },
     "diag": {
@@ -100,6 +102,8 @@ FREE = {
         "data.valid",
         "lora.targets",
         "lora.init",
+        "grpo.stop",
+        "grpo.rewards",  # format-checked (a built-in name or module:function)
     },
     "diag": {"model", "adapter", "out"},
     "data chunk": {"out"},

@@ -348,6 +348,17 @@ class QuietLog:
 
 
 PAIR_METRICS = {k for keys in METRICS.values() for k in keys}  # printed with 4 digits
+# GRPO's (train/grpo/loop.py): the head's metrics, shares, and rewards (reward_<name>...)
+GRPO_FIELDS = {
+    "kl",
+    "clip_frac",
+    "clip_low",
+    "clip_high",
+    "ratio",
+    "logp",
+    "truncated",
+    "groups_kept",
+}
 
 
 def _fmt(key: str, value) -> str:
@@ -360,7 +371,12 @@ def _fmt(key: str, value) -> str:
             return f"mfu {value:.1%}"
         if "loss" in key:
             return f"{key} {value:.4f}"
-        if key in PAIR_METRICS or key == "bubble":
+        if (
+            key in PAIR_METRICS
+            or key in GRPO_FIELDS
+            or key.startswith(("reward", "val_reward"))
+            or key == "bubble"
+        ):
             return f"{key} {value:.4g}"
         return f"{key} {value:.1f}"
     return f"{key} {value}"
