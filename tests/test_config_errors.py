@@ -28,8 +28,14 @@ def _optimizers() -> tuple[str, ...]:
 
 
 # command -> {field path: the values it allows}; "modes" is a list field (each entry is checked).
+# speculative=draft_model needs draft_model=, so the values tried alone are these two
+SPECULATIVE = ("off", "prompt_lookup")
 ENUMS = {
-    "generate": {"dtype": DTYPES, "decode_head": ("auto", "exact", "bfloat16")},
+    "generate": {
+        "dtype": DTYPES,
+        "decode_head": ("auto", "exact", "bfloat16"),
+        "speculative": SPECULATIVE,
+    },
     "models": {
         "action": ("list", "pull", "convert", "quantize", "info"),
         "dtype": ("float32", "bfloat16", "float16"),
@@ -55,6 +61,7 @@ ENUMS = {
         "dist.backend": ("any", "ring", "mpi", "jaccl", "nccl"),
     },
     "diag": {
+        "speculative": SPECULATIVE,
         "action": ("parity", "leak", "memory", "decode", "profile"),
         "dtype": DTYPES,
         "decode_head": ("auto", "exact", "bfloat16"),
@@ -65,8 +72,13 @@ ENUMS = {
         "dpo.loss": ("sigmoid", "ipo"),
     },
     "data chunk": {},
-    "eval chunk": {"split": ("train", "valid", "test"), "dtype": DTYPES},
+    "eval chunk": {
+        "split": ("train", "valid", "test"),
+        "dtype": DTYPES,
+        "speculative": SPECULATIVE,
+    },
     "serve": {
+        "speculative": SPECULATIVE,
         "dtype": DTYPES,
         "decode_head": ("auto", "exact", "bfloat16"),
         "kv_quant": ("off", "4", "8", "config", "plan.json"),
@@ -84,13 +96,18 @@ TASK_ENUMS = {
         "name": ("chunk",),
         "eval.split": ("train", "valid", "test"),
         "eval_splits": ("train", "valid", "test", "dev", "export"),
+        "eval.speculative": SPECULATIVE,
     },
-    "chunk_pref": {"name": ("chunk_pref",), "eval.split": ("train", "valid", "test")},
+    "chunk_pref": {
+        "name": ("chunk_pref",),
+        "eval.split": ("train", "valid", "test"),
+        "eval.speculative": SPECULATIVE,
+    },
 }
 
 # String fields that take free text (paths, names, prompts): everything else string-typed is an enum.
 FREE = {
-    "generate": {"model", "prompt", "system", "adapter"},
+    "generate": {"model", "prompt", "system", "adapter", "draft_model"},
     "models": {"target", "out"},
     "lora": {"model", "adapter", "out"},
     "train": {
@@ -107,8 +124,8 @@ FREE = {
     },
     "diag": {"model", "adapter", "out"},
     "data chunk": {"out"},
-    "eval chunk": {"model", "adapter", "data", "out", "label_model", "shifts"},
-    "serve": {"model", "host", "adapter_root"}
+    "eval chunk": {"model", "adapter", "data", "out", "label_model", "shifts", "draft_model"},
+    "serve": {"model", "host", "adapter_root", "draft_model"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
     | {"runs_dir"}
     | {"image_url_hosts"}  # format-checked
@@ -117,8 +134,8 @@ FREE = {
     "transcribe": {"file", "model", "language", "prompt", "out"},
 }
 TASK_FREE = {
-    "chunk": {"report", "eval.label_model", "eval.shifts"},
-    "chunk_pref": {"report", "sft", "eval.label_model", "eval.shifts"},
+    "chunk": {"report", "eval.label_model", "eval.shifts", "eval.draft_model"},
+    "chunk_pref": {"report", "sft", "eval.label_model", "eval.shifts", "eval.draft_model"},
 }
 
 
