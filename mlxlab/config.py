@@ -434,7 +434,7 @@ class GRPOConfig:
     """A weight per reward (the reward is their weighted sum); null: 1 each."""
     beta: float = 0.0
     """Weight of the KL penalty to the reference (the base model with the adapter off, or the
-    lora.init adapter); 0 skips the reference pass (DeepSeekMath used 0.04; Dr. GRPO and DAPO
+    lora.init adapter; DoRA and full: the starting arrays); 0 skips the reference pass (DeepSeekMath used 0.04; Dr. GRPO and DAPO
     drop the term)."""
     epsilon: float | None = None
     """Lower clip of the importance ratio (1 - epsilon); null: the loss's published value

@@ -1,5 +1,5 @@
 """A GRPO run's results as markdown, from what the run wrote (metrics.jsonl, config.yaml,
-completions.jsonl): the experiment READMEs under experiments/ are this script's output.
+completions.jsonl), for an experiment's README.
 
     python scripts/grpo_report.py RUN_DIR [--title TEXT] [--command TEXT] [--out FILE]
 
@@ -81,11 +81,14 @@ def report(run: Path, title: str, command: str) -> str:
         )
     ref = [r["ref_s"] for r in steps if "ref_s" in r]
     if ref and g["beta"]:
-        lines += ["", f"Reference pass (adapter off): {mean(ref):.1f} s a step on average."]
+        lines += [
+            "",
+            f"Reference and old-policy passes: {mean(ref):.1f} s a step on average.",
+        ]
     comps = run / "completions.jsonl"
-    if comps.is_file():
-        rows = read(comps)
-        for r in (rows[0], rows[-1]):
+    rows = read(comps) if comps.is_file() else []
+    if rows:
+        for r in (rows[0], rows[-1]) if len(rows) > 1 else rows:
             lines += ["", f"Completions at step {r['step']} (reward, text):", ""]
             for c in r["completions"][:8]:
                 text = c["text"].replace("|", "\\|").replace("\n", "\\n")

@@ -652,3 +652,18 @@ def test_a_data_parallel_grpo_run_resumes_to_the_same_adapter(tiny_dir, session_
     assert (tmp_path / "whole" / "adapter" / "adapters.safetensors").read_bytes() == (
         tmp_path / "legs" / "adapter" / "adapters.safetensors"
     ).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["dora", "full"])
+def test_grpo_kl_reference_of_dora_and_full_is_the_starting_model(tiny_dir, tmp_path, kind):
+    """DoRA's magnitudes and a full fine-tune's weights have no off switch: their starting arrays
+    are the KL reference, so the first step's KL is 0 and, once the weights move, it is not."""
+    import dataclasses as dc
+
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    lora = dc.replace(_run_cfg(tmp_path, "x").lora, type=kind)
+    run(_run_cfg(tmp_path, kind, iters=3, lora=lora, grpo={"beta": 0.1, "updates": 1}))
+    kl = [r["kl"] for r in _steps(tmp_path / kind) if "kl" in r]
+    assert kl[0] == 0.0 and kl[-1] > 0, kl

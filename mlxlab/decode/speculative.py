@@ -206,7 +206,7 @@ def self_draft(model, layers: int):
 
 def load_draft(spec: str, model, tokenizer, dtype: str = "auto"):
     """The draft model `spec` names: `self:N` (`self_draft`), or a model spec (zoo name,
-    directory, .gguf) whose tokenizer must be the model's (a one-line UserError otherwise)."""
+    directory, .gguf, Hugging Face repo id) whose tokenizer must be the model's (a one-line UserError otherwise)."""
     if spec.startswith("self:"):
         try:
             n = int(spec.split(":", 1)[1])

@@ -388,8 +388,8 @@ def load(
 
     `decode_kernel`: route decode-step products through mlxlab's CPU kernel
     (models/fastdecode.py); False keeps mlx-lm's code path for every product. `decode_head`:
-    what the LM head reads at decode (`fastdecode.use_head_dtype`): auto (a bf16 copy when
-    lossless), exact, or bfloat16 (opt-in, approximate)."""
+    what the LM head and the other linears read at decode (`fastdecode.use_head_dtype`): auto
+    (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate)."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_lm_load
 
