@@ -118,9 +118,9 @@ METRICS = (
 
 
 QUESTION = (
-    "Does LoRA trained with the {how} teach {model} to split a conversation "
-    "into topical chunks and answer in the exact JSON schema, on topics it never saw in "
-    "training, within a {budget} run on this machine?"
+    "Does LoRA trained with the {how} teach {model} to split a user/assistant conversation "
+    "about anything into topical chunks and answer in the exact JSON schema, on conversations "
+    "it never saw in training, within a {budget} run on this machine?"
 )
 
 
