@@ -828,6 +828,7 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
     r = run_cli("data", "chunk", f"out={out}", "train=5", "valid=2", "test=3")
     assert r.returncode == 0, r.stderr
     assert "train: 5 conversations" in r.stdout and (out / "test.cases.json").is_file()
+    assert "source docs: train 5, valid 2, test 3" in r.stdout
     assert "| gold chunks per conversation | train | valid | test |" in r.stdout
     assert json.loads((out / "build.json").read_text())["train"] == 5
     again = run_cli("data", "chunk", f"out={out}")

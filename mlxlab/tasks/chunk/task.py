@@ -47,7 +47,7 @@ class ChunkTask(Hooks):
         data_dir = run_dir / "data"
         if not (data_dir / "train.cases.json").is_file():
             self.check_windows(None)  # task.data's cap, before building
-            dataset.write_dataset(data_dir, self.cfg.data)
+            dataset.write_dataset(data_dir, self.cfg.data, log=log.info)
             log.info(f"built the {self.cfg.name} dataset in {data_dir}")
         else:  # a resumed run's dataset: its own build.json
             self.check_windows(data_dir)
