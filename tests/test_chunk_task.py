@@ -1361,3 +1361,25 @@ def test_an_evaluations_time_counts_its_constrained_decode():
     )
     resumed = wall_line({"seconds": 120.0, "start_step": 60}, evals, 3000.0)
     assert resumed.startswith(line + ". Resumed at step 60: ") and resumed.count("(") == 1
+
+
+def test_the_splits_to_evaluate_are_checked_before_training(tmp_path):
+    """eval_splits: held-out splits, each once; dev and export need data.dev (or, in a prebuilt
+    dataset, their files): refused at prepare_data, not after the training run."""
+    from mlxlab.tasks.chunk.config import ChunkTaskConfig
+    from mlxlab.tasks.chunk.task import ChunkTask
+
+    for bad in (["test"], ["train"], ["dev", "dev"]):
+        with pytest.raises(UserError, match="each once"):
+            ChunkTaskConfig(eval_splits=bad)
+    with pytest.raises(UserError, match="needs task.data.dev=true"):
+        ChunkTask(ChunkTaskConfig(eval_splits=["dev"])).check_splits(None)
+    ChunkTask(ChunkTaskConfig(eval_splits=["dev"], data=ChunkDataConfig(dev=True))).check_splits(
+        None
+    )
+    (tmp_path / "test.cases.json").write_text("[]")
+    task = ChunkTask(ChunkTaskConfig(eval_splits=["export"]))
+    with pytest.raises(UserError, match="no export split in .*data chunk dev=true"):
+        task.check_splits(tmp_path)
+    (tmp_path / "export.cases.json").write_text("[]")
+    task.check_splits(tmp_path)

@@ -42,16 +42,37 @@ class ChunkTask(Hooks):
         writable_dir(run_dir)
         if data.train:
             self.check_windows(dataset.dataset_dir(data.train))
+            self.check_splits(dataset.dataset_dir(data.train))
             return data
 
         data_dir = run_dir / "data"
         if not (data_dir / "train.cases.json").is_file():
             self.check_windows(None)  # task.data's cap, before building
+            self.check_splits(None)
             dataset.write_dataset(data_dir, self.cfg.data, log=log.info)
             log.info(f"built the {self.cfg.name} dataset in {data_dir}")
         else:  # a resumed run's dataset: its own build.json
             self.check_windows(data_dir)
         return dataclasses.replace(data, train=str(data_dir))
+
+    def check_splits(self, data_dir: Path | None) -> None:
+        """UserError now, before training, where a split to evaluate will not be there: dev and
+        export need task.data.dev=true (in a prebuilt dataset, its files)."""
+        from mlxlab.errors import UserError
+
+        for split in [self.cfg.eval.split, *self.cfg.eval_splits]:
+            if data_dir is not None:
+                if not (data_dir / f"{split}.cases.json").is_file():
+                    raise UserError(
+                        f"no {split} split in {data_dir} (no {split}.cases.json"
+                        + (
+                            "; build it with data chunk dev=true)"
+                            if split in ("dev", "export")
+                            else ")"
+                        )
+                    )
+            elif split in ("dev", "export") and not self.cfg.data.dev:
+                raise UserError(f"evaluating the {split} split needs task.data.dev=true")
 
     def check_windows(self, data_dir: Path | None) -> None:
         """UserError now, before the base evaluation and training, where the evaluation's window
