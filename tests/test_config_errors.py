@@ -95,7 +95,7 @@ TASK_ENUMS = {
     "chunk": {
         "name": ("chunk",),
         "eval.split": ("train", "valid", "test"),
-        "eval_splits": ("train", "valid", "test", "dev", "export"),
+        "eval_splits": ("valid", "dev", "export"),  # train and eval.split's test: refused
         "eval.speculative": SPECULATIVE,
     },
     "chunk_pref": {

@@ -238,11 +238,6 @@ def adapters_off(model):
             "arrays as the reference instead (train/job.py attach_lora)"
         )
     modules = [m for _, m in lora_modules(model)]
-    if not modules:  # a full fine-tune: nothing to switch off, the reference would be the policy
-        raise ValueError(
-            "adapters_off found no LoRA layers (a full fine-tune?): pass the starting arrays as "
-            "the reference instead (train/job.py attach_lora)"
-        )
     saved = [m.scale for m in modules]
     try:
         for m in modules:
