@@ -15,7 +15,16 @@ from mlxlab.serve.openai.protocol import ChatRequest, CompletionRequest, OpenAIE
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
 
 
-@router.post("/v1/chat/completions", responses=STREAMED)
+def _example(body: dict) -> dict:
+    """A request the schema shows (and schema-driven clients and fuzzers start from)."""
+    return {"requestBody": {"content": {"application/json": {"example": body}}}}
+
+
+CHAT_EXAMPLE = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+COMPLETION_EXAMPLE = {"prompt": "Once upon a time", "max_tokens": 8}
+
+
+@router.post("/v1/chat/completions", responses=STREAMED, openapi_extra=_example(CHAT_EXAMPLE))
 async def chat(body: ChatRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     heard = await audio.transcribe_parts(request, body)  # input_audio parts -> their transcripts
@@ -29,7 +38,7 @@ async def chat(body: ChatRequest, request: Request):
     return audio.with_usage(encode.chat_body(head, got, body.logprobs), heard)
 
 
-@router.post("/v1/completions", responses=STREAMED)
+@router.post("/v1/completions", responses=STREAMED, openapi_extra=_example(COMPLETION_EXAMPLE))
 async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     job = await pipeline.prepare(gateway, cfg, body.to_ask)
