@@ -592,6 +592,14 @@ def test_one_topic_share_and_lengths(synthetic_build):
     assert st["cases"] == 120 and sum(n for _, n in st["messages"]) == 120
 
 
+def test_histogram_names_its_bins_and_drops_values_outside():
+    from mlxlab.tasks.chunk.histogram import histogram
+
+    edges = (0, 1, 2, 10, 10**9)
+    got = histogram([0, 1, 1, 5, 9, 10, 10**9 - 1, 10**9, -1], edges)
+    assert got == [("0", 1), ("1", 2), ("2-9", 2), (">= 10", 2)]
+
+
 def test_build_is_deterministic():
     segs = synthetic_segments()
     a = json.dumps(joins.build_from_segments(segs, "train", 40, seed=9))
