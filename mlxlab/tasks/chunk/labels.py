@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from mlxlab.tasks.chunk.sharegpt import FENCE, STOP_EN
+from mlxlab.tasks.chunk.sharegpt_clean import FENCE, STOP_EN
 
 # ------------------------------------------------------------------------------ labels
 
