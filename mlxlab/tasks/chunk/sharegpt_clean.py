@@ -159,15 +159,6 @@ def clean_messages(pairs: list[tuple[str, str]], keep_empty: bool = False) -> li
 
 # ------------------------------------------------------------------------------ content filters
 
-STOP_EN = frozenset(
-    """the a an and or but if of to in on at for with from by as is are was were be been being
-    it its this that these those i you he she we they me my your our their his her them us do
-    does did not no yes can could would should will shall may might must have has had what which
-    who whom whose when where why how there here so than then too very just also about into over
-    under again more most some any all each other such only own same both few many much one two
-    out up down off please write give make like know want need use get tell explain""".split()
-)
-WORD = re.compile(r"[^\W\d_]+", re.U)
 CONTINUE_RE = re.compile(
     r"^\W*(please\s+)?(continue|go on|keep going|more|next|ok(ay)?|yes|thanks?( you)?|great|"
     r"go ahead|and\??|finish|cont\.?|continue writing( please)?|continue generating)\W*$",
