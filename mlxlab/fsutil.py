@@ -1,7 +1,9 @@
-"""Writes that never leave a half-written file or directory where a good one was."""
+"""Writes that never leave a half-written file or directory where a good one was; a file's
+SHA-256, read in blocks."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -87,3 +89,12 @@ def atomic_dir(out: Path, write: Callable[[Path], object]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def sha256_file(path: Path) -> str:
+    """The hex SHA-256 of the file at `path`, read 4 MiB at a time."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()

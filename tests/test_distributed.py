@@ -26,8 +26,8 @@ import mlxlab  # noqa: F401  (BLAS before MLX)
 from mlxlab.errors import UserError
 from tests.helpers.cli import REPO
 from tests.helpers.dist import free_ports, start_ranks, wait_all
+from tests.helpers.training import QUICKSTART
 
-QUICKSTART = REPO / "mlxlab" / "data" / "quickstart"
 # One BLAS thread per process: two ranks share the 2-core machine, and the single-process
 # references run the same BLAS code paths as the ranks.
 ENV = {"OPENBLAS_NUM_THREADS": "1"}

@@ -1,11 +1,12 @@
-"""Output paths are checked before a command does its work (mlxlab/fsutil.py)."""
+"""Output paths are checked before a command does its work; a file's SHA-256 (mlxlab/fsutil.py)."""
 
+import hashlib
 import os
 
 import pytest
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import output_file
+from mlxlab.fsutil import output_file, sha256_file
 
 
 def test_output_file_resolves_names_and_directories(tmp_path, monkeypatch):
@@ -54,3 +55,10 @@ def test_diag_and_transcribe_check_their_out_first(tmp_path):
     wav = tmp_path / "talk.wav"  # never decoded: the bad out= fails first
     with pytest.raises(UserError, match="cannot create directory"):
         run(TranscribeConfig(file=str(wav), out=str(tmp_path / "f" / "t.txt")))
+
+
+def test_sha256_file_reads_in_blocks_to_the_whole_files_digest(tmp_path):
+    for name, data in [("empty", b""), ("small", b"abc"), ("blocks", bytes(range(256)) * 20000)]:
+        path = tmp_path / name  # "blocks": 5,120,000 bytes, more than one 4 MiB read
+        path.write_bytes(data)
+        assert sha256_file(path) == hashlib.sha256(data).hexdigest()

@@ -25,16 +25,14 @@ from mlxlab.config import (
     UserError,
 )
 from mlxlab.data import batches as B
-from mlxlab.data import datasets as D
 from mlxlab.lora import apply as lora
 from mlxlab.lora import io as lora_io
 from mlxlab.models import tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import objectives as obj
 from mlxlab.train import trainer
-from tests.helpers.cli import REPO
+from tests.helpers.training import QUICKSTART, assert_same, examples, run_losses
 
-QUICKSTART = REPO / "mlxlab" / "data" / "quickstart"
 KINDS = ["dora", "full"]
 
 
@@ -59,19 +57,6 @@ def _adapted(path, kind, layers="all", seed=0):
     return model, tok, plan
 
 
-def _examples(shapes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [D.Example(ids=[2] + rng.integers(6, 500, n).tolist(), offset=o) for n, o in shapes]
-
-
-def _same(got, ref):
-    assert got[0].item() == ref[0].item() and got[1].item() == ref[1].item()
-    g, r = dict(tree_flatten(got[2])), dict(tree_flatten(ref[2]))
-    assert g.keys() == r.keys() and r
-    for k in r:
-        assert np.array_equal(np.array(g[k]), np.array(r[k])), k
-
-
 def test_what_each_kind_trains(tiny_dir):
     dora, _, _ = _adapted(tiny_dir("gemma3"), "dora", layers=[1])
     names = sorted(lora.adapter_parameters(dora))
@@ -93,18 +78,20 @@ def test_what_each_kind_trains(tiny_dir):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_are_bit_exact_in_every_mode(tiny_dir, family, kind):
     model, _, _ = _adapted(tiny_dir(family), kind)
-    batch = B.collate(_examples([(40, 10), (30, 3), (12, 0)]))
+    batch = B.collate(examples([(40, 10), (30, 3), (12, 0)]))
     ref = trainer.full_backward(model, compile=False)(model, batch)
-    _same(trainer.full_backward(model, compile=True)(model, batch), ref)
-    _same(bw.checkpointed_backward(model)(model, batch), ref)
+    assert_same(trainer.full_backward(model, compile=True)(model, batch), ref)
+    assert_same(bw.checkpointed_backward(model)(model, batch), ref)
     for size in (1, 2, 5):
-        _same(
+        assert_same(
             bw.segmented_backward(model, bw.plan_by_size(len(model.layers), size))(model, batch),
             ref,
         )
-    packed = B.collate_rows([_examples([(20, 5), (14, 2)]), _examples([(30, 8)], seed=1)])
+    packed = B.collate_rows([examples([(20, 5), (14, 2)]), examples([(30, 8)], seed=1)])
     pref = trainer.full_backward(model, compile=False)(model, packed)
-    _same(bw.segmented_backward(model, bw.plan_by_size(len(model.layers), 2))(model, packed), pref)
+    assert_same(
+        bw.segmented_backward(model, bw.plan_by_size(len(model.layers), 2))(model, packed), pref
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gemma4"])
@@ -126,7 +113,7 @@ def test_gradients_equal_mlx_lms_own(tiny_dir, family, kind, tmp_path):
         for name in lora.adapter_parameters(ours):
             module, leaf = name.rsplit(".", 1)
             dict(theirs.named_modules())[module].unfreeze(keys=[leaf], recurse=False)
-    (example,) = _examples([(50, 25)])
+    (example,) = examples([(50, 25)])
     batch = B.collate([example])
     n = len(example.ids)
     with kernels.off("train"):
@@ -216,10 +203,12 @@ def test_dora_on_a_quantized_base(quant_dir, tmp_path):
 
     qdir = quant_dir("llama", 4, 32)
     model, tok, plan = _adapted(qdir, "dora")
-    batch = B.collate(_examples([(30, 10), (20, 3)]))
+    batch = B.collate(examples([(30, 10), (20, 3)]))
     ref = trainer.full_backward(model, compile=False)(model, batch)
-    _same(bw.segmented_backward(model, bw.plan_by_size(len(model.layers), 2))(model, batch), ref)
-    _same(bw.checkpointed_backward(model)(model, batch), ref)
+    assert_same(
+        bw.segmented_backward(model, bw.plan_by_size(len(model.layers), 2))(model, batch), ref
+    )
+    assert_same(bw.checkpointed_backward(model)(model, batch), ref)
     lora_io.save(model, plan, tmp_path / "a")
     ids = mx.array(tok.encode("Now is better than never."))[None]
     theirs, _ = load(str(qdir), adapter_path=str(tmp_path / "a"))
@@ -249,15 +238,6 @@ def _cfg(tmp_path: Path, kind: str, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return out
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_modes_resume_and_mlx_lm(tiny_dir, tmp_path, kind):
     """The full and segmented backward give the same losses and adapter bytes; a run resumed from its
@@ -271,7 +251,7 @@ def test_training_modes_resume_and_mlx_lm(tiny_dir, tmp_path, kind):
         mode: run(_cfg(tmp_path / mode, kind, backward=BackwardConfig(mode=mode, segment_size=2)))
         for mode in ("full", "segmented")  # checkpoint: the gradient tests above
     }
-    losses = {m: _losses(Path(s["adapter"]).parent) for m, s in runs.items()}
+    losses = {m: run_losses(Path(s["adapter"]).parent) for m, s in runs.items()}
     assert losses["full"] == losses["segmented"]
     assert losses["full"][4] < losses["full"][1]
     blobs = {m: (Path(s["adapter"]) / "adapters.safetensors").read_bytes() for m, s in runs.items()}
@@ -281,7 +261,7 @@ def test_training_modes_resume_and_mlx_lm(tiny_dir, tmp_path, kind):
     run_dir = Path(part["adapter"]).parent
     again = run(_cfg(tmp_path / "resumed", kind, iters=4, save_every=2, resume=True))
     assert again["start_step"] == 2
-    assert _losses(run_dir) == losses["full"]
+    assert run_losses(run_dir) == losses["full"]
     assert (run_dir / "adapter" / "adapters.safetensors").read_bytes() == blobs["full"]
 
     adapter = runs["full"]["adapter"]
@@ -309,7 +289,7 @@ def test_pair_gradients_are_bit_exact_across_modes(tiny_dir, family, kind, objec
             k: v for k, v in tree_flatten(fresh.parameters()) if k in lora.adapter_parameters(fresh)
         }
     objective = obj.PairObjective(objective, beta=0.2, lam=0.3, start=start)
-    sampler = B.BatchSampler(_examples(PAIR_SHAPES), 2, 0, shuffle=False, pairs=True)
+    sampler = B.BatchSampler(examples(PAIR_SHAPES), 2, 0, shuffle=False, pairs=True)
     batch = next(sampler.one_pass())
     if objective.needs_reference:
         batch = dataclasses.replace(batch, ref=obj.reference_logps(model, batch, start))
@@ -317,9 +297,9 @@ def test_pair_gradients_are_bit_exact_across_modes(tiny_dir, family, kind, objec
     for size in (1, 4):
         plan = bw.plan_by_size(len(model.layers), size)
         got = bw.segmented_backward(model, plan, objective=objective)(model, batch)
-        _same(got, full)
+        assert_same(got, full)
         assert np.array_equal(np.array(got[3]), np.array(full[3]))
-    _same(bw.checkpointed_backward(model, objective=objective)(model, batch), full)
+    assert_same(bw.checkpointed_backward(model, objective=objective)(model, batch), full)
     assert np.isfinite(full[0].item())
 
 

@@ -10,20 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 import mlxlab  # noqa: F401
 from mlxlab.config import BackwardConfig, DataConfig, LoraConfig, OptimConfig, TrainConfig
 from mlxlab.data import batches as B
-from mlxlab.data import datasets as D
 from mlxlab.lora import apply as lora
 from mlxlab.lora import io as lora_io
 from mlxlab.models import tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import trainer
-from tests.helpers.cli import REPO
+from tests.helpers.training import QUICKSTART, assert_same, examples, run_losses
 
-QUICKSTART = REPO / "mlxlab" / "data" / "quickstart"
 QUANTS = [(4, 32), (8, 64)]
 
 
@@ -45,19 +42,6 @@ def _quantized_lora_model(path, seed=0, targets=("q", "k", "v", "o", "down")):
     return model, plan
 
 
-def _examples(shapes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o) for n, o in shapes]
-
-
-def _assert_same(got, ref):
-    assert got[0].item() == ref[0].item() and got[1].item() == ref[1].item()
-    g, r = dict(tree_flatten(got[2])), dict(tree_flatten(ref[2]))
-    assert g.keys() == r.keys() and r
-    for k in r:
-        assert np.array_equal(np.array(g[k]), np.array(r[k])), k  # bit for bit
-
-
 def test_quantize_writes_what_mlx_lm_convert_writes(quant_dir):
     config = json.loads((quant_dir("llama", 4, 32) / "config.json").read_text())
     assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
@@ -72,14 +56,14 @@ def test_quantize_writes_what_mlx_lm_convert_writes(quant_dir):
 @pytest.mark.parametrize("bits,group", QUANTS)
 def test_quantized_gradients_are_bit_exact_in_every_mode(quant_dir, family, bits, group):
     model, _ = _quantized_lora_model(quant_dir(family, bits, group))
-    batch = B.collate(_examples([(40, 10), (30, 3), (12, 0)]))
+    batch = B.collate(examples([(40, 10), (30, 3), (12, 0)]))
     ref = trainer.full_backward(model, compile=False)(model, batch)
     assert np.isfinite(ref[0].item()) and ref[1].item() == 31 + 28 + 12  # len - max(offset, 1) each
-    _assert_same(trainer.full_backward(model, compile=True)(model, batch), ref)
-    _assert_same(bw.checkpointed_backward(model)(model, batch), ref)
+    assert_same(trainer.full_backward(model, compile=True)(model, batch), ref)
+    assert_same(bw.checkpointed_backward(model)(model, batch), ref)
     for size in (1, 2, 5):
         plan = bw.plan_by_size(len(model.layers), size)
-        _assert_same(bw.segmented_backward(model, plan)(model, batch), ref)
+        assert_same(bw.segmented_backward(model, plan)(model, batch), ref)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2"])
@@ -87,14 +71,14 @@ def test_quantized_packed_rows_agree_across_modes(quant_dir, family):
     """Packed rows on a quantized base: each mode bit for bit the full backward, and the loss
     that of the same examples unpacked (to float rounding)."""
     model, _ = _quantized_lora_model(quant_dir(family, 4, 32))
-    examples = _examples([(20, 5), (14, 2), (9, 0), (30, 8)])
-    packed = B.collate_rows([examples[:2], examples[2:]])
+    exs = examples([(20, 5), (14, 2), (9, 0), (30, 8)])
+    packed = B.collate_rows([exs[:2], exs[2:]])
     ref = trainer.full_backward(model, compile=False)(model, packed)
-    _assert_same(bw.checkpointed_backward(model)(model, packed), ref)
-    _assert_same(
+    assert_same(bw.checkpointed_backward(model)(model, packed), ref)
+    assert_same(
         bw.segmented_backward(model, bw.plan_by_size(len(model.layers), 2))(model, packed), ref
     )
-    unpacked = trainer.full_backward(model, compile=False)(model, B.collate(examples))
+    unpacked = trainer.full_backward(model, compile=False)(model, B.collate(exs))
     np.testing.assert_allclose(ref[0].item(), unpacked[0].item(), rtol=1e-5)
 
 
@@ -118,15 +102,6 @@ def _cfg(tmp_path: Path, model: str, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return out
-
-
 def test_quantized_training_modes_resume_and_mlx_lm_parity(quant_dir, tmp_path):
     """Training on a 4-bit base: the full and segmented backward give the same losses and adapter
     bytes; a run resumed from its step-2 checkpoint ends on the same adapter; mlx-lm loads the
@@ -141,7 +116,7 @@ def test_quantized_training_modes_resume_and_mlx_lm_parity(quant_dir, tmp_path):
         mode: run(_cfg(tmp_path / mode, qdir, backward=BackwardConfig(mode=mode, segment_size=2)))
         for mode in ("full", "segmented")  # checkpoint: the gradient tests above
     }
-    losses = {m: _losses(Path(s["adapter"]).parent) for m, s in runs.items()}
+    losses = {m: run_losses(Path(s["adapter"]).parent) for m, s in runs.items()}
     assert losses["full"] == losses["segmented"]
     assert losses["full"][4] < losses["full"][1]
     blobs = {m: (Path(s["adapter"]) / "adapters.safetensors").read_bytes() for m, s in runs.items()}
@@ -152,7 +127,7 @@ def test_quantized_training_modes_resume_and_mlx_lm_parity(quant_dir, tmp_path):
     run_dir = Path(part["adapter"]).parent
     again = run(_cfg(tmp_path / "resumed", qdir, iters=4, save_every=2, resume=True))
     assert again["start_step"] == 2
-    assert _losses(run_dir) == losses["full"]
+    assert run_losses(run_dir) == losses["full"]
     assert (run_dir / "adapter" / "adapters.safetensors").read_bytes() == blobs["full"]
 
     adapter = runs["full"]["adapter"]

@@ -8,7 +8,6 @@ to a few minutes on a 2-core CPU."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,14 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 import mlxlab  # noqa: F401
-from tests.helpers.cli import REPO
+from tests.helpers.training import QUICKSTART, assert_same, run_losses
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
-QUICKSTART = REPO / "mlxlab" / "data" / "quickstart"
 PARAGRAPH = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "developed a system of movable metal type in the German city of Mainz. Before his invention, "
@@ -58,14 +55,6 @@ def _lora_model(path, seed=0):
     return model, tok
 
 
-def _same(got, ref):
-    assert got[0].item() == ref[0].item() and got[1].item() == ref[1].item()
-    g, r = dict(tree_flatten(got[2])), dict(tree_flatten(ref[2]))
-    assert g.keys() == r.keys() and r
-    for k in r:
-        assert np.array_equal(np.array(g[k]), np.array(r[k])), k
-
-
 def test_every_backward_mode_equals_the_full_backward(base):
     import mlx.nn as nn
 
@@ -82,10 +71,10 @@ def test_every_backward_mode_equals_the_full_backward(base):
     for batch in (B.collate([a, b]), B.collate_rows([[a, b]])):  # padded rows; one packed row
         ref = trainer.full_backward(model, compile=False)(model, batch)
         assert np.isfinite(ref[0].item())
-        _same(
+        assert_same(
             bw.segmented_backward(model, bw.plan_by_size(len(model.layers), 6))(model, batch), ref
         )
-        _same(bw.checkpointed_backward(model)(model, batch), ref)
+        assert_same(bw.checkpointed_backward(model)(model, batch), ref)
 
 
 def test_loss_goes_down_on_a_fixed_batch_and_mlx_lm_loads_the_adapter(base, tmp_path):
@@ -158,11 +147,6 @@ def _train_cmd(model: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
-
-
 def test_a_killed_run_resumes_exactly(base, session_home, tmp_path):
     env = {**os.environ, "MLXLAB_HOME": str(session_home)}
 
@@ -180,15 +164,15 @@ def test_a_killed_run_resumes_exactly(base, session_home, tmp_path):
     )
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and 3 in _losses(out):
+        if (out / "metrics.jsonl").exists() and 3 in run_losses(out):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert 3 <= max(_losses(out)) < 5 and not (out / "adapter").exists()  # killed mid-run
+    assert 3 <= max(run_losses(out)) < 5 and not (out / "adapter").exists()  # killed mid-run
     resumed = run(out, "resume=true")
     assert "resumed from" in resumed.stderr
-    assert _losses(out) == _losses(tmp_path / "ref") and len(_losses(out)) == 5
+    assert run_losses(out) == run_losses(tmp_path / "ref") and len(run_losses(out)) == 5
     assert (out / "adapter" / "adapters.safetensors").read_bytes() == (
         tmp_path / "ref" / "adapter" / "adapters.safetensors"
     ).read_bytes()

@@ -20,9 +20,7 @@ from mlxlab.data import batches as B
 from mlxlab.data import datasets as D
 from mlxlab.models import tiny
 from mlxlab.train import losses
-from tests.helpers.cli import REPO
-
-QUICKSTART = REPO / "mlxlab" / "data" / "quickstart"
+from tests.helpers.training import QUICKSTART, examples, run_losses
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
@@ -41,12 +39,7 @@ def test_head_of_hidden_states_is_the_model_output(family):
 def test_response_ce_equals_masked_full_ce(family):
 
     model, tok, _ = tiny.build(family)
-    rng = np.random.default_rng(0)
-    examples = [
-        D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o)
-        for n, o in [(40, 10), (17, 0), (60, 59), (25, 1)]
-    ]
-    batch = B.collate(examples)
+    batch = B.collate(examples([(40, 10), (17, 0), (60, 59), (25, 1)]))
     loss, ntoks = losses.response_ce(model, *batch.arrays())
     targets, mask = B.dense_targets(batch)
     ref_loss, ref_ntoks = losses.masked_ce(model, batch.inputs, targets, mask)
@@ -74,15 +67,6 @@ def _cfg(tmp_path: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]  # a resumed run's later record wins
-    return out
-
-
 def test_same_seed_gives_identical_losses_and_adapters(tiny_dir, tmp_path):
     from mlxlab.train.cli import run
 
@@ -90,7 +74,7 @@ def test_same_seed_gives_identical_losses_and_adapters(tiny_dir, tmp_path):
     a = run(_cfg(tmp_path / "a"))
     b = run(_cfg(tmp_path / "b"))
     run_a, run_b = Path(a["adapter"]).parent, Path(b["adapter"]).parent
-    assert _losses(run_a) == _losses(run_b) and len(_losses(run_a)) == 6
+    assert run_losses(run_a) == run_losses(run_b) and len(run_losses(run_a)) == 6
     assert (run_a / "adapter" / "adapters.safetensors").read_bytes() == (
         run_b / "adapter" / "adapters.safetensors"
     ).read_bytes()
@@ -102,7 +86,7 @@ def test_same_seed_gives_identical_losses_and_adapters(tiny_dir, tmp_path):
         p.name for p in run_a.iterdir()
     }
     c = run(_cfg(tmp_path / "c", seed=4))
-    assert _losses(Path(c["adapter"]).parent) != _losses(run_a)
+    assert run_losses(Path(c["adapter"]).parent) != run_losses(run_a)
 
 
 def test_training_lowers_the_loss_and_the_adapter_loads_in_mlx_lm(tiny_dir, tmp_path):
@@ -218,7 +202,7 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path)
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = max(_losses(out))
+    killed_at = max(run_losses(out))
     assert 120 < killed_at < 240, killed_at  # really killed mid-run
     assert not (out / "adapter").exists()
 
@@ -232,7 +216,7 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_path)
     )
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
-    assert _losses(out) == _losses(tmp_path / "ref")
+    assert run_losses(out) == run_losses(tmp_path / "ref")
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))  # the records after the checkpoint were dropped, not doubled
     assert (out / "adapter" / "adapters.safetensors").read_bytes() == (
@@ -250,10 +234,10 @@ def test_resume_before_the_first_checkpoint_starts_over(tiny_dir, tmp_path):
     tiny_dir("llama")
     first = run(_cfg(tmp_path, iters=3, save_every=0))
     run_dir = Path(first["adapter"]).parent
-    want = _losses(run_dir)
+    want = run_losses(run_dir)
     shutil.rmtree(run_dir / "adapter")
     again = run(_cfg(tmp_path, iters=3, save_every=0, resume=True))
-    assert _losses(Path(again["adapter"]).parent) == want
+    assert run_losses(Path(again["adapter"]).parent) == want
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))  # the first attempt's records were dropped, not doubled
 
@@ -309,7 +293,7 @@ def test_compiled_and_eager_steps_agree(tiny_dir, tmp_path):
     tiny_dir("gemma3")
     a = run(_cfg(tmp_path / "c", model="tiny-gemma3", compile=True, save_every=0))
     b = run(_cfg(tmp_path / "e", model="tiny-gemma3", compile=False, save_every=0))
-    la, lb = _losses(Path(a["adapter"]).parent), _losses(Path(b["adapter"]).parent)
+    la, lb = run_losses(Path(a["adapter"]).parent), run_losses(Path(b["adapter"]).parent)
     assert la.keys() == lb.keys()
     np.testing.assert_allclose([la[k] for k in la], [lb[k] for k in la], rtol=1e-5)
 
@@ -343,7 +327,7 @@ def test_segmented_training_follows_the_full_backward_exactly(tiny_dir, tmp_path
         _cfg(tmp_path / "seg", backward=BackwardConfig(mode="segmented", segment_size=4), **kw)
     )
     ckpt = run(_cfg(tmp_path / "ckpt", backward=BackwardConfig(mode="checkpoint"), **kw))
-    losses = [_losses(Path(s["adapter"]).parent) for s in (full, seg, ckpt)]
+    losses = [run_losses(Path(s["adapter"]).parent) for s in (full, seg, ckpt)]
     assert losses[0] == losses[1] == losses[2]
     blobs = [(Path(s["adapter"]) / "adapters.safetensors").read_bytes() for s in (full, seg, ckpt)]
     assert blobs[0] == blobs[1] == blobs[2]

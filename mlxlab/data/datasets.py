@@ -152,6 +152,44 @@ def token_weights(tokenizer, ids: list[int], response: int, text: str, spans) ->
     return weights
 
 
+def raise_errors(errors: list[str], what: str) -> None:
+    """One UserError, `bad <what> data`, with the first ten of `errors` (`file:line: problem`),
+    if there are any."""
+    if errors:
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise UserError(f"bad {what} data:\n  " + "\n  ".join(errors[:10]) + more)
+
+
+def checked_lines(path: str | Path, check, what: str, empty: str) -> list[tuple[int, dict, object]]:
+    """(line, record, check(record)) of every non-blank line of the JSONL file `path`; `check`
+    gives a record's parsed form, or a string that says why the record is bad. Lines that are no
+    JSON and bad records are raised together (`raise_errors`, `what`), as is a file without one
+    record (`<path>: no <empty>`)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    out, errors = [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        parsed = check(record)
+        if isinstance(parsed, str):
+            errors.append(f"{path}:{lineno}: {parsed}")
+        else:
+            out.append((lineno, record, parsed))
+    if not out and not errors:
+        errors.append(f"{path}: no {empty}")
+    raise_errors(errors, what)
+    return out
+
+
 def validate_jsonl(path: Path) -> str:
     """Check every line; return the file's format. Errors name `file:line` (up to 10 of them)."""
     errors: list[str] = []
@@ -192,9 +230,7 @@ def validate_jsonl(path: Path) -> str:
         errors.append(f"{path}: mixes formats {sorted(formats)}; use one per file")
     if not count and not errors:
         errors.append(f"{path}: no examples")
-    if errors:
-        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        raise UserError("bad training data:\n  " + "\n  ".join(errors[:10]) + more)
+    raise_errors(errors, "training")
     return formats.pop()
 
 

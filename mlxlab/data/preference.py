@@ -16,11 +16,10 @@ pair are scored on their response tokens only. Errors name `file:line`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxlab.data.datasets import Example
+from mlxlab.data.datasets import Example, checked_lines
 from mlxlab.errors import UserError
 
 
@@ -84,31 +83,8 @@ def split_record(record) -> tuple[list[dict], list[dict], list[dict]] | str:
 def read_pairs(path: str | Path) -> list[tuple[int, list[dict], list[dict], list[dict]]]:
     """Every record of a preference JSONL file as (line, prompt, chosen, rejected); the first
     ten problems as one error, each `file:line: what`."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-    out, errors = [], []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
-            continue
-        parts = split_record(record)
-        if isinstance(parts, str):
-            errors.append(f"{path}:{lineno}: {parts}")
-        else:
-            out.append((lineno, *parts))
-    if not out and not errors:
-        errors.append(f"{path}: no examples")
-    if errors:
-        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        raise UserError("bad preference data:\n  " + "\n  ".join(errors[:10]) + more)
-    return out
+    lines = checked_lines(path, split_record, "preference", "examples")
+    return [(lineno, *parts) for lineno, _, parts in lines]
 
 
 def tokenize_pair(prompt: list[dict], chosen: list[dict], rejected: list[dict], tokenizer):

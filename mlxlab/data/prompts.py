@@ -18,13 +18,13 @@ refused (data.on_too_long=error). Errors name `file:line`.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from mlxlab.data.datasets import checked_lines
 from mlxlab.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -79,31 +79,7 @@ def split_record(record) -> str | list[dict] | tuple[str]:
 
 def read_prompts(path: str | Path) -> list[tuple[int, dict, list[dict] | tuple[str]]]:
     """(line, record, prompt) of every record; the first ten problems as one error."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-    out, errors = [], []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
-            continue
-        prompt = split_record(record)
-        if isinstance(prompt, str):
-            errors.append(f"{path}:{lineno}: {prompt}")
-        else:
-            out.append((lineno, record, prompt))
-    if not out and not errors:
-        errors.append(f"{path}: no prompts")
-    if errors:
-        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        raise UserError("bad prompt data:\n  " + "\n  ".join(errors[:10]) + more)
-    return out
+    return checked_lines(path, split_record, "prompt", "prompts")
 
 
 def render(prompt: list[dict] | tuple[str], tokenizer) -> list[int]:

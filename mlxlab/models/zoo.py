@@ -10,7 +10,6 @@ mlx-lm resolves it: an existing local directory of that name first, else the Hug
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import atomic_dir, writable_dir
+from mlxlab.fsutil import atomic_dir, sha256_file, writable_dir
 from mlxlab.runtime import home
 
 log = logging.getLogger(__name__)
@@ -165,14 +164,6 @@ def pull(name: str, force: bool = False) -> Path:
     return ZOO[name].build(out)
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def convert_gguf(
     path: str | Path, out: str | Path | None = None, dtype: str = "bfloat16", force: bool = False
 ) -> Path:
@@ -183,7 +174,7 @@ def convert_gguf(
     if not path.is_file():
         raise UserError(f"no such GGUF file: {path}")
     if out is None:
-        out = _writable(models_dir()) / f"{path.stem}-{_file_digest(path)[:12]}"
+        out = _writable(models_dir()) / f"{path.stem}-{sha256_file(path)[:12]}"
     return gguf.convert(path, out, dtype=dtype, force=force)
 
 

@@ -4,12 +4,10 @@ tests train on."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from mlxlab.config import LoraConfig
-from mlxlab.data import datasets as D
 from mlxlab.lora import apply as lora
 from mlxlab.models import tiny
+from tests.helpers.training import examples
 
 
 def lora_model(family: str, shapes, seed: int = 0):
@@ -22,6 +20,4 @@ def lora_model(family: str, shapes, seed: int = 0):
     mx.random.seed(seed)
     for _, m in lora.lora_modules(model):
         m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
-    rng = np.random.default_rng(seed)
-    examples = [D.Example(ids=[2] + list(rng.integers(6, 500, n)), offset=o) for n, o in shapes]
-    return model, examples
+    return model, examples(shapes, seed)

@@ -9,11 +9,11 @@ settings, the sources, the histograms).
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 from mlxlab.errors import UserError
 from mlxlab.tasks.chunk.config import ChunkDataConfig
+from mlxlab.tasks.chunk.histogram import histogram
 from mlxlab.tasks.chunk.prompt import answer, prompt, read_cases, shown
 from mlxlab.tasks.chunk.scoring import norm_label
 from mlxlab.tasks.chunk.windows import training_windows
@@ -49,21 +49,6 @@ BINS = {
     "chunks": (1, 2, 3, 4, 6, 100),
     "length": (0, 1000, 2000, 4000, 8000, 16000, 32000, 10**9),
 }
-
-
-def histogram(values, edges) -> list[tuple[str, int]]:
-    """[(bin, count)] of `values` over `edges` (bins [a, b))."""
-    counts = Counter()
-    for v in values:
-        for a, b in zip(edges, edges[1:], strict=False):
-            if a <= v < b:
-                counts[(a, b)] += 1
-                break
-    out = []
-    for a, b in zip(edges, edges[1:], strict=False):
-        name = f"{a}" if b == a + 1 else (f">= {a}" if b >= 10**8 else f"{a}-{b - 1}")
-        out.append((name, counts[(a, b)]))
-    return out
 
 
 def stats(cases: list[dict], length=None, unit: str = "chars") -> dict:

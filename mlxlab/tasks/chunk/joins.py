@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlxlab.errors import UserError
+from mlxlab.tasks.chunk.histogram import histogram
 from mlxlab.tasks.chunk.prompt import TRUNCATED
 from mlxlab.tasks.chunk.segments import EMBED_MODEL, Segment, fresh_start, sample_sources, segments
 from mlxlab.tasks.chunk.sharegpt import Conversation, load_conversations, new_uuid
@@ -289,21 +290,6 @@ BINS = {
     "chunks": (1, 2, 3, 4, 6, 100),
     "chars": (0, 2000, 4000, 8000, 16000, 32000, 64000, 10**9),
 }
-
-
-def histogram(values, edges) -> list[tuple[str, int]]:
-    """[(bin, count)] of `values` over `edges` (bins [a, b))."""
-    counts = collections.Counter()
-    for v in values:
-        for a, b in zip(edges, edges[1:], strict=False):
-            if a <= v < b:
-                counts[(a, b)] += 1
-                break
-    out = []
-    for a, b in zip(edges, edges[1:], strict=False):
-        name = f"{a}" if b == a + 1 else (f">= {a}" if b >= 10**8 else f"{a}-{b - 1}")
-        out.append((name, counts[(a, b)]))
-    return out
 
 
 def returns(case: dict) -> int:

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import re
 
-from mlxlab.tasks.chunk.sharegpt import FENCE, STOP_EN
+from mlxlab.tasks.chunk.sharegpt_clean import FENCE
 
 # ------------------------------------------------------------------------------ labels
 
 LABEL_MIN_WORDS, LABEL_MAX_WORDS = 2, 9
+# English function words, never a label's content word (`_content_words`)
+STOP_EN = frozenset(
+    """the a an and or but if of to in on at for with from by as is are was were be been being
+    it its this that these those i you he she we they me my your our their his her them us do
+    does did not no yes can could would should will shall may might must have has had what which
+    who whom whose when where why how there here so than then too very just also about into over
+    under again more most some any all each other such only own same both few many much one two
+    out up down off please write give make like know want need use get tell explain""".split()
+)
 GREETING = re.compile(
     r"^(?:(?:hi|hello|hey|hiya|greetings|dear|good (?:morning|afternoon|evening)|ok(?:ay)?|"
     r"so|well|alright|now)\b[\s,!.:;-]*(?:there|chatgpt|chat gpt|gpt|assistant|bot|ai|friend|"

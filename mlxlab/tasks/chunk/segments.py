@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from mlxlab.tasks.chunk.labels import label_of
-from mlxlab.tasks.chunk.sharegpt import (
+from mlxlab.tasks.chunk.sharegpt import Conversation, annotated_ids
+from mlxlab.tasks.chunk.sharegpt_clean import (
     ANAPHOR_RE,
     CONTINUE_RE,
     REFERS_BACK_RE,
     STARTS_MID_RE,
-    Conversation,
     Message,
-    annotated_ids,
 )
 
 EMBED_MODEL = "all-minilm-l6-v2"
