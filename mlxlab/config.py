@@ -130,47 +130,64 @@ class ModelsConfig:
     """`python -m mlxlab models list|pull|convert|info`: the model zoo."""
 
     action: str = "list"
-    """list | pull | convert | info (BLAS and device report)."""
+    """list | pull | convert | quantize | info (BLAS and device report)."""
     target: str | None = None
-    """Zoo name for pull, .gguf path for convert."""
+    """Zoo name for pull, .gguf path for convert, any model spec for quantize."""
     out: str | None = None
-    """Output directory for convert (default: the cache)."""
+    """Output directory for convert and quantize (default: the cache)."""
     dtype: str = "bfloat16"
     """dtype of the converted safetensors."""
     force: bool = False
     """Reconvert even if the model is already in the cache."""
+    bits: int = 4
+    """quantize: bits per weight (2, 3, 4, 5, 6, 8; MLX's affine quantization, as mlx_lm.convert -q)."""
+    group_size: int = 64
+    """quantize: weights per scale and bias (32, 64, 128)."""
 
     def __post_init__(self):
-        check_choice("action", self.action, ("list", "pull", "convert", "info"), "models action")
+        check_choice(
+            "action", self.action, ("list", "pull", "convert", "quantize", "info"), "models action"
+        )
         check_choice("dtype", self.dtype, SAVE_DTYPES)
 
 
 @dataclass
 class LoraToolConfig:
-    """`python -m mlxlab lora fuse|check`: adapters outside training."""
+    """`python -m mlxlab lora check|fuse|export|import`: adapters outside training."""
 
     action: str = "check"
-    """check (validate an adapter against a model) | fuse (merge it and save a model dir)."""
+    """check (validate an adapter against a model) | fuse (merge it and save a model dir) |
+    export (to another format) | import (a PEFT adapter into mlx-lm's layout)."""
     model: str = DEFAULT_MODEL
     """The base model the adapter was trained on."""
     adapter: str | None = None
-    """Adapter directory."""
+    """Adapter directory (import: the PEFT adapter directory)."""
     out: str | None = None
-    """Output model directory for fuse."""
+    """fuse: the model directory; export: the PEFT directory or the .gguf file; import: the
+    adapter directory."""
     dtype: str = "bfloat16"
     """dtype of the fused model's saved weights (auto: the compute dtype, float32 on a CPU)."""
+    format: str = "peft"
+    """export: peft (transformers + peft: adapter_config.json, adapter_model.safetensors) | gguf
+    (a llama.cpp LoRA adapter, `--lora`)."""
 
     def __post_init__(self):
-        check_choice("action", self.action, ("check", "fuse"), "lora action")
+        check_choice("action", self.action, ("check", "fuse", "export", "import"), "lora action")
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("format", self.format, ("peft", "gguf"))
 
 
 @dataclass
 class LoraConfig:
     """Where and how LoRA adapters are attached."""
 
+    type: str = "lora"
+    """lora | dora (mlx-lm's DoRA: LoRA plus a trained magnitude per output row) | full (the
+    targets' own weights trained, saved as mlx_lm.lora's `full` saves them; rank, scale and
+    dropout unused)."""
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
-    """Projections by short name (q k v o gate up down) or module path (self_attn.q_proj)."""
+    """Projections by short name (q k v o gate up down) or module path (self_attn.q_proj);
+    `all`: every linear of the chosen layers (full: every module with parameters, norms too)."""
     layers: Any = "all"
     """"all", an int N (the last N layers), or a list of layer indices."""
     rank: int = 8
@@ -186,6 +203,7 @@ class LoraConfig:
     reference policy (the model the run starts from)."""
 
     def __post_init__(self):
+        check_choice("lora.type", self.type, ("lora", "dora", "full"))
         if self.rank < 1:
             raise UserError(f"lora.rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
@@ -492,6 +510,9 @@ class DiagConfig:
     when that is lossless, as for zoo models: half the bytes of the step's largest read, for
     half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
     rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    lora_type: str = "lora"
+    """parity, memory: lora | dora | full (what is trained: mlx-lm's LoRALinear, its
+    DoRALinear, or the projections' own weights; parity's random adapter is of this kind)."""
     objective: str = "sft"
     """parity: the loss checked: sft (against mlx-lm's default_loss), dpo or orpo (on one pair,
     against a straightforward implementation on mlx-lm's model: per-token log-probs from its
@@ -507,6 +528,7 @@ class DiagConfig:
             "action", self.action, ("parity", "leak", "memory", "decode", "profile"), "diag action"
         )
         check_choice("objective", self.objective, ("sft", "dpo", "orpo"))
+        check_choice("lora_type", self.lora_type, ("lora", "dora", "full"))
         if self.batch_size < 1 or self.steps_timed < 1:
             raise UserError("batch_size and steps_timed must be >= 1")
         if not 0.0 < self.trained <= 1.0:

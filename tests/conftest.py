@@ -37,3 +37,12 @@ def real_model_dir(session_home) -> Path:
     from mlxlab.models import zoo
 
     return zoo.pull("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def quant_dir(session_home):
+    """quant_dir(family, bits=4, group_size=32) -> tiny-<family> quantized by mlx-lm's own
+    converter, as `mlx_lm.convert -q` writes it (built once per session)."""
+    from mlxlab.models import zoo
+
+    return lambda family, bits=4, group_size=32: zoo.quantize(f"tiny-{family}", bits, group_size)

@@ -31,10 +31,14 @@ def _optimizers() -> tuple[str, ...]:
 ENUMS = {
     "generate": {"dtype": DTYPES, "decode_head": ("auto", "exact", "bfloat16")},
     "models": {
-        "action": ("list", "pull", "convert", "info"),
+        "action": ("list", "pull", "convert", "quantize", "info"),
         "dtype": ("float32", "bfloat16", "float16"),
     },
-    "lora": {"action": ("check", "fuse"), "dtype": DTYPES},
+    "lora": {
+        "action": ("check", "fuse", "export", "import"),
+        "dtype": DTYPES,
+        "format": ("peft", "gguf"),
+    },
     "train": {
         "dtype": DTYPES,
         "wandb": ("offline", "online", "disabled"),
@@ -44,6 +48,7 @@ ENUMS = {
         "backward.mode": ("full", "checkpoint", "segmented"),
         "backward.plan": ("size", "auto"),
         "objective": ("sft", "dpo", "orpo"),
+        "lora.type": ("lora", "dora", "full"),
         "dpo.loss": ("sigmoid", "ipo"),
         "dist.backend": ("any", "ring", "mpi", "jaccl", "nccl"),
     },
@@ -53,6 +58,7 @@ ENUMS = {
         "decode_head": ("auto", "exact", "bfloat16"),
         "mode": ("full", "checkpoint", "segmented"),
         "modes": ("full", "checkpoint", "seg1", "seg12", "auto", "mlx_lm", "mlx_lm_gc"),
+        "lora_type": ("lora", "dora", "full"),
         "objective": ("sft", "dpo", "orpo"),
         "dpo.loss": ("sigmoid", "ipo"),
     },

@@ -73,7 +73,9 @@ def run(cfg: DiagConfig) -> None:
     else:
         from mlxlab.diag import memory
 
-        report = memory.sweep(cfg.model, cfg.lengths, cfg.modes, dtype=cfg.dtype)
+        report = memory.sweep(
+            cfg.model, cfg.lengths, cfg.modes, dtype=cfg.dtype, lora_type=cfg.lora_type
+        )
         print(memory.table(report))
         path = _write(report, cfg.out, "memory")
         png = memory.plot(report, path.with_suffix(".png"))

@@ -35,9 +35,16 @@ def _check_mode(mode: str) -> None:
 
 
 def worker(
-    model_name: str, mode: str, length: int, steps: int, dtype: str, target_gb: float
+    model_name: str,
+    mode: str,
+    length: int,
+    steps: int,
+    dtype: str,
+    target_gb: float,
+    lora_type: str = "lora",
 ) -> dict:
-    """Run in a fresh process: warm-up step, then `steps` timed steps; peak after warm-up."""
+    """Run in a fresh process: warm-up step, then `steps` timed steps; peak after warm-up.
+    `lora_type`: LoRA, DoRA or full fine-tuning of the same projections (mlx_lm modes too)."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -47,7 +54,7 @@ def worker(
     from mlxlab.train import trainer
 
     offset = length - length // 4
-    model, ids, batch = training_setup(model_name, dtype, length, offset)
+    model, ids, batch = training_setup(model_name, dtype, length, offset, lora_type)
     optimizer = trainer.make_optimizer(OptimConfig(lr=1e-5), 100)
     objective = None
     if mode.startswith(("dpo-", "orpo-")):
@@ -105,7 +112,13 @@ def worker(
 
 
 def measure(
-    model: str, mode: str, length: int, steps: int = 1, dtype: str = "auto", target_gb: float = 1.6
+    model: str,
+    mode: str,
+    length: int,
+    steps: int = 1,
+    dtype: str = "auto",
+    target_gb: float = 1.6,
+    lora_type: str = "lora",
 ) -> dict:
     """`worker` in a subprocess; {"error": ...} when it fails (e.g. out of memory)."""
     _check_mode(mode)
@@ -120,6 +133,7 @@ def measure(
             str(steps),
             dtype,
             str(target_gb),
+            lora_type,
         ],
         capture_output=True,
         text=True,
@@ -138,13 +152,14 @@ def sweep(
     dtype: str = "auto",
     target_gb: float = 1.6,
     progress=log.info,
+    lora_type: str = "lora",
 ) -> dict:
     for mode in modes:
         _check_mode(mode)
     results: dict[str, dict] = {m: {} for m in modes}
     for length in lengths:
         for mode in modes:
-            r = measure(model, mode, length, steps, dtype, target_gb)
+            r = measure(model, mode, length, steps, dtype, target_gb, lora_type)
             results[mode][str(length)] = r
             if "error" in r:
                 progress(f"L={length:<5} {mode:<11} failed: {r['error']}")
@@ -152,7 +167,13 @@ def sweep(
                 progress(
                     f"L={length:<5} {mode:<11} {r['s_per_step']:8.1f} s/step  peak {r['peak_gb']:6.2f} GB"
                 )
-    return {"model": model, "dtype": dtype, "lengths": lengths, "results": results}
+    return {
+        "model": model,
+        "dtype": dtype,
+        "lora_type": lora_type,
+        "lengths": lengths,
+        "results": results,
+    }
 
 
 def table(report: dict) -> str:
@@ -203,5 +224,5 @@ def plot(report: dict, path: Path) -> Path | None:
 if __name__ == "__main__":
     import mlxlab  # noqa: F401  (BLAS first)
 
-    name, mode, length, steps, dtype, target = sys.argv[1:7]
-    print(json.dumps(worker(name, mode, int(length), int(steps), dtype, float(target))))
+    name, mode, length, steps, dtype, target, kind = sys.argv[1:8]
+    print(json.dumps(worker(name, mode, int(length), int(steps), dtype, float(target), kind)))

@@ -40,17 +40,44 @@ from mlxlab.diag.workload import attach_lora, text_ids
 log = logging.getLogger(__name__)
 
 
-def _random_adapter(model, out: Path, seed: int = 0) -> Path:
+def _random_adapter(model, out: Path, seed: int = 0, kind: str = "lora") -> Path:
+    """A seeded adapter of `kind` with every trained array moved off its start (LoRA: B),
+    saved in mlx-lm's layout; the model is left as it was."""
     from mlxlab.lora import apply as lora
     from mlxlab.lora import io as lora_io
 
-    plan = attach_lora(model, seed)
+    before = {k: v for k, v in tree_flatten(model.parameters())}
+    plan = attach_lora(model, seed, kind)
     mx.random.seed(seed + 1)
-    for _, m in lora.lora_modules(model):
-        m.lora_b = (0.02 * mx.random.normal(m.lora_b.shape)).astype(m.lora_b.dtype)
+    if kind == "lora":
+        for _, m in lora.lora_modules(model):
+            m.lora_b = (0.02 * mx.random.normal(m.lora_b.shape)).astype(m.lora_b.dtype)
+    else:  # DoRA's A, B and magnitudes; a full fine-tune's weights: each moved by 2%
+        moved = [
+            (k, v * (1 + 0.02 * mx.random.normal(v.shape)).astype(v.dtype))
+            for k, v in lora.adapter_parameters(model).items()
+        ]
+        model.load_weights(moved, strict=False)
     lora_io.save(model, plan, out)
     lora.remove(model)
+    if kind == "full":  # its weights are the model's own: put the base's back
+        model.load_weights([(k, before[k]) for k in lora.adapter_parameters(model)], strict=False)
+        model.freeze()
     return out
+
+
+def _theirs_trainable(theirs, adapter: Path) -> None:
+    """mlx-lm's `load_adapters` leaves a full fine-tune's weights frozen (mlx_lm.lora unfreezes
+    the layers before training): unfreeze the adapter's arrays so their gradients exist."""
+    from mlxlab.lora import io as lora_io
+
+    if lora_io.kind_of(adapter) != "full":
+        return
+    names = mx.load(str(lora_io.resolve_dir(adapter) / lora_io.WEIGHTS))
+    modules = dict(theirs.named_modules())
+    for name in names:
+        module, leaf = name.rsplit(".", 1)
+        modules[module].unfreeze(keys=[leaf], recurse=False)
 
 
 def run(cfg: DiagConfig, verbose: bool = True) -> dict:
@@ -142,10 +169,15 @@ def _against_mlx_lm(cfg: DiagConfig):
     )
 
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = Path(cfg.adapter) if cfg.adapter else _random_adapter(ours, Path(tmp) / "adapter")
+        adapter = (
+            Path(cfg.adapter)
+            if cfg.adapter
+            else _random_adapter(ours, Path(tmp) / "adapter", kind=cfg.lora_type)
+        )
         lora_io.load(ours, adapter)
         theirs.freeze()  # as mlx_lm.lora's train_model does before adding LoRA layers
         load_adapters(theirs, str(adapter))
+        _theirs_trainable(theirs, adapter)
         ours.set_dtype(dtype)
         theirs.set_dtype(dtype)
         mx.eval(ours.parameters(), theirs.parameters())
@@ -217,6 +249,7 @@ def _against_mlx_lm(cfg: DiagConfig):
     report = {
         "model": cfg.model,
         "dtype": str(dtype),
+        "lora_type": cfg.lora_type,
         "length": n,
         "gates": gate,
         "passed": all(c.passed for c in checks),
@@ -317,10 +350,16 @@ def _pair_parity(cfg: DiagConfig) -> dict:
     offset = len(ids_c) // 2
     ids_r = ids_c[:offset] + ids_c[offset:][::-1]
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = Path(cfg.adapter) if cfg.adapter else _random_adapter(ours, Path(tmp) / "adapter")
+        adapter = (
+            Path(cfg.adapter)
+            if cfg.adapter
+            else _random_adapter(ours, Path(tmp) / "adapter", kind=cfg.lora_type)
+        )
         lora_io.load(ours, adapter)
+        kind = lora_io.kind_of(adapter)
         policy.freeze()
         load_adapters(policy, str(adapter))
+        _theirs_trainable(policy, adapter)
     for m in (ours, policy, reference):
         m.set_dtype(dtype)
         mx.eval(m.parameters())
@@ -332,7 +371,12 @@ def _pair_parity(cfg: DiagConfig) -> dict:
     )
     batch = next(sampler.one_pass())
     if objective.needs_reference:
-        batch = dataclasses.replace(batch, ref=reference_logps(ours, batch))
+        if kind == "lora":  # the adapter's scale at 0: the base exactly
+            batch = dataclasses.replace(batch, ref=reference_logps(ours, batch))
+        else:  # DoRA's magnitudes, full weights: the base model itself, loaded again
+            base, _ = load(str(path), cfg.dtype, decode_head="exact")
+            batch = dataclasses.replace(batch, ref=reference_logps(base, batch))
+            del base
     for m in (ours, policy, reference):
         m.train(False)  # no dropout on either side
     loss, _, grads, metrics = full_backward(ours, objective.loss, compile=False)(ours, batch)

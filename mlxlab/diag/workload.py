@@ -15,23 +15,25 @@ def text_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def attach_lora(model, seed: int = 0):
-    """Rank-8 LoRA on q k v o gate up down of every layer; returns the plan."""
+def attach_lora(model, seed: int = 0, kind: str = "lora"):
+    """Rank-8 LoRA (or DoRA, or full fine-tuning: lora.type) on q k v o gate up down of every
+    layer; returns the plan."""
     from mlxlab.lora import apply as lora
 
-    plan = lora.plan(model, LoraConfig(targets=list(lora.SHORT_NAMES), rank=8))
+    plan = lora.plan(model, LoraConfig(type=kind, targets=list(lora.SHORT_NAMES), rank=8))
     lora.apply(model, plan, seed=seed)
     return plan
 
 
-def training_setup(model_name: str, dtype: str, length: int, offset: int):
-    """(model with LoRA in training mode, the token ids, their batch trained from `offset`)."""
+def training_setup(model_name: str, dtype: str, length: int, offset: int, kind: str = "lora"):
+    """(model with LoRA (`kind`) in training mode, the token ids, their batch trained from
+    `offset`)."""
     from mlxlab.data.batches import collate
     from mlxlab.data.datasets import Example
     from mlxlab.models.zoo import load
 
     model, tokenizer = load(model_name, dtype, decode_head="exact")  # as training loads it
-    attach_lora(model)
+    attach_lora(model, kind=kind)
     model.train()
     ids = text_ids(tokenizer, length)
     return model, ids, collate([Example(ids, offset)])

@@ -2,10 +2,13 @@
 
     python -m mlxlab lora check adapter=outputs/quickstart/<run>/adapter
     python -m mlxlab lora fuse adapter=outputs/quickstart/<run>/adapter out=fused-model
+    python -m mlxlab lora export adapter=RUN format=peft|gguf out=DIR|FILE.gguf
+    python -m mlxlab lora import adapter=PEFT_DIR out=DIR
 
 `check` validates every tensor name and shape against the base model and prints the adapter's
 layout; `fuse` merges the adapter into the base weights and writes an mlx-lm model directory
-(atomically) that `mlx_lm.load` and `model=` load like any other.
+(atomically) that `mlx_lm.load` and `model=` load like any other. `export` and `import`
+convert to and from PEFT's layout and llama.cpp's GGUF LoRA (mlxlab/lora/export.py).
 """
 
 from __future__ import annotations
@@ -41,7 +44,25 @@ def fuse_to_dir(cfg: LoraToolConfig) -> Path:
 def run(cfg: LoraToolConfig) -> None:
     if not cfg.adapter:
         raise UserError("adapter=DIR is required")
-    if cfg.action == "check":
+    if cfg.action in ("export", "import"):
+        from mlxlab.lora import export
+        from mlxlab.models.zoo import load
+
+        if not cfg.out:
+            what = (
+                "the adapter directory"
+                if cfg.action == "import"
+                else ("a .gguf file" if cfg.format == "gguf" else "the PEFT directory")
+            )
+            raise UserError(f"lora {cfg.action} needs out= ({what})")
+        model, _ = load(cfg.model, decode_head="exact", decode_kernel=False)
+        if cfg.action == "import":
+            print(export.import_peft(cfg.adapter, model, cfg.out))
+        elif cfg.format == "gguf":
+            print(export.export_gguf(cfg.adapter, model, cfg.out, cfg.model))
+        else:
+            print(export.export_peft(cfg.adapter, model, cfg.out, cfg.model))
+    elif cfg.action == "check":
         from mlxlab.lora import io as lora_io
         from mlxlab.models.zoo import load
 

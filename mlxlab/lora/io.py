@@ -1,12 +1,16 @@
 """Adapters on disk in mlx-lm's layout, read and written both ways.
 
-    <dir>/adapters.safetensors   LoRA tensors by full parameter name (`...q_proj.lora_a`)
-    <dir>/adapter_config.json    mlx-lm's fields: fine_tune_type, num_layers, lora_parameters
+    <dir>/adapters.safetensors   tensors by full parameter name (`...q_proj.lora_a`, DoRA's
+                                 `...q_proj.m`; a full fine-tune's `...q_proj.weight`)
+    <dir>/adapter_config.json    mlx-lm's fields: fine_tune_type (lora | dora | full),
+                                 num_layers, lora_parameters (null for full, as mlx_lm.lora)
     <dir>/mlxlab_adapter.json    ours, optional: the exact layer list and the base model
 
 mlx-lm adapts the last `num_layers` layers. An mlxlab adapter on a layer list writes
 `num_layers` down to its first layer and stores tensors for the listed layers only; mlx-lm then
-gives the unlisted layers a zero update (its B starts at zero), so its logits match ours.
+gives the unlisted layers a zero update (its B starts at zero; a DoRA magnitude starts at the
+weight's norm), so its logits match ours. A full fine-tune's layers and modules are read from
+its tensor names.
 """
 
 from __future__ import annotations
@@ -27,8 +31,14 @@ META = "mlxlab_adapter.json"
 
 
 def adapter_config(plan: lora_apply.LoraPlan, num_model_layers: int) -> dict:
+    if plan.kind == "full":  # as mlx_lm.lora writes it: the weights say what was trained
+        return {
+            "fine_tune_type": "full",
+            "num_layers": num_model_layers - min(plan.layers),
+            "lora_parameters": None,
+        }
     return {
-        "fine_tune_type": "lora",
+        "fine_tune_type": plan.kind,
         "num_layers": num_model_layers - min(plan.layers),
         "lora_parameters": {
             "rank": plan.rank,
@@ -113,6 +123,16 @@ def resolve_dir(path: str | Path) -> Path:
     return path
 
 
+def kind_of(path: str | Path) -> str:
+    """An adapter's fine_tune_type (lora | dora | full; lora when unreadable: `read_plan` then
+    names the problem)."""
+    try:
+        config = json.loads((resolve_dir(path) / CONFIG).read_text())
+        return str(config.get("fine_tune_type", "lora"))
+    except (OSError, ValueError, AttributeError):
+        return "lora"
+
+
 def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, mx.array]]:
     """Read and check an adapter against `model` without touching the model.
 
@@ -137,9 +157,9 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
         raise UserError(f"adapter {path}: " + "; ".join(problems))
     kind = config.get("fine_tune_type", "lora")
     params = config.get("lora_parameters") or {}
-    if kind != "lora":
-        problems.append(f"fine_tune_type {kind!r} is not supported (only lora)")
-    for key in ("rank", "scale"):
+    if kind not in lora_apply.KINDS:
+        problems.append(f"fine_tune_type {kind!r} is not supported ({', '.join(lora_apply.KINDS)})")
+    for key in ("rank", "scale") if kind != "full" else ():
         if key not in params:
             problems.append(f"lora_parameters.{key} missing from {CONFIG}")
     n = len(model.layers)
@@ -162,14 +182,26 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
         problems.append("trained on another base model (" + ", ".join(mismatch) + ")")
     layers = tuple(meta.get("layers") or range(n - min(num_layers, n), n))
     keys = params.get("keys")
-    if keys is None:  # mlx-lm's default: every linear in the adapted layers
+    if kind == "full":  # the tensors name the layers and modules trained
+        prefix = lora_apply.layers_prefix(model)
+        found = [_full_name(name, prefix) for name in weights]
+        bad = [name for name, f in zip(weights, found, strict=True) if f is None]
+        problems += [f"{name}: not a parameter of a layer's module" for name in bad]
+        layers = tuple(sorted({f[0] for f in found if f is not None}))
+        keys = sorted({f[1] for f in found if f is not None})
+        if not weights:
+            problems.append(f"{WEIGHTS} holds no tensors")
+        if problems:
+            raise UserError(f"adapter {path}: " + "; ".join(problems))
+    elif keys is None:  # mlx-lm's default: every linear in the adapted layers
         keys = sorted({k for i in layers for k in lora_apply.layer_keys(model.layers[i])})
     plan = lora_apply.LoraPlan(
         layers=tuple(layers),
         keys=tuple(keys),
-        rank=int(params["rank"]),
-        scale=float(params["scale"]),
+        rank=int(params.get("rank", 0)),
+        scale=float(params.get("scale", 0.0)),
         dropout=float(params.get("dropout", 0.0)),
+        kind=kind,
     )
     expected = _expected_shapes(model, plan, problems)
     for name, w in weights.items():
@@ -180,6 +212,16 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
     if problems:
         raise UserError(f"adapter {path} does not fit the model:\n  " + "\n  ".join(problems))
     return plan, weights
+
+
+def _full_name(name: str, prefix: str) -> tuple[int, str] | None:
+    """(layer, module path) of a full fine-tune's tensor `<prefix>.<i>.<module>.<leaf>`."""
+    head = prefix + "."
+    if not name.startswith(head):
+        return None
+    i, _, rest = name[len(head) :].partition(".")
+    module = rest.rpartition(".")[0]  # "": an array of the layer itself
+    return (int(i), module) if i.isdigit() and rest else None
 
 
 def _expected_shapes(model, plan: lora_apply.LoraPlan, problems: list[str]) -> dict[str, tuple]:
@@ -194,12 +236,26 @@ def _expected_shapes(model, plan: lora_apply.LoraPlan, problems: list[str]) -> d
             module = present.get(key)
             if module is None:
                 continue
+            if plan.kind == "full":
+                if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                    problems.append(
+                        f"{prefix}.{i}.{key}: a full fine-tune's weights on a quantized module "
+                        "(load it on the float model it was trained on)"
+                    )
+                    continue
+                for leaf, v in module.items():
+                    if isinstance(v, mx.array) and not leaf.startswith("_"):
+                        name = f"{prefix}.{i}.{key}.{leaf}" if key else f"{prefix}.{i}.{leaf}"
+                        shapes[name] = tuple(v.shape)
+                continue
             base = getattr(module, "linear", module)
             out_dims, in_dims = base.weight.shape
             if isinstance(base, nn.QuantizedLinear):
                 in_dims = in_dims * 32 // base.bits
             shapes[f"{prefix}.{i}.{key}.lora_a"] = (in_dims, plan.rank)
             shapes[f"{prefix}.{i}.{key}.lora_b"] = (plan.rank, out_dims)
+            if plan.kind == "dora":
+                shapes[f"{prefix}.{i}.{key}.m"] = (out_dims,)
     return shapes
 
 
@@ -207,16 +263,23 @@ def read_init(path: str | Path, model, plan: lora_apply.LoraPlan) -> dict[str, m
     """The weights of the adapter at `path` to start training from: checked against `model` as
     `read_plan` does, and its layers, projections, rank and scale must be `plan`'s (every
     difference named)."""
+    kind = kind_of(path)
+    if kind != plan.kind:  # before reading: its tensors name another kind's modules
+        raise UserError(
+            f"lora.init={path}: the adapter does not match lora.* (kind {kind!r} here "
+            f"{plan.kind!r}); set lora.type={kind} as it was trained"
+        )
     saved, weights = read_plan(path, model)
     differ = [
         f"{key} {getattr(saved, key)!r} here {getattr(plan, key)!r}"
-        for key in ("layers", "keys", "rank", "scale")
+        for key in ("kind", "layers", "keys", "rank", "scale")
         if getattr(saved, key) != getattr(plan, key)
+        and not (plan.kind == "full" and key in ("rank", "scale"))
     ]
     if differ:
         raise UserError(
             f"lora.init={path}: the adapter does not match lora.* ({'; '.join(differ)}); "
-            "set lora.rank / scale / targets / layers as it was trained"
+            "set lora.type / rank / scale / targets / layers as it was trained"
         )
     missing = sorted(set(lora_apply.adapter_parameters(model)) - set(weights))
     if missing:

@@ -1,11 +1,15 @@
 """Several LoRA adapters on one model at once, chosen per forward pass or per batch row.
 
 Every projection any attached adapter targets is wrapped once in a `MultiLoRA` that holds the
-base linear and one (A, B, scale) slot per adapter. Which slots apply is one shared `Selection`
+base linear and one (A, B, scale) slot per adapter (a DoRA adapter's slot adds its magnitude
+factor m / ||W + scale (A B)^T||, fixed while the base is frozen). Which slots apply is one shared `Selection`
 set before a forward pass: a spec for the whole batch (`()`, `("a",)`, or stacked `("a", "b")`:
 the deltas summed in that order, each with its own scale), or one spec per batch row. With
 nothing selected a wrapper returns `base(x)` itself, so an attached-but-unused adapter leaves base
-outputs byte-identical; one selected adapter computes exactly what mlx-lm's `LoRALinear` computes.
+outputs byte-identical; one selected adapter computes exactly what mlx-lm's `LoRALinear` (or
+`DoRALinear`) computes. A DoRA adapter rescales the whole output, so it is not a delta that
+stacks: it is selected alone (per batch or per row: its rows take its output, `mx.where`).
+A full fine-tune replaces weights and is served fused instead (`lora fuse`).
 Wrappers whose last adapter is detached are replaced by their base linear again.
 """
 
@@ -58,17 +62,46 @@ class MultiLoRA(nn.Module):
         sel = self._selection
         for name, mask in [(name, None) for name in sel.ids] + (sel.masked or []):
             slot = self._slots.get(name)
-            if slot is not None:
-                a, b, scale = slot
-                delta = scale * ((x @ a) @ b)
-                y = y + (delta if mask is None else mask * delta).astype(x.dtype)
+            if slot is None:
+                continue
+            if len(slot) == 4:  # DoRA: its own output, on its rows
+                out = self._dora(x, *slot)
+                y = out if mask is None else mx.where(mask > 0, out, y)
+                continue
+            a, b, scale = slot
+            delta = scale * ((x @ a) @ b)
+            y = y + (delta if mask is None else mask * delta).astype(x.dtype)
         return y
+
+    def _dora(self, x, a, b, scale, factor):
+        """mlx-lm DoRALinear.__call__ (dropout off), its norm factor precomputed."""
+        base = self.linear
+        w = base.weight
+        if isinstance(base, nn.QuantizedLinear):
+            w = mx.dequantize(
+                w,
+                base.scales,
+                base.biases,
+                group_size=base.group_size,
+                bits=base.bits,
+                mode=base.mode,
+            )
+        out = x @ w.T + (scale * ((x @ a) @ b)).astype(x.dtype)
+        out = factor.astype(x.dtype) * out
+        return out + base.bias if "bias" in base else out
 
 
 def attach(model, name: str, plan, weights: dict, selection: Selection) -> list[str]:
     """Give every projection `plan` targets a slot `name` holding its (A, B, scale), wrapping it
     in a `MultiLoRA` the first time; `plan`/`weights` come from `lora.io.read_plan` (checked).
     Returns the module paths that got a slot."""
+    if plan.kind == "full":
+        from mlxlab.errors import UserError
+
+        raise UserError(
+            f"adapter {name!r} is a full fine-tune (its own weights, not an adapter): serve it "
+            "fused (python -m mlxlab lora fuse adapter=... out=DIR, then model=DIR)"
+        )
     prefix = layers_prefix(model)
     modules, new_arrays = [], []
     for i in plan.layers:
@@ -87,13 +120,43 @@ def attach(model, name: str, plan, weights: dict, selection: Selection) -> list[
             dtype = module.linear.weight.dtype
             if dtype not in (mx.float32, mx.float16, mx.bfloat16):
                 dtype = mx.float32  # quantized base weights: the deltas stay in float
-            module._slots[name] = (a.astype(dtype), b.astype(dtype), plan.scale)
-            new_arrays += module._slots[name][:2]
+            slot = (a.astype(dtype), b.astype(dtype), plan.scale)
+            if plan.kind == "dora":
+                m = weights.get(f"{prefix}.{i}.{key}.m")
+                slot += (_dora_factor(module.linear, slot[0], slot[1], plan.scale, m),)
+            module._slots[name] = slot
+            new_arrays += [v for v in slot if isinstance(v, mx.array)]
             modules.append(f"{prefix}.{i}.{key}")
         if wraps:
             layer.update_modules(tree_unflatten(wraps))
     mx.eval(new_arrays)
     return modules
+
+
+def _dora_factor(linear, a, b, scale, m):
+    """m / ||W + scale (A B)^T|| per output row, as DoRALinear computes it in each call."""
+    w = linear.weight
+    if isinstance(linear, nn.QuantizedLinear):
+        w = mx.dequantize(
+            w,
+            linear.scales,
+            linear.biases,
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=linear.mode,
+        )
+    adapted = w + (scale * b.T) @ a.T
+    return m.astype(a.dtype) / mx.linalg.norm(adapted, axis=1)
+
+
+def kinds(model) -> dict[str, str]:
+    """Attached adapter name -> lora | dora."""
+    out = {}
+    for _, module in model.named_modules():
+        if isinstance(module, MultiLoRA):
+            for name, slot in module._slots.items():
+                out[name] = "dora" if len(slot) == 4 else "lora"
+    return out
 
 
 def detach(model, name: str) -> None:

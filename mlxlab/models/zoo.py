@@ -1,14 +1,19 @@
 """Named models, the cache they convert into, and resolving any model spec to a directory.
 
-A model spec is a zoo name (`gemma3-270m`, `tiny-llama`, ...), an mlx-lm model directory, or a
-`.gguf` file. Zoo models and GGUF files are converted once into `MLXLAB_HOME/models/` (default
-~/.cache/mlxlab) and reused; nothing is downloaded from a hub.
+A model spec is a zoo name (`gemma3-270m`, `tiny-llama`, ...), an mlx-lm model directory, a
+`.gguf` file, or a Hugging Face repo id (`org/name`). Zoo models and GGUF files are converted
+once into `MLXLAB_HOME/models/` (default ~/.cache/mlxlab) and reused. A repo id resolves as
+mlx-lm resolves it: an existing local directory of that name first, else the Hugging Face cache
+(`HF_HUB_CACHE`, or `HF_HOME`/hub), offline under `HF_HUB_OFFLINE=1`, else downloaded through
+`huggingface_hub` (`hub_snapshot`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -182,8 +187,159 @@ def convert_gguf(
     return gguf.convert(path, out, dtype=dtype, force=force)
 
 
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUPS = (32, 64, 128)
+
+
+def quantize(
+    spec: str,
+    bits: int = 4,
+    group_size: int = 64,
+    out: str | Path | None = None,
+    force: bool = False,
+) -> Path:
+    """An MLX-quantized copy of model `spec` (affine, `bits` per weight in groups of
+    `group_size`), written by mlx-lm's own converter exactly as `mlx_lm.convert -q` writes it
+    (linears and embeddings whose width the group divides); into `out`, or the cache as
+    `<name>-q<bits>g<group_size>`. Atomic: an interrupted run leaves nothing that loads."""
+    import contextlib
+    import io
+    import json
+
+    if bits not in QUANT_BITS:
+        raise UserError(f"bits={bits}: MLX quantizes to {', '.join(map(str, QUANT_BITS))} bits")
+    if group_size not in QUANT_GROUPS:
+        raise UserError(
+            f"group_size={group_size}: MLX's groups are {', '.join(map(str, QUANT_GROUPS))}"
+        )
+    src = resolve(spec)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization") or config.get("quantization_config"):
+        raise UserError(f"{spec} is quantized already ({src / 'config.json'})")
+    if out is None:
+        name = spec if spec in ZOO else spec.replace("/", "--") if is_repo_id(spec) else src.name
+        out = _writable(models_dir()) / f"{name}-q{bits}g{group_size}"
+    out = Path(out).expanduser()
+    if is_complete(out) and not force:
+        return out
+
+    def write(tmp: Path) -> None:
+        from mlx_lm.convert import convert
+
+        with contextlib.redirect_stdout(io.StringIO()):  # its [INFO] lines
+            convert(str(src), str(tmp / "q"), quantize=True, q_group_size=group_size, q_bits=bits)
+        for f in (tmp / "q").iterdir():
+            os.replace(f, tmp / f.name)
+        (tmp / "q").rmdir()
+
+    log.info(f"quantizing {spec} to {bits} bits, groups of {group_size} -> {out}")
+    return atomic_dir(out, write)
+
+
+# A Hugging Face repo id: `org/name`, each part letters, digits, `-`, `_`, `.` (the Hub's rule).
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+# What mlx-lm fetches of a repo (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS): config, weights, tokenizer.
+HUB_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+
+
+_said: set = set()  # (spec, path) already logged
+
+
+def is_repo_id(spec: str) -> bool:
+    """Whether `spec` has the shape of a Hugging Face repo id (`org/name`)."""
+    return _REPO_ID.fullmatch(spec) is not None and ".." not in spec
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub reads it (at call time, not import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    hf_home = os.environ.get("HF_HOME") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "huggingface"
+    )
+    return Path(hf_home).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of Hugging Face repo `repo_id`: from the cache, or downloaded
+    through huggingface_hub (mlx-lm's file patterns) unless HF_HUB_OFFLINE is set."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+        )
+    except ImportError as e:  # a dependency of transformers and mlx-lm: normally present
+        raise UserError(f"model {repo_id!r}: a Hugging Face repo id needs huggingface_hub") from e
+    cache, offline = hub_cache(), hub_offline()
+    kwargs = {"endpoint": os.environ["HF_ENDPOINT"]} if os.environ.get("HF_ENDPOINT") else {}
+    where = f"not in the Hugging Face cache {cache}"
+    snapshots = cache / ("models--" + repo_id.replace("/", "--")) / "snapshots"
+    before = set(snapshots.iterdir()) if snapshots.is_dir() else set()
+    try:
+        path = Path(
+            snapshot_download(
+                repo_id,
+                cache_dir=str(cache),
+                allow_patterns=HUB_PATTERNS,
+                local_files_only=offline,
+                **kwargs,
+            )
+        )
+    except LocalEntryNotFoundError as e:
+        why = (
+            "HF_HUB_OFFLINE is set, so nothing is downloaded"
+            if offline
+            else f"and the Hub could not be reached ({str(e).splitlines()[0][:120]})"
+        )
+        raise UserError(
+            f"model {repo_id!r}: no local directory of that name, and {where}; {why}"
+        ) from None
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise UserError(
+            f"model {repo_id!r}: no local directory of that name, {where}, and the Hub refused "
+            f"it ({type(e).__name__}: not found, private or gated; `hf auth login` for access)"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"model {repo_id!r}: fetching it from the Hugging Face Hub failed: {first}"
+        ) from None
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise UserError(
+            f"model {repo_id!r}: its snapshot {path} has no config.json or no *.safetensors "
+            "weights (an MLX or safetensors checkpoint is needed)"
+        )
+    how = "downloaded from the Hub into" if path not in before else "found in"
+    if (repo_id, path) in _said:  # a command may resolve its model more than once
+        return path
+    _said.add((repo_id, path))
+    log.info(
+        f"model {repo_id}: Hugging Face repo, {how} the cache{' (offline)' if offline else ''}: "
+        f"{path}"
+    )
+    return path
+
+
 def resolve(spec: str) -> Path:
-    """Any model spec -> an mlx-lm model directory (pulling or converting on first use)."""
+    """Any model spec -> an mlx-lm model directory (pulling, converting or fetching on first
+    use). A repo id names a local directory if one exists (the log says so), else the Hub's."""
     if spec in ZOO:
         return pull(spec)
     path = Path(spec).expanduser()
@@ -192,10 +348,16 @@ def resolve(spec: str) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} is not an mlx-lm model directory (no config.json)")
+        if is_repo_id(spec):
+            log.info(
+                f"model {spec}: the local directory {path.absolute()} (not the Hugging Face repo)"
+            )
         return path
+    if is_repo_id(spec):
+        return hub_snapshot(spec)
     raise UserError(
         f"unknown model {spec!r}: not a zoo name ({', '.join(ZOO)}), "
-        "an mlx-lm model directory, or a .gguf file"
+        "an mlx-lm model directory, a .gguf file or a Hugging Face repo id (org/name)"
     )
 
 

@@ -273,6 +273,13 @@ def attach_lora(s: Start, model) -> tuple[object, dict | None]:
         if not s.pipeline:  # a pipeline stage reads only the arrays it holds
             mx.eval(model.parameters())
         log.info(f"LoRA starts from {lora_io.resolve_dir(cfg.lora.init)}")
+    elif cfg.objective == "dpo" and plan.kind != "lora":
+        # DPO's reference is the model the run starts from. A LoRA's scale at 0 gives the base
+        # exactly (objectives.adapters_off); DoRA's trained magnitudes and a full fine-tune's
+        # weights have no such switch, so their starting arrays are kept and swapped in for the
+        # reference pass: the base itself (full), or DoRA at init (the base, to float rounding).
+        init = dict(lora_apply.adapter_parameters(model))
+        log.info(f"DPO's reference: the {plan.kind} adapter's starting arrays (the base model)")
     return plan, init
 
 
@@ -347,9 +354,14 @@ def describe(s: Start, d: Prepared, plan, train_sampler) -> None:
     n_params = sum(v.size for v in lora_apply.adapter_parameters(d.model).values())
     unit = "pairs" if d.pairs else "examples"
     n_valid = len(d.valid_set.examples) // d.per_unit if d.valid_set else 0
+    what = (
+        f"full fine-tuning of {len(plan.keys)} modules"
+        if plan.kind == "full"
+        else f"{'DoRA' if plan.kind == 'dora' else 'LoRA'} rank {plan.rank} on {len(plan.keys)} projections"
+    )
     log.info(
-        f"run dir: {s.run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | LoRA rank {plan.rank} on "
-        f"{len(plan.keys)} projections x {len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\n"
+        f"run dir: {s.run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | {what} x {len(plan.layers)} "
+        f"layers ({n_params / 1e6:.2f}M params)\n"
         f"data: {len(d.train_set.examples) // d.per_unit} train / {n_valid} valid {unit}"
     )
     unpacked = (

@@ -219,8 +219,17 @@ class PairObjective:
 def adapters_off(model):
     """The base model: every LoRA layer's scale set to 0 (its output is then the base linear's,
     exactly: y + 0 * z), restored on exit. No second copy of any weight."""
+    from mlx_lm.tuner.dora import DoRALinear
+
     from mlxlab.lora.apply import lora_modules
 
+    if any(isinstance(m, DoRALinear) for _, m in lora_modules(model)):
+        # DoRA's trained magnitudes rescale the output whatever the scale: no switch turns it
+        # off (nor a full fine-tune's weights): the run keeps its starting arrays instead.
+        raise ValueError(
+            "adapters_off needs LoRA adapters (DoRA's magnitudes stay on): pass the starting "
+            "arrays as the reference instead (train/job.py attach_lora)"
+        )
     modules = [m for _, m in lora_modules(model)]
     saved = [m.scale for m in modules]
     try:

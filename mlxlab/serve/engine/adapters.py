@@ -32,10 +32,12 @@ class Mounted:
     layers: list[int]
     requests: int = 0
     meta: dict = field(default_factory=dict)
+    kind: str = "lora"  # lora | dora
 
     def card(self) -> dict:
         return {
             "id": self.id,
+            "type": self.kind,
             "path": self.path,
             "rank": self.rank,
             "scale": self.scale,
@@ -126,6 +128,11 @@ class Adapters:
         if not adapter_id or "+" in adapter_id or adapter_id in ("none", "base"):
             raise UserError(f"invalid adapter id {adapter_id!r} (no '+', not 'none')")
         path = lora_io.resolve_dir(path)
+        if lora_io.kind_of(path) == "full":
+            raise UserError(
+                f"adapter {adapter_id!r} is a full fine-tune (its own weights, not an adapter): "
+                "serve it fused (python -m mlxlab lora fuse adapter=... out=DIR, then model=DIR)"
+            )
         plan, weights = lora_io.read_plan(
             path, self.model
         )  # raises with every problem; touches nothing
@@ -139,6 +146,7 @@ class Adapters:
             size,
             modules,
             sorted(plan.layers),
+            kind=plan.kind,
         )
         self.mounted[adapter_id] = m
         self.mounts += 1
@@ -158,6 +166,12 @@ class Adapters:
             have = ", ".join(sorted(self.mounted)) or "none"
             raise KeyError(
                 f"adapter {', '.join(map(repr, unknown))} is not mounted (mounted: {have})"
+            )
+        dora = [i for i in ids if self.mounted[i].kind == "dora"]
+        if dora and len(ids) > 1:  # it rescales the whole output: not a delta to stack
+            raise KeyError(
+                f"adapter {dora[0]!r} is a DoRA adapter: it applies alone, not in a stack "
+                f"({'+'.join(ids)})"
             )
 
     def stats(self) -> dict:
