@@ -99,10 +99,20 @@ class GenerateConfig:
     adapter: str | None = None
     """LoRA adapter directory (mlxlab's or mlx-lm's layout) to apply."""
     decode_head: str = "auto"
-    """What the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
-    when that is lossless, as for zoo models: half the bytes of the step's largest read, for
-    half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
-    rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    """What decode steps read on the CPU: auto (bf16 copies of the LM head and every other
+    linear, read with float32 sums, where that is lossless, as for zoo models: half the bytes of
+    a step, for half the weights' size in memory), exact (the float32 weights), or bfloat16 (the
+    head's copy even where it rounds: opt-in, approximate; `diag decode decode_head=bfloat16`
+    measures it)."""
+    speculative: str = "off"
+    """off | prompt_lookup | draft_model: draft tokens (copied from the prompt and the text so
+    far, or from `draft_model`) and verify them k at a time in one forward pass; greedy text is
+    the plain decode's, sampled text keeps its distribution."""
+    draft_tokens: int = 8
+    """Draft tokens verified in one forward pass at most (1..15)."""
+    draft_model: str | None = None
+    """speculative=draft_model's drafts: a model with the same tokenizer, or self:N (the
+    model's own first N layers and its head)."""
     image: Any = None
     """Image file(s) for a vision-language model (JPEG, PNG, GIF, WebP): `image=photo.jpg` or
     `image=[a.png,b.png]`; the prompt becomes a user message with them (as `chat=true`)."""
@@ -110,6 +120,11 @@ class GenerateConfig:
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
+        from mlxlab.decode.speculative import check_mode
+
+        check_mode(self.speculative, self.draft_model)
+        if not 1 <= self.draft_tokens <= 15:
+            raise UserError(f"draft_tokens must be in [1, 15], got {self.draft_tokens}")
         if self.image is not None:
             files = [self.image] if isinstance(self.image, str) else list(self.image)
             if not files or not all(isinstance(f, str) and f for f in files):
@@ -505,6 +520,12 @@ class DiagConfig:
     """memory: modes (full checkpoint segN auto mlx_lm mlx_lm_gc)."""
     decode_steps: int = 16
     """decode: steps timed (the median is reported)."""
+    speculative: str = "off"
+    """decode: with prompt_lookup, also profile speculative decoding: a verify step's cost by
+    draft length against a plain step's, its logits against the plain steps' (top-1 agreement,
+    near ties), and a decode of a text that repeats itself (tok/s, drafted and accepted)."""
+    draft_tokens: int = 8
+    """decode: the longest draft verified (speculative)."""
     decode_head: str = "auto"
     """decode: what the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
     when that is lossless, as for zoo models: half the bytes of the step's largest read, for
@@ -543,6 +564,9 @@ class DiagConfig:
             raise UserError(f"length must be >= 4, got {self.length}")
         if self.decode_steps < 1:
             raise UserError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        check_choice("speculative", self.speculative, ("off", "prompt_lookup"))
+        if not 1 <= self.draft_tokens <= 15:
+            raise UserError(f"draft_tokens must be in [1, 15], got {self.draft_tokens}")
         if self.steps <= self.warmup + 2:
             raise UserError(f"steps ({self.steps}) must exceed warmup ({self.warmup}) by 3 or more")
 

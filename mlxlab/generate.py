@@ -46,9 +46,10 @@ def encode(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
 
 
-def stream(model, tokenizer, cfg: GenerateConfig) -> Iterator:
+def stream(model, tokenizer, cfg: GenerateConfig, draft=None) -> Iterator:
     """(text segment, stats or None) pairs for `cfg` on the decoder's serial path
-    (mlxlab/decode/serial.py); the last pair carries the stats."""
+    (mlxlab/decode/serial.py); the last pair carries the stats. `draft`: the draft model of
+    speculative=draft_model."""
     import time
 
     import mlx.core as mx
@@ -78,7 +79,8 @@ def stream(model, tokenizer, cfg: GenerateConfig) -> Iterator:
 
     finish = []
     row = Row(ids, cfg.max_tokens, feed, lambda f, _t: finish.append(f), sampler=sampler)
-    run_serial(model, row, DecodeSettings())
+    settings = DecodeSettings(speculative=cfg.speculative, draft_tokens=cfg.draft_tokens)
+    run_serial(model, row, settings, draft_model=draft)
     detok.finalize()
     end = time.perf_counter()
     first = times[1] if len(times) > 1 else end
@@ -94,6 +96,7 @@ def stream(model, tokenizer, cfg: GenerateConfig) -> Iterator:
             "generation_tps": round(max(n - 1, 0) / max(end - first, 1e-9), 2),
             "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
             "finish_reason": finish[0],
+            **({"speculative": row.speculation.as_dict()} if row.speculation else {}),
         },
     )
 
@@ -193,9 +196,14 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
         from mlxlab.lora import io as lora_io
 
         lora_io.load(model, cfg.adapter)
+    draft = None
+    if cfg.draft_model:
+        from mlxlab.decode.speculative import load_draft
+
+        draft = load_draft(cfg.draft_model, model, tokenizer, cfg.dtype)
     mx.reset_peak_memory()
     stats = None
-    for text, last in stream(model, tokenizer, cfg):
+    for text, last in stream(model, tokenizer, cfg, draft):
         out.write(text)
         out.flush()
         stats = last or stats
@@ -205,6 +213,13 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> dict:
         f"decode: {stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s | "
         f"peak memory: {stats['peak_memory_gb']:.2f} GB]"
     )
+    if s := stats.get("speculative"):
+        rate = s["acceptance_rate"]
+        log.info(
+            f"[speculative {cfg.speculative}: {s['drafted_tokens']} drafted, "
+            f"{s['accepted_tokens']} accepted ({'-' if rate is None else f'{rate:.0%}'}) in "
+            f"{s['verify_steps']} verify steps]"
+        )
     return stats
 
 

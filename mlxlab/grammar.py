@@ -242,12 +242,72 @@ class Constraint:
         # the model's top token there (the last step's flag pending: read at the next call)
         self._refused: list[bool] = []
         self._pending = None
+        # per call, most recent last: (context growth, tokens consumed, whether it settled a flag)
+        # so that a speculative decoder can take back calls made for drafts it rejected
+        self._calls: list[tuple[int, int, bool]] = []
 
-    def advance(self, tokens: list[int]) -> None:
-        """Consume tokens sampled under this constraint."""
-        for t in tokens:
+    def advance(self, tokens: list[int]) -> int:
+        """Consume tokens sampled under this constraint; how many it took."""
+        for i, t in enumerate(tokens):
             if not self.matcher.consume_token(int(t)):
-                break  # error state: only end-of-sequence stays allowed
+                return i  # error state: only end-of-sequence stays allowed
+        return len(tokens)
+
+    # --- speculative decoding (decode/speculative.py) ---
+
+    def draft(self, ahead: list[int], k: int, propose) -> tuple[list[int], int]:
+        """Up to k draft tokens to follow `ahead` (tokens sampled but not yet seen by a call) and
+        how many of them the grammar forces: its fast-forward tokens (llguidance's: the only
+        continuation it allows, e.g. a JSON key or a tool call's opening), then
+        `propose(forced, n)`'s, cut before the first one the grammar refuses. The matcher is left
+        as it was."""
+        m = self.matcher
+        if k < 1 or m.is_error():
+            return [], 0
+        n = m.try_consume_tokens([int(t) for t in ahead])
+        try:
+            if n < len(ahead) or m.is_stopped():
+                return [], 0
+            forced = [int(t) for t in m.compute_ff_tokens()[:k]]
+            tokens = forced + [int(t) for t in propose(forced, k - len(forced))]
+            ok = m.validate_tokens(tokens)
+            return tokens[:ok], min(len(forced), ok)
+        finally:
+            m.rollback(n)
+
+    def allowed_prefix(self, ahead: list[int], tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar allows after `ahead` (the matcher is left as it
+        was)."""
+        m = self.matcher
+        n = m.try_consume_tokens([int(t) for t in ahead])
+        try:
+            return m.validate_tokens([int(t) for t in tokens]) if n == len(ahead) else 0
+        finally:
+            m.rollback(n)
+
+    def rewind(self, calls: int) -> None:
+        """Take back the last `calls` calls (a verify step's positions past the drafts it
+        rejected): the matcher rolls back the tokens they consumed, their refusal flags go, and
+        the flag of the last call kept is pending again (its token is written now)."""
+        if calls <= 0:
+            return
+        if calls > len(self._calls):
+            raise ValueError(f"cannot take back {calls} calls, {len(self._calls)} are recorded")
+        taken = self._calls[-calls:]
+        del self._calls[-calls:]
+        grown = sum(c[0] for c in taken)
+        consumed = sum(c[1] for c in taken)
+        settled = sum(c[2] for c in taken)
+        if consumed:
+            self.matcher.rollback(consumed)
+        self.seen = (self.seen or 0) - grown
+        self._pending = None
+        if settled:
+            import mlx.core as mx
+
+            flags = self._refused[-settled:]
+            del self._refused[-settled:]
+            self._pending = mx.array(flags[0])
 
     def allowed(self) -> np.ndarray:
         """The allowed tokens, a bool per vocabulary entry."""
@@ -259,10 +319,16 @@ class Constraint:
         import mlx.core as mx
 
         n = int(tokens.shape[-1]) if tokens is not None else 0
+        grown = consumed = 0
+        settled = False
         if self.seen is not None and n > self.seen:
-            self.advance(tokens.reshape(-1)[self.seen :].tolist())
-            self._settle()  # the step before wrote a token: its flag counts
+            grown = n - self.seen
+            consumed = self.advance(tokens.reshape(-1)[self.seen :].tolist())
+            settled = self._settle()  # the step before wrote a token: its flag counts
         self.seen = n
+        self._calls.append((grown, consumed, settled))
+        if len(self._calls) > 256:
+            del self._calls[:128]
         self._pending = None  # (a step asked again: only its last ask counts)
         allowed = self.allowed()
         width = logits.shape[-1]
@@ -275,12 +341,14 @@ class Constraint:
             self._pending = mx.logical_not(keep[mx.argmax(logits.reshape(-1))])
         return mx.where(keep, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
-    def _settle(self) -> None:
+    def _settle(self) -> bool:
         # the step before's flag: its logits are computed by now (its token was read), and
         # reading it here frees them
         if self._pending is not None:
             self._refused.append(bool(self._pending.item()))
             self._pending = None
+            return True
+        return False
 
     def refused(self) -> list[int]:
         """The steps (0 = the answer's first token) at which the model's own top token, the one

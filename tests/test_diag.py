@@ -252,3 +252,20 @@ def test_profile_cli_writes_report_and_png(tiny_dir, session_home, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "optimizer" in r.stdout
     assert (tmp_path / "p_profile.json").exists() and (tmp_path / "p_profile.png").exists()
+
+
+def test_decode_diag_profiles_speculation(tiny_dir):
+    from mlxlab.config import DiagConfig
+    from mlxlab.diag import decode
+
+    tiny_dir("gemma3")
+    cfg = DiagConfig(
+        action="decode", model="tiny-gemma3", length=16, decode_steps=2, speculative="prompt_lookup"
+    )
+    report = decode.run(cfg)
+    s = report["speculative"]
+    assert set(s["verify_over_plain"]) >= {"1", "8"}
+    v = s["verify_logits"]
+    assert v["positions"] > 0 and v["disagreements"] - v["near_ties"] == 0
+    assert s["repeat_text"]["same_tokens"] and s["repeat_text"]["drafted_tokens"] > 0
+    assert "verify step" in decode.table(report)

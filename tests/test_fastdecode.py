@@ -277,3 +277,77 @@ def test_empty_products_are_zeros_and_shapeless_compile_works():
     assert matvec()(mx.zeros((1, 1, 0)), mx.zeros((3, 0))).tolist() == [[[0.0, 0.0, 0.0]]]
     f = mx.compile(lambda x, w: matvec()(x, w), shapeless=True)
     assert f(mx.ones((1, 1, 4)), mx.ones((3, 4))).tolist() == [[[4.0, 4.0, 4.0]]]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_auto_reads_every_projection_from_a_lossless_bf16_copy_bit_identically(tiny_dir, family):
+    model, _ = _load(tiny_dir, family, True)
+    _round_to_bfloat16(model)
+    assert fastdecode.use_head_dtype(model, "exact") == "exact"
+    assert fastdecode.decode_copies(model)["copies"] == 0
+    exact = _decode_logits(model)
+    full = fastdecode.decode_copies(model)["step_weight_bytes"]
+    fastdecode.use_head_dtype(model, "auto")
+    copies = fastdecode.decode_copies(model)
+    linears = [m for _, m in model.named_modules() if isinstance(m, fastdecode.DecodeLinear)]
+    assert linears and all(m._decode_weight().dtype == mx.bfloat16 for m in linears)
+    assert copies["copies"] == len(linears) + (0 if "lm_head" in dict(model.named_modules()) else 1)
+    assert copies["step_weight_bytes"] * 2 == full  # the step reads half the bytes
+    reading = [
+        m
+        for _, m in model.named_modules()
+        if isinstance(m, fastdecode._DecodeWeight) and m._decode_weight() is not m["weight"]
+    ]
+    assert copies["copy_bytes"] * 2 == sum(m["weight"].nbytes for m in reading)
+    assert mx.array_equal(_decode_logits(model), exact).item()
+    # Prefill and training still read the float32 weights: nothing saved or trained changes.
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()))
+
+
+def test_a_projection_that_is_not_bf16_valued_keeps_its_weight_even_when_forced(tiny_dir):
+    model, _ = _load(tiny_dir, "llama", True)  # random float32 weights
+    assert fastdecode.use_head_dtype(model, "bfloat16") == "bfloat16 (rounded)"
+    linears = [m for _, m in model.named_modules() if type(m) is fastdecode.DecodeLinear]
+    head = fastdecode.lm_head(model)
+    assert all(m._decode_weight() is m["weight"] for m in linears if m is not head)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n,k", [(1000, 640), (300, 83), (5, 15)])
+def test_avx512_loops_give_the_avx2_loops_results_bit_for_bit(dtype, n, k):
+    from mlxlab.kernels import _kernels
+
+    if not _kernels.matvec_avx512():
+        pytest.skip("this CPU has no AVX-512: only the AVX2+FMA loops run")
+    mx.random.seed(3)
+    w = (mx.random.normal((n, k)) * 0.1).astype(dtype)
+    for m in (1, 3, 8, 13):
+        x = mx.random.normal((m, k))
+        wide = matvec()(x, w)
+        _kernels.matvec_avx512(0)
+        try:
+            narrow = matvec()(x, w)
+            mx.eval(narrow)
+        finally:
+            _kernels.matvec_avx512(1)
+        alone = mx.concatenate([matvec()(x[i : i + 1], w) for i in range(m)])
+        assert mx.array_equal(wide, narrow).item()
+        assert mx.array_equal(wide, alone).item()  # a row's result is the same with 13 others
+
+
+def test_a_verify_steps_tokens_go_to_the_kernel_only_while_verifying():
+    layer = nn.Linear(64, 48)
+    layer.__class__ = fastdecode.DecodeLinear
+    mx.random.seed(4)
+    x = mx.random.normal((2, 5, 64))  # two rows of five tokens
+    blas = layer(x)
+    assert mx.array_equal(blas, x @ layer.weight.T + layer.bias).item()
+    with fastdecode.verifying(16):
+        verified = layer(x)
+        four = mx.concatenate([x, x])
+        too_many = layer(four)  # 20 rows: BLAS again
+    assert mx.array_equal(too_many, four @ layer.weight.T + layer.bias).item()
+    # Each token's product equals its one-token decode step's, bit for bit.
+    steps = mx.concatenate([layer(x[:, i : i + 1]) for i in range(5)], axis=1)
+    assert mx.array_equal(verified, steps).item()
+    assert not mx.array_equal(verified, blas).item()

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from mlxlab.decode import speculative
 from mlxlab.decode.prompt_cache import PromptCache
 from mlxlab.decode.settings import DecodeSettings
 
@@ -89,6 +90,8 @@ class Row:
     """Prompt tokens that came from the prompt cache."""
     cache: list | None = None
     pieces: list[list] = field(default_factory=list)  # [tokens, end, kind] still to run
+    speculation: object | None = None
+    """Its drafted and accepted tokens (`speculative.Counts`) when it was decoded speculatively."""
 
     @property
     def length(self) -> int:
@@ -105,17 +108,23 @@ class BatchDecoder:
         selection=None,
         fits: Callable[[list[int], int], bool] | None = None,
         evict: bool = True,
+        draft_model=None,
     ):
         """`selection`: per-row adapters (`lora.multi.Selection`: set_rows, clear), None when the
         model holds none; `fits(lengths, copies)`: memory admission, None: any batch fits;
         `evict`: whether storing in the cache may evict (an evaluation that decodes the same
-        prompts again keeps what it stored first)."""
+        prompts again keeps what it stored first); `draft_model`: the drafts' model under
+        `settings.speculative == "draft_model"`."""
         from mlx_lm.generate import StopSequences
         from mlx_lm.sample_utils import make_sampler
 
         self.model, self.settings = model, settings
         self.cache = cache if cache is not None and cache.enabled else None
         self.selection, self.fits, self.evict = selection, fits, evict
+        self.eos = set(eos)
+        self.draft_model = draft_model
+        self.drafters: dict[int, speculative.Drafter] = {}  # generating rows', when speculative
+        self.speculation = speculative.Counts()  # rows that left
         self._fallback = make_sampler(temp=0.0)
         self._stop = StopSequences([[t] for t in sorted(eos)])
         self._uid = 0
@@ -175,6 +184,8 @@ class BatchDecoder:
         cached."""
         del self.rows[row.uid]
         self._waited.discard(row.uid)
+        if self.drafters.pop(row.uid, None) is not None:
+            self.speculation.add(row.speculation)
         self.rows_served += 1
         row.done(finish, row.tokens)
         if (
@@ -218,6 +229,7 @@ class BatchDecoder:
         the rows are returned (the caller fails them)."""
         rows = list(self.rows.values())
         self.rows.clear()
+        self.drafters.clear()
         self.waiting.clear()
         self._waited.clear()
         self._empty_batches()
@@ -269,29 +281,79 @@ class BatchDecoder:
     def _decode(self) -> None:
         import mlx.core as mx
 
-        self._select(self.gen.uids)
-        responses = self.gen.next()  # rows mlx-lm finished (eos, max_tokens) leave with their cache
+        gen = self.gen
+        uids = list(gen.uids)
+        self._select(uids)
+        plan = self._drafts() if self.drafters else None
+        if plan is not None and any(d for d, _ in plan):
+            drafters = [self.drafters[u] for u in uids]
+            results = speculative.verify_batch(
+                self.model, gen, [d for d, _ in plan], [f for _, f in plan], drafters
+            )
+            written = [(u, w, True) for u, w in zip(uids, results, strict=True)]
+        else:
+            # rows mlx-lm finished (eos, max_tokens) leave with their cache
+            written = [
+                (
+                    r.uid,
+                    speculative.Written(
+                        [(int(r.token), r.logprobs)], r.finish_reason, 1, r.prompt_cache
+                    ),
+                    r.finish_reason is None,
+                )
+                for r in gen.next()
+            ]
         self.steps += 1
         if self.steps % 512 == 0:
             mx.clear_cache()
         leaving = []
-        for r in responses:
-            row = self.rows[r.uid]
-            token = int(r.token)
-            row.tokens.append(token)
-            finish = row.feed(token, r.logprobs) or r.finish_reason
+        for uid, w, in_gen in written:
+            row = self.rows[uid]
+            finish, kept = None, 0
+            for token, lp in w.tokens:
+                row.tokens.append(token)
+                kept += 1
+                finish = row.feed(token, lp)
+                if finish is not None:
+                    break
+            finish = finish or (w.finish if kept == len(w.tokens) else None)
+            if uid in self.drafters:
+                self.drafters[uid].extend([t for t, _ in w.tokens[:kept]])
             if finish is None:
                 continue
-            if r.finish_reason is None:  # the caller's stop (stop string, tool end, cancel)
-                idx = self.gen.uids.index(r.uid)
+            cache = w.cache
+            if in_gen:  # the caller's stop (stop string, tool end, cancel), or a verify step's
+                idx = gen.uids.index(uid)
                 leaving.append(idx)
                 keep = finish != "cancelled" and row.store_completion and self._caches(row)
-                cache = self.gen.extract_cache(idx) if keep else None
-            else:
-                cache = r.prompt_cache
+                cache = gen.extract_cache(idx) if keep else None
+                if cache is not None and uid in self.drafters:  # it ends at its last token
+                    speculative.rollback(cache, w.fed - kept)
+                    speculative.compact(cache)
             self._close(row, finish, cache)
         if leaving:
-            self.gen.filter([i for i in range(len(self.gen)) if i not in leaving])
+            gen.filter([i for i in range(len(gen)) if i not in leaving])
+
+    def _drafts(self) -> list[tuple[list[int], int]]:
+        """Each generating row's drafts to follow its pending token (none after an end token,
+        nor past max_tokens) and how many of them its grammar forced."""
+        import mlx.core as mx
+
+        gen = self.gen
+        mx.eval(gen._next_tokens)
+        plan = []
+        for i, (uid, token) in enumerate(zip(gen.uids, gen._next_tokens.tolist(), strict=True)):
+            row = self.rows[uid]
+            room = gen.max_tokens[i] - gen._num_tokens[i] - 1
+            if token in self.eos or room < 1:
+                plan.append(([], 0))
+                continue
+            if self.draft_model is not None:  # a draft sharing the model's adapters: the row's
+                self._select([uid])
+            plan.append(self.drafters[uid].draft([token], room, lambda r=row: r.prompt + r.tokens))
+        if self.draft_model is not None:
+            self._select(gen.uids)
+        return plan
 
     def _admit(self) -> None:
         room = min(
@@ -333,6 +395,7 @@ class BatchDecoder:
             self.gen.extend(pb.split(ready).generate([self.rows[u].pieces[0][0] for u in uids]))
             for u in uids:
                 self.rows[u].pieces.clear()
+                self._drafter(self.rows[u])
         if not len(pb):
             return
         chunks, ended = [], []
@@ -351,6 +414,24 @@ class BatchDecoder:
             if kind is not None and self._caches(row):
                 self._store(row, row.prompt[:end], pb.extract_cache(pb.uids.index(u)), kind)
 
+    def _drafter(self, row: Row) -> None:
+        s = self.settings
+        drafter = speculative.make_drafter(
+            s.speculative, s.draft_tokens, row.processors, self.draft_model, s.prefill_step
+        )
+        if drafter is not None:
+            drafter.extend(row.prompt)
+            row.speculation = drafter.counts
+            self.drafters[row.uid] = drafter
+
+    def speculation_counts(self) -> speculative.Counts:
+        """Drafted and accepted tokens of every row so far (left or still generating)."""
+        total = speculative.Counts()
+        total.add(self.speculation)
+        for d in self.drafters.values():
+            total.add(d.counts)
+        return total
+
     def stats(self) -> dict:
         return {
             "configured": self.settings.batch,
@@ -363,4 +444,6 @@ class BatchDecoder:
             "rows_served": self.rows_served,
             "decode_steps": self.steps,
             "memory_waits": self.memory_waits,
+            "speculative": self.settings.speculative,
+            **self.speculation_counts().as_dict(),
         }

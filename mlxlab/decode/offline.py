@@ -37,6 +37,10 @@ def complete(
     cache: PromptCache | None = None,
     prefill_step: int | None = None,
     tokens: bool = False,
+    speculative: str = "off",
+    draft_tokens: int = 8,
+    draft_model=None,
+    counts=None,
 ) -> list:
     """Completions of token-id prompts, in order (texts; with `tokens`, the token ids): greedy,
     or drawn by `sampler` (mlx-lm's `make_sampler`; seed MLX's generator first for a repeatable
@@ -50,12 +54,19 @@ def complete(
     starts. `cache`: each prompt's KV but its last token is stored there as it is prefilled
     (never evicting: every decode walks the prompts in the same order, so the first ones stored
     stay and are reused by every decode after), and a prompt found there starts from it: a
-    second decode of the same prompts skips their prefill. The model decodes in eval mode (no
-    dropout) and is put back as it was."""
+    second decode of the same prompts skips their prefill. `speculative` (off | prompt_lookup |
+    draft_model, with `draft_model` the model) drafts up to `draft_tokens` tokens a step and
+    verifies them in one forward pass (decode/speculative.py); `counts` (a
+    `speculative.Counts`), when given, adds up the drafted and accepted tokens. The model
+    decodes in eval mode (no dropout) and is put back as it was."""
     from mlxlab.decode.settings import PREFILL_STEP
 
     settings = DecodeSettings(
-        prefill_step=prefill_step or PREFILL_STEP, batch=max(batch_size, 1), prefill_batch=8
+        prefill_step=prefill_step or PREFILL_STEP,
+        batch=max(batch_size, 1),
+        prefill_batch=8,
+        speculative=speculative,
+        draft_tokens=draft_tokens,
     )
     eos = set(tokenizer.eos_token_ids)
     out: list = [None] * len(prompts)
@@ -68,12 +79,18 @@ def complete(
             group = order[at : at + settings.batch]
             rows = [_row(prompts[i], max_tokens, i, out, eos, sampler, processors) for i in group]
             if batch_size == 1:
-                run_serial(model, rows[0], settings, cache, evict=False)
+                run_serial(model, rows[0], settings, cache, evict=False, draft_model=draft_model)
             else:
-                decoder = BatchDecoder(model, eos, settings, cache, evict=False)
+                decoder = BatchDecoder(
+                    model, eos, settings, cache, evict=False, draft_model=draft_model
+                )
                 for row in rows:
                     decoder.add(row)
                 decoder.run()
+            if counts is not None:
+                for row in rows:
+                    if row.speculation is not None:
+                        counts.add(row.speculation)
             done += len(group)
             if progress:
                 progress(done, len(prompts))

@@ -16,6 +16,7 @@ reference loop, the one the batched decoder's tokens are held to.
 
 from __future__ import annotations
 
+from mlxlab.decode import speculative
 from mlxlab.decode.batch import Row, prompt_pieces
 from mlxlab.decode.prompt_cache import PromptCache, prefill
 from mlxlab.decode.settings import DecodeSettings
@@ -28,10 +29,13 @@ def run_serial(
     cache: PromptCache | None = None,
     make_cache=None,
     evict: bool = True,
+    draft_model=None,
 ) -> str:
     """Decode `row` to its end; its `done` is called with the finish reason, which is returned.
     `make_cache(model)`: the row's KV cache when the prompt cache has none (a quantized one);
-    default mlx-lm's `make_prompt_cache`."""
+    default mlx-lm's `make_prompt_cache`. With `settings.speculative` on, the tokens after the
+    prompt come from `speculative.run` (drafts verified k at a time; `draft_model` for
+    speculative=draft_model) instead of generate_step, the row's `speculation` counting them."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -53,6 +57,17 @@ def run_serial(
     if row.cancelled():
         row.done("cancelled", row.tokens)
         return "cancelled"
+    if settings.speculative != "off":
+        drafter = speculative.make_drafter(
+            settings.speculative,
+            settings.draft_tokens,
+            row.processors,
+            draft_model,
+            settings.prefill_step,
+        )
+        row.speculation = drafter.counts
+        finish = speculative.run(model, row, kv, drafter, row.prompt[end])
+        return _finish(row, finish, cache, speculative.compact(kv), evict)
     steps = generate_step(
         mx.array(row.prompt[end:]),
         model,
@@ -70,6 +85,10 @@ def run_serial(
             break
     steps.close()
     finish = finish or "length"  # generate_step ended the loop at max_tokens
+    return _finish(row, finish, cache, kv, evict)
+
+
+def _finish(row: Row, finish: str, cache, kv, evict: bool) -> str:
     row.done(finish, row.tokens)
     if finish != "cancelled" and cache is not None and row.store_completion:
         # The cache holds prompt + every token generated (each was fed as the next was computed).

@@ -22,8 +22,21 @@ class DecodeSettings:
     """Rows decoded together at most (1: the serial path, one row at a time)."""
     prefill_batch: int = 8
     """Rows whose prompts are prefilled together at most (mlx-lm's prefill_batch_size)."""
+    speculative: str = "off"
+    """off | prompt_lookup | draft_model: draft tokens and verify them in one forward pass
+    (decode/speculative.py); a draft model is handed to the decoder beside these settings."""
+    draft_tokens: int = 8
+    """Draft tokens verified in one forward pass at most."""
 
     def __post_init__(self):
+        from mlxlab.decode.speculative import MODES
+
+        if self.speculative not in MODES:
+            raise UserError(
+                f"speculative must be one of {', '.join(MODES)}, got {self.speculative!r}"
+            )
+        if not 1 <= self.draft_tokens <= 15:
+            raise UserError(f"draft_tokens must be in [1, 15], got {self.draft_tokens}")
         if self.prefill_step < 1 or self.batch < 1 or self.prefill_batch < 1:
             raise UserError(
                 "prefill_step, batch and prefill_batch must be >= 1, got "

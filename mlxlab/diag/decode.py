@@ -74,9 +74,16 @@ def _timed(fn) -> float:
 
 
 def _nbytes(module) -> int:
+    """The bytes a decode step reads from `module`'s parameters: a decode module's weight as it
+    reads it (its bf16 copy, when it has one: models/fastdecode.py)."""
     from mlx.utils import tree_flatten
 
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    from mlxlab.models.fastdecode import _DecodeWeight
+
+    n = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    if isinstance(module, _DecodeWeight):
+        n += module._decode_weight().nbytes - module["weight"].nbytes
+    return n
 
 
 class _Clock:
@@ -343,11 +350,106 @@ def head_agreement(model, ids: list[int], chunk: int = 64) -> dict:
     }
 
 
+def speculative_profile(
+    model, prompt_ids: list[int], text_ids: list[int], k_max: int = 8, steps: int = 8
+) -> dict:
+    """Speculative decoding on this model (decode/speculative.py): the median time of a verify
+    step of k + 1 tokens (k = 1, 3, ..., k_max) against a plain step's; the verify step's logits
+    against the plain steps' over a greedy continuation fed k_max + 1 tokens at a time (top-1
+    agreement, the largest logit difference, and whether each disagreement is a near tie: the
+    plain step's top two logits within 1e-4 of each other, relative); and a greedy decode of
+    `text_ids` continued (a text that repeats itself), plain and with prompt lookup: tok/s,
+    drafted and accepted tokens, and whether the tokens are the same."""
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxlab.decode import speculative as spec
+    from mlxlab.decode.batch import Row
+    from mlxlab.decode.serial import run_serial
+    from mlxlab.decode.settings import DecodeSettings
+
+    out: dict = {}
+    with mx.stream(generation_stream):
+        base = make_prompt_cache(model)
+        logits = model(mx.array(prompt_ids)[None], cache=base)
+        mx.eval(logits, [c.state for c in base])
+        first = int(mx.argmax(logits[0, -1]).item())
+        # a greedy continuation, plain steps, with each step's logits
+        cache = copy.deepcopy(base)
+        token, plain, seq = first, [], []
+        n = max(2 * (k_max + 1), steps + 1)
+        for _ in range(n):
+            lg = model(mx.array([[token]]), cache=cache)[0, -1]
+            mx.eval(lg)
+            plain.append(lg)
+            seq.append(token)
+            token = int(mx.argmax(lg).item())
+        ks = sorted({1, 3, 7, k_max} & set(range(1, k_max + 1)) | {k_max})
+        times: dict = {0: []}
+        for k in [0, *ks]:
+            times[k] = []
+            for _ in range(steps):
+                c = copy.deepcopy(base)
+                mx.eval([x.state for x in c])
+                t = time.perf_counter()
+                lg = spec.forward(model, [seq[: k + 1]], c)
+                mx.eval(mx.argmax(lg, axis=-1))
+                times[k].append(time.perf_counter() - t)
+        plain_ms = statistics.median(times[0]) * 1e3
+        out["verify_ms"] = {str(k): round(statistics.median(times[k]) * 1e3, 2) for k in ks}
+        out["plain_step_ms"] = round(plain_ms, 2)
+        out["verify_over_plain"] = {
+            str(k): round(statistics.median(times[k]) * 1e3 / plain_ms, 2) for k in ks
+        }
+        # the same tokens fed k_max + 1 at a time against the plain steps
+        c = copy.deepcopy(base)
+        agree = total = ties = 0
+        worst = 0.0
+        for at in range(0, len(seq) - k_max, k_max + 1):
+            lg = spec.forward(model, [seq[at : at + k_max + 1]], c)[0]
+            for i in range(lg.shape[0]):
+                ref = plain[at + i]
+                diff = float(mx.abs(lg[i] - ref).max().item())
+                worst = max(worst, diff)
+                top2 = mx.sort(ref)[-2:].tolist()
+                same = int(mx.argmax(lg[i]).item()) == int(mx.argmax(ref).item())
+                agree += same
+                total += 1
+                if not same and abs(top2[1] - top2[0]) <= 1e-4 * max(abs(top2[1]), 1.0):
+                    ties += 1
+        out["verify_logits"] = {
+            "positions": total,
+            "top1_agreement": agree / max(total, 1),
+            "disagreements": total - agree,
+            "near_ties": ties,
+            "max_abs_diff": worst,
+        }
+    runs = {}
+    for mode in ("off", "prompt_lookup"):
+        row = Row(list(text_ids), 96, lambda t, lp: None, lambda f, t: None)
+        t = time.perf_counter()
+        run_serial(model, row, DecodeSettings(speculative=mode, draft_tokens=k_max))
+        seconds = time.perf_counter() - t
+        runs[mode] = (row.tokens, seconds, row.speculation)
+    (plain_t, plain_s, _), (spec_t, spec_s, counts) = runs["off"], runs["prompt_lookup"]
+    out["repeat_text"] = {
+        "tokens": len(spec_t),
+        "plain_tok_per_s": round(len(plain_t) / plain_s, 2),
+        "speculative_tok_per_s": round(len(spec_t) / spec_s, 2),
+        "same_tokens": plain_t == spec_t,
+        **counts.as_dict(),
+    }
+    return out
+
+
 def run(cfg) -> dict:
     import mlx.core as mx
 
     from mlxlab import kernels
-    from mlxlab.models.fastdecode import head_reads, lm_head
+    from mlxlab.models.fastdecode import decode_copies, head_reads
     from mlxlab.models.zoo import load
     from mlxlab.runtime import blas_report
 
@@ -362,21 +464,18 @@ def run(cfg) -> dict:
     ).split()
     ids = tokenizer.encode(" ".join(words * (cfg.length // 4 + 8)))[: cfg.length]
     report = profile(model, ids, steps=cfg.decode_steps)
-    head = lm_head(model)
     report["decode_head"] = head_reads(model)
+    copies = decode_copies(model)
+    report["bf16_copies"] = copies["copies"]
+    report["copy_mb"] = round(copies["copy_bytes"] / 1e6, 1)
     if report["decode_head"] != "exact":
-        # The step reads the reduced copy instead of the head's own weight.
-        saved = head["weight"].nbytes - head._decode_weight().nbytes
-        report["bytes_read_mb"] = round(report["bytes_read_mb"] - saved / 1e6, 2)
-        report["groups"]["lm head"]["mb"] = round(
-            report["groups"]["lm head"]["mb"] - saved / 1e6, 2
-        )
-        ms = report["groups"]["lm head"]["ms"]
-        report["groups"]["lm head"]["gbps"] = (
-            round(report["groups"]["lm head"]["mb"] / ms, 2) if ms else None
-        )
         text_ids = tokenizer.encode(TEXT)[: max(cfg.length, 64)]
         report["head_copy"] = head_agreement(model, text_ids)
+    if cfg.speculative != "off":
+        text = tokenizer.encode(TEXT)
+        report["speculative"] = speculative_profile(
+            model, ids, text + text[: len(text) // 3], cfg.draft_tokens
+        )
     bw = measure_bandwidth()
     gbps = bw["all_threads_gbps"]
     bound_s = report["bytes_read_mb"] * 1e6 / (gbps * 1e9)
@@ -417,12 +516,26 @@ def table(report: dict) -> str:
     lines += [
         f"{'sum of groups':<26}{total:>9.2f}   (instrumented step {report['instrumented_step_ms']:.2f} ms)",
         f"plain step {report['step_ms']:.2f} ms ({report['tok_per_s']:.1f} tok/s), "
-        f"{report['bytes_read_mb']:.0f} MB read",
+        f"{report['bytes_read_mb']:.0f} MB read; {report['bf16_copies']} weights read from bf16 "
+        f"copies ({report['copy_mb']:.0f} MB beside the float32 weights)",
         f"bandwidth {bw['all_threads_gbps']:.1f} GB/s on {bw['threads']} threads "
         f"({bw['one_thread_gbps']:.1f} on one): bound {report['bound_ms']:.2f} ms "
         f"({report['bound_tok_per_s']:.1f} tok/s); the step runs at "
         f"{report['fraction_of_bound']:.0%} of the bound",
     ]
+    if s := report.get("speculative"):
+        v, r = s["verify_logits"], s["repeat_text"]
+        lines += [
+            "verify step (k draft tokens + 1) over a plain step: "
+            + ", ".join(f"k={k} {x:.2f}x" for k, x in s["verify_over_plain"].items()),
+            f"verify logits vs plain steps over {v['positions']} positions: top-1 agreement "
+            f"{v['top1_agreement']:.1%} ({v['disagreements']} differ, {v['near_ties']} of them "
+            f"near ties), max |diff| {v['max_abs_diff']:.2e}",
+            f"a text that repeats itself, {r['tokens']} tokens: plain {r['plain_tok_per_s']:.1f} "
+            f"tok/s, prompt lookup {r['speculative_tok_per_s']:.1f} tok/s; {r['drafted_tokens']} "
+            f"drafted, {r['accepted_tokens']} accepted ({(r['acceptance_rate'] or 0):.0%}) in "
+            f"{r['verify_steps']} verify steps; same tokens: {r['same_tokens']}",
+        ]
     if approx := report.get("head_copy"):
         lines.append(
             f"LM head read as {report['decode_head']} vs its weight over {approx['positions']} positions of "

@@ -11,6 +11,10 @@ namespace mlxlab {
 mlx::core::array matvec(
     const mlx::core::array& x, const mlx::core::array& w, mlx::core::StreamOrDevice s = {});
 
+// Whether matvec runs its AVX-512 loops (bit for bit the AVX2+FMA loops' results); `on` 0 or 1
+// turns them off or back on (tests compare the two), -1 only asks.
+bool matvec_avx512(int on = -1);
+
 // Per-row cross-entropy of float32 logits [N, V] against int labels [N]: (ce [N], lse [N]),
 // with its vjp (ce.cpp).
 std::vector<mlx::core::array> cross_entropy(

@@ -59,7 +59,7 @@ ALWAYS_INLINE void dots(const float* x, size_t ldx, const W* w, int K, float* ou
 }
 
 template <typename W>
-ALWAYS_INLINE void rows_impl(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+ALWAYS_INLINE void rows_any_impl(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
   constexpr int G = 4;  // rows of x per pass: 4 x 16 accumulators fit in the vector registers
   float out[G];
   for (int n = n0; n < n1; ++n) {
@@ -80,9 +80,103 @@ ALWAYS_INLINE void rows_impl(const float* x, const W* w, float* y, int M, int K,
 
 MLXLAB_DISPATCH_WITH(
     template <typename W>,
-    rows,
+    rows_any,
     (const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1),
     (x, w, y, M, K, N, n0, n1))
+
+#ifdef MLXLAB_X86_DISPATCH
+// AVX-512: the 16 lanes of `dots` are one register, so each (m, n) sums in exactly the order
+// above (lane j takes k = j, j + 16, ... with a fused multiply-add, as the AVX2+FMA loop does;
+// the same tail and fold) and the results are bit for bit the AVX2 path's. It takes up to 8 rows
+// of x per pass over a weight row (one weight load per 8 fused multiply-adds), which is what a
+// verify step's few tokens per row need: several rows cost little more than one.
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+ALWAYS_INLINE v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+ALWAYS_INLINE v16 load16(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+  v16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+template <int G, typename W>
+ALWAYS_INLINE void dots16(const float* x, size_t ldx, const W* w, int K, float* out) {
+  v16 acc[G] = {};
+  int k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    v16 w0 = load16(w + k);
+    for (int g = 0; g < G; ++g) {
+      acc[g] += w0 * load16(x + g * ldx + k);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float lanes[LANES];
+    std::memcpy(lanes, &acc[g], sizeof(v16));
+    for (int kk = k, j = 0; kk < K; ++kk, ++j) {
+      lanes[j] += load1(w + kk) * x[g * ldx + kk];
+    }
+    for (int width = LANES / 2; width > 0; width /= 2) {
+      for (int j = 0; j < width; ++j) {
+        lanes[j] += lanes[j + width];
+      }
+    }
+    out[g] = lanes[0];
+  }
+}
+
+template <int G, typename W>
+ALWAYS_INLINE int rows16_pass(const float* x, const W* wr, float* y, int m, int M, int K, int N, int n) {
+  float out[G];
+  for (; m + G <= M; m += G) {
+    dots16<G>(x + static_cast<size_t>(m) * K, K, wr, K, out);
+    for (int g = 0; g < G; ++g) {
+      y[static_cast<size_t>(m + g) * N + n] = out[g];
+    }
+  }
+  return m;
+}
+
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void rows_avx512(
+    const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) {
+    const W* wr = w + static_cast<size_t>(n) * K;
+    int m = rows16_pass<8>(x, wr, y, 0, M, K, N, n);
+    m = rows16_pass<4>(x, wr, y, m, M, K, N, n);
+    m = rows16_pass<2>(x, wr, y, m, M, K, N, n);
+    rows16_pass<1>(x, wr, y, m, M, K, N, n);
+  }
+}
+
+inline bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+// 1: the AVX-512 loops when the CPU has them (same results as AVX2+FMA), 0: never (tests).
+int use_avx512 = 1;
+
+template <typename W>
+void rows(const float* x, const W* w, float* y, int M, int K, int N, int n0, int n1) {
+#ifdef MLXLAB_X86_DISPATCH
+  if (use_avx512 && has_avx512()) {
+    rows_avx512(x, w, y, M, K, N, n0, n1);
+    return;
+  }
+#endif
+  rows_any(x, w, y, M, K, N, n0, n1);
+}
 
 // Below ~256 KB of weights a thread hand-off costs more than the reading it saves.
 int threads_for_weights(size_t weight_bytes) { return threads_for(weight_bytes, 256 * 1024); }
@@ -198,6 +292,17 @@ class MatVec : public UnaryPrimitive {
 };
 
 }  // namespace
+
+bool matvec_avx512(int on) {
+  if (on >= 0) {
+    use_avx512 = on;
+  }
+#ifdef MLXLAB_X86_DISPATCH
+  return use_avx512 && has_avx512();
+#else
+  return false;
+#endif
+}
 
 array matvec(const array& x, const array& w, StreamOrDevice s) {
   if (w.ndim() != 2) {

@@ -27,6 +27,11 @@ NB_MODULE(_kernels, m) {
       "stream"_a = nb::none(),
       "x @ w.T with w stored [out, in] (float32 or bfloat16), x float32 with few rows.");
   m.def(
+      "matvec_avx512",
+      &mlxlab::matvec_avx512,
+      "on"_a = -1,
+      "Whether matvec runs its AVX-512 loops; on=0/1 turns them off/on (tests), -1 only asks.");
+  m.def(
       "cross_entropy",
       &mlxlab::cross_entropy,
       "logits"_a,

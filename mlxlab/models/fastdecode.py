@@ -21,7 +21,10 @@ The LM head, two thirds of gemma3-270m's bytes, may be read from a bfloat16 copy
 (`use_head_dtype`, `decode_head=` on `generate`, `serve` and `diag decode`): by default only
 when that is lossless, as it is for every zoo model (their weights are stored in bf16 and cast
 up), so the logits stay bit-identical; forced (`decode_head=bfloat16`), it is the one
-approximate option, opt-in, and `diag decode` measures its logit KL and top-1 agreement.
+approximate option, opt-in, and `diag decode` measures its logit KL and top-1 agreement. Every
+other decode linear reads a bf16 copy too wherever that is lossless (not under `exact`): a
+gemma3-270m step then reads ~536 MB instead of ~750 with bit-identical logits, for ~536 MB of
+copies held beside the float32 weights (which prefill and training keep reading).
 
 Compiling the RMS norms of a decode step (`mx.compile`, ~4x faster per norm in isolation) was
 tried and measured no faster end to end: the compiled call's Python overhead eats the gain.
@@ -29,6 +32,7 @@ tried and measured no faster end to end: the compiled call's Python overhead eat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import mlx.core as mx
@@ -45,14 +49,37 @@ BLAS vs kernel): the 262144 x 640 head at 1/2/4/8 rows 97/114/113/116 vs 43/53/6
 wins."""
 
 
+VERIFY_ROWS = 16
+"""Rows (tokens, over every row of the batch) up to which a verify step's products go to the
+kernel (`verifying`): a speculative step checks k draft tokens per row in one forward pass, and
+BLAS's many-row path for those few rows reads the weights at a fraction of the bandwidth. The
+kernel's AVX-512 loops take 8 rows per pass over a weight row, so k + 1 tokens cost little more
+than one; past this many rows BLAS's blocking catches up."""
+
+_verify_rows = 0  # > 0 inside `verifying`
+
+
+@contextlib.contextmanager
+def verifying(rows: int = VERIFY_ROWS):
+    """Within the block, products of up to `rows` rows go to the kernel whatever their tokens per
+    row (a verify step's [B, k + 1] inputs); outside, only one token per row does. The kernel's
+    sum for each row is the same whatever rows it is computed with, so a verified token's
+    products equal a plain step's bit for bit."""
+    global _verify_rows
+    before, _verify_rows = _verify_rows, rows
+    try:
+        yield
+    finally:
+        _verify_rows = before
+
+
 def _one_token_rows(x: mx.array) -> bool:
-    return (
-        x.ndim >= 3
-        and x.shape[-2] == 1
-        and x.shape[-1] > 0
-        and x.size // x.shape[-1] <= MAX_ROWS
-        and mx.default_device() == mx.cpu
-    )
+    if x.ndim < 3 or x.shape[-1] == 0 or mx.default_device() != mx.cpu:
+        return False
+    rows = x.size // x.shape[-1]
+    if x.shape[-2] == 1 and rows <= MAX_ROWS:
+        return True
+    return rows <= _verify_rows
 
 
 def _kernel_applies(x: mx.array, w: mx.array):
@@ -75,12 +102,15 @@ class _DecodeWeight:
 
     def _decode_weight(self) -> mx.array:
         w = self["weight"]
-        copy = self.__dict__.get("_head_copy")
+        copy = self.__dict__.get("_decode_copy")
         if copy is not None:
             if copy[0] is w:
                 return copy[1]
-            object.__setattr__(self, "_head_copy", None)
+            object.__setattr__(self, "_decode_copy", None)
         return w
+
+    def _set_copy(self, copy) -> None:
+        object.__setattr__(self, "_decode_copy", copy)
 
 
 class DecodeLinear(_DecodeWeight, nn.Linear):
@@ -128,33 +158,45 @@ def _fits_bfloat16(w: mx.array, rows: int = 16384) -> bool:
 
 
 def use_head_dtype(model, mode: str) -> str:
-    """What the LM head reads at decode: its own weight, or a bfloat16 copy that the kernel
-    reads with float32 sums (half the bytes of the step's largest read; the float32 weight
-    stays for prefill, the embedding and training, so the copy costs half the head's size).
+    """What the decode-step products read: each module's own weight, or a bfloat16 copy that the
+    kernel reads with float32 sums. The float32 weights stay for prefill, the embedding and
+    training, so a copy costs half its weight's size in memory (`decode_copies` says how much).
 
+    The LM head:
     - `exact`: the weight itself.
     - `auto`: the copy when it is lossless (every weight is a bf16 value, as in a float32 model
       cast from bf16 weights: then the logits are bit-identical to the weight's), else the weight.
     - `bfloat16`: the copy whatever it rounds (opt-in, approximate; `diag decode` measures it).
 
-    Returns "exact", "bfloat16 (lossless)" or "bfloat16 (rounded)"; "exact" also when the
-    kernel is not in use."""
+    Every other decode linear (the projections) reads a copy under `auto` and `bfloat16` where
+    that copy is lossless, never a rounded one: for a zoo model the step then reads bf16 bytes
+    throughout with bit-identical logits (gemma3-270m: ~750 -> ~540 MB a step).
+
+    Returns the head's: "exact", "bfloat16 (lossless)" or "bfloat16 (rounded)"; "exact" also
+    when the kernel is not in use."""
     if mode not in HEAD_MODES:
         raise ValueError(f"unknown decode head {mode!r}; choose one of {', '.join(HEAD_MODES)}")
-    module = lm_head(model)
-    if not isinstance(module, _DecodeWeight):
-        return "exact"
-    w = module["weight"]
-    copy, used = None, "exact"
     # On a GPU the kernel never runs (mlx-lm's path does), so a copy would only cost memory.
-    if mode != "exact" and w.dtype == mx.float32 and mx.default_device() == mx.cpu:
-        lossless = _fits_bfloat16(w)
-        if lossless or mode == "bfloat16":
-            copy = (w, w.astype(mx.bfloat16))
-            mx.eval(copy[1])
-            used = "bfloat16 (lossless)" if lossless else "bfloat16 (rounded)"
-    object.__setattr__(module, "_head_copy", copy)
-    object.__setattr__(module, "_head_mode", used)
+    on_cpu = mx.default_device() == mx.cpu
+    head = lm_head(model)
+    used = "exact"
+    for _, module in model.named_modules():
+        if not isinstance(module, _DecodeWeight):
+            continue
+        w = module["weight"]
+        copy = None
+        if mode != "exact" and on_cpu and w.dtype == mx.float32:
+            lossless = _fits_bfloat16(w)
+            if lossless or (mode == "bfloat16" and module is head):
+                copy = (w, w.astype(mx.bfloat16))
+                mx.eval(copy[1])
+                if module is head:
+                    used = "bfloat16 (lossless)" if lossless else "bfloat16 (rounded)"
+        if module is head:
+            object.__setattr__(module, "_head_mode", used)
+            module._set_copy(copy)
+        elif isinstance(module, DecodeLinear):
+            module._set_copy(copy)
     return used
 
 
@@ -164,6 +206,30 @@ def head_reads(model) -> str:
     if not isinstance(module, _DecodeWeight) or module._decode_weight() is module["weight"]:
         return "exact"
     return module.__dict__.get("_head_mode", "exact")
+
+
+def decode_copies(model) -> dict:
+    """The bf16 copies decode steps read now: how many modules (`head`: whether the LM head is
+    one of them), the bytes they hold beside the float32 weights (their memory cost), and the
+    bytes a decode step reads from weights (a tied head counted once as the head; an embedding
+    lookup reads a row, not counted)."""
+    head = lm_head(model)
+    n, extra, step = 0, 0, 0
+    for _, module in model.named_modules():
+        if not isinstance(module, _DecodeWeight):
+            continue
+        read = module._decode_weight()
+        if read is not module["weight"]:
+            n += 1
+            extra += read.nbytes
+        if isinstance(module, DecodeLinear) or module is head:
+            step += read.nbytes
+    return {
+        "copies": n,
+        "head": head is not None and head_reads(model) != "exact",
+        "copy_bytes": extra,
+        "step_weight_bytes": step,
+    }
 
 
 def accelerate(model) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from mlxlab import registry
 from mlxlab.config import DECODE_HEADS, DEFAULT_MODEL, DTYPES
 from mlxlab.decode.settings import DecodeSettings
+from mlxlab.decode.speculative import check_mode
 from mlxlab.errors import UserError
 from mlxlab.schema import check_choice
 from mlxlab.serve.engine.settings import EngineSettings
@@ -33,10 +34,11 @@ class ServeConfig:
     dtype: str = "auto"
     """Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
     decode_head: str = "auto"
-    """What the LM head reads at decode on the CPU: auto (a bf16 copy, read with float32 sums,
-    when that is lossless, as for zoo models: half the bytes of the step's largest read, for
-    half the head's size in memory), exact (the weight), or bfloat16 (the copy even where it
-    rounds: opt-in, approximate; `diag decode decode_head=bfloat16` measures it)."""
+    """What decode steps read on the CPU: auto (bf16 copies of the LM head and every other
+    linear, read with float32 sums, where that is lossless, as for zoo models: half the bytes of
+    a step, for half the weights' size in memory), exact (the float32 weights), or bfloat16 (the
+    head's copy even where it rounds: opt-in, approximate; `diag decode decode_head=bfloat16`
+    measures it)."""
     host: str = "127.0.0.1"
     """Interface to bind (loopback by default; 0.0.0.0 exposes the server to the network)."""
     port: int = 8090
@@ -99,6 +101,18 @@ class ServeConfig:
     quantization) take the serial lane between batches."""
     prefill_batch: int = 8
     """With batch > 1: prompts prefilled together (at most `batch`)."""
+    speculative: str = "off"
+    """Speculative decoding: off, prompt_lookup (drafts copied from the prompt and the answer so
+    far where their last tokens recur: pays on answers that repeat or edit their prompt, JSON
+    under a schema, code edits) or draft_model (drafts from `draft_model`). Drafts are verified
+    k at a time in one forward pass; greedy answers are the plain decode's and sampled ones keep
+    its distribution. Both lanes; /stats and /metrics count drafted and accepted tokens."""
+    draft_tokens: int = 8
+    """Draft tokens verified in one forward pass at most (1..15; fewer after a miss)."""
+    draft_model: str | None = None
+    """speculative=draft_model's drafts: a model with the same tokenizer (zoo name, directory,
+    .gguf), or self:N (the model's own first N layers and its head: for tests; on a CPU it does
+    not pay)."""
     kv_quant: str = "off"
     """KV-cache quantization: off, 4 or 8 (uniform bits, group 64), config (the model's
     kv_config.json: a list of {layer_idx, bits, group_size}) or a path to such a JSON file."""
@@ -171,6 +185,11 @@ class ServeConfig:
                 setattr(self, name, None)  # `stt_model=` on the command line: none
         check_choice("decode_head", self.decode_head, DECODE_HEADS)
         check_choice("dtype", self.dtype, DTYPES)
+        if self.draft_model is not None and not str(self.draft_model).strip():
+            self.draft_model = None
+        check_mode(self.speculative, self.draft_model)
+        if not 1 <= self.draft_tokens <= 15:
+            raise UserError(f"draft_tokens must be in [1, 15], got {self.draft_tokens}")
         if not is_kv_quant(self.kv_quant):  # the wording kv_quant.parse uses for the same problem
             raise UserError(
                 f"serve.kv_quant={self.kv_quant!r}: use off, 4, 8, config, or a kv_config.json path"
@@ -225,7 +244,13 @@ class ServeConfig:
 
     def decode(self) -> DecodeSettings:
         """The decoder's settings (prefill steps, rows batched)."""
-        return DecodeSettings(self.prefill_step, self.batch, self.prefill_batch)
+        return DecodeSettings(
+            self.prefill_step,
+            self.batch,
+            self.prefill_batch,
+            speculative=self.speculative,
+            draft_tokens=self.draft_tokens,
+        )
 
     def engine(self) -> EngineSettings:
         """The engine's settings: what loading and running the model needs."""
@@ -236,6 +261,7 @@ class ServeConfig:
             memory_budget_gb=self.memory_budget_gb,
             kv_quant=self.kv_quant,
             prompt_cache_gb=self.prompt_cache_gb,
+            draft_model=self.draft_model,
             adapters=dict(self.adapters or {}),
             adapter_root=self.adapter_root,
             stt_model=self.stt_model,

@@ -127,6 +127,7 @@ class Live:
             "Times a row waited to join the batch because all rows would not fit the budget",
             b.get("memory_waits", 0),
         )
+        yield from self._speculation(g.speculation_stats())
         if loaded is not None:
             yield from self._cache(loaded.cache.stats())
             yield from self._adapters(loaded.adapters)
@@ -135,6 +136,29 @@ class Live:
             "mlxlab_response_store_entries", "Responses kept for previous_response_id", s["entries"]
         )
         yield gauge("mlxlab_response_store_bytes", "Bytes the response store holds", s["bytes"])
+
+    @staticmethod
+    def _speculation(s: dict):
+        yield counter(
+            "mlxlab_speculative_verify_steps",
+            "Forward passes that verified draft tokens (speculative decoding)",
+            s["verify_steps"],
+        )
+        yield counter(
+            "mlxlab_speculative_drafted_tokens",
+            "Draft tokens verified (prompt lookup, a draft model, or forced by a grammar)",
+            s["drafted_tokens"],
+        )
+        yield counter(
+            "mlxlab_speculative_accepted_tokens",
+            "Draft tokens accepted, each a decode step saved",
+            s["accepted_tokens"],
+        )
+        yield counter(
+            "mlxlab_speculative_forced_tokens",
+            "Draft tokens a grammar forced (llguidance's fast-forward)",
+            s["forced_tokens"],
+        )
 
     @staticmethod
     def _cache(s: dict):

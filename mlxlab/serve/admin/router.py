@@ -122,6 +122,7 @@ async def stats(request: Request):
         "response_store": state.response_store.stats(),
         "adapters": loaded.adapters.stats() if loaded else None,
         "batch": g.batch_stats(),
+        "speculative": g.speculation_stats(),
         "kv_quant": loaded.kv.stats() if loaded else None,
         "vision": loaded.vision.stats() if loaded and loaded.vision else None,
     }

@@ -61,6 +61,7 @@ class BatchLane:
             cache=loaded.cache,
             selection=loaded.adapters.selection,
             fits=loaded.admission.fits_rows,
+            draft_model=loaded.draft,
         )
 
     @property
@@ -106,6 +107,7 @@ class BatchLane:
 
         def done(finish: str, _tokens: list[int]) -> None:
             self._jobs.pop(row.uid, None)
+            out.speculation = row.speculation
             self.finished(job, out.close(finish), None)
 
         row.done = done

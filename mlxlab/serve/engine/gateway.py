@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from mlxlab.decode.speculative import Counts
 from mlxlab.serve.engine.batch import BatchLane, batchable
 from mlxlab.serve.engine.jobs import (
     Done,
@@ -69,6 +70,7 @@ class Gateway:
             None  # when serve.batch > 1 (and the KV cache is not quantized)
         )
         self.served_serial = 0
+        self.speculation = Counts()  # drafted and accepted tokens of finished jobs, both lanes
         self._thread = threading.Thread(target=self._work, name="mlxlab-engine", daemon=True)
 
     def start(self) -> Gateway:
@@ -236,6 +238,27 @@ class Gateway:
         if done is not None:
             self.counters["prompt_tokens"] += done.prompt_tokens
             self.counters["completion_tokens"] += done.completion_tokens
+            if done.speculation is not None:
+                s = done.speculation
+                self.speculation.add(
+                    Counts(
+                        s["verify_steps"],
+                        s["drafted_tokens"],
+                        s["accepted_tokens"],
+                        s["forced_tokens"],
+                    )
+                )
+                log.info(
+                    "mlxlab serve: %d tokens in %.2f s; speculative: %d drafted, %d accepted "
+                    "(%s), %d forced by the grammar, %d verify steps",
+                    done.completion_tokens,
+                    done.seconds,
+                    s["drafted_tokens"],
+                    s["accepted_tokens"],
+                    f"{s['acceptance_rate']:.0%}" if s["acceptance_rate"] is not None else "-",
+                    s["forced_tokens"],
+                    s["verify_steps"],
+                )
         with self._lock:
             self._pending -= 1
             self._jobs.pop(id(job), None)
@@ -256,6 +279,17 @@ class Gateway:
                 "reason": "kv_quant is on" if self.cfg.decode.batch > 1 else None,
             }
         return {**b.stats(), "served_serial": self.served_serial}
+
+    def speculation_stats(self) -> dict:
+        """`speculative=` and its draft bound, and the drafted and accepted tokens of the jobs
+        finished so far (both lanes)."""
+        d = self.cfg.decode
+        return {
+            "mode": d.speculative,
+            "draft_tokens": d.draft_tokens,
+            "draft_model": self.cfg.draft_model,
+            **self.speculation.as_dict(),
+        }
 
     def stats(self) -> dict:
         running = int(self.running is not None) + (self.batch.running if self.batch else 0)

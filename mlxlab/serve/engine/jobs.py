@@ -50,6 +50,8 @@ class Done:
     seconds: float = 0.0
     ttft: float = 0.0
     tokens: list[int] = field(default_factory=list)  # the generated token ids
+    speculation: dict | None = None
+    """Its drafted and accepted tokens (`speculative.Counts.as_dict`), when speculative."""
 
 
 @dataclass

@@ -57,6 +57,14 @@ class Loaded:
         )
         mx.set_memory_limit(self.admission.budget_bytes)
         self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
+        # speculative=draft_model's drafts (decode/speculative.py): loaded before the adapters
+        # are mounted, so a draft made of the model's own layers shares their wrappers
+        self.draft = None
+        if cfg.draft_model:
+            from mlxlab.decode.speculative import load_draft
+
+            self.draft = load_draft(cfg.draft_model, self.model, self.tokenizer, cfg.dtype)
+            log.info("mlxlab serve: speculative drafts from %s", cfg.draft_model)
         self.generation_config = read_generation_config(self.model_dir)
         self.adapters = Adapters(self.model, cfg.adapter_root)
         for adapter_id, path in (cfg.adapters or {}).items():

@@ -86,6 +86,7 @@ class RowOutput:
         # the logprobs of tokens not yet known to be text or markup (`_send`)
         self.held: list[dict] = []
         self.slow_logged = False
+        self.speculation = None  # the row's speculative.Counts, set by the lane
 
     def _send(self, deltas, lp=None, before: str = "content", final: bool = False) -> None:
         """Sink the parser's (kind, text) deltas with the logprobs of the tokens that made them.
@@ -195,6 +196,7 @@ class RowOutput:
             time.perf_counter() - self.t0,
             self.ttft,
             list(self.tokens),
+            self.speculation.as_dict() if self.speculation is not None else None,
         )
         self.job.sink(done)
         return done

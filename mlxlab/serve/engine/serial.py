@@ -40,6 +40,7 @@ class SerialLane:
         closed: list[Done] = []
 
         def done(finish: str, _tokens: list[int]) -> None:
+            out.speculation = row.speculation
             closed.append(out.close(finish))
 
         row = Row(
@@ -54,5 +55,12 @@ class SerialLane:
             cancelled=job.cancelled.is_set,
             started=lambda cached: setattr(job, "cached_tokens", cached),
         )
-        run_serial(m.model, row, self.cfg.decode, m.cache, make_cache=m.kv.make_cache)
+        run_serial(
+            m.model,
+            row,
+            self.cfg.decode,
+            m.cache,
+            make_cache=m.kv.make_cache,
+            draft_model=m.draft,
+        )
         return closed[0]

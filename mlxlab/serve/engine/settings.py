@@ -25,6 +25,8 @@ class EngineSettings:
     stt_model: str | None = None
     stt_language: str | None = None
     embeddings_model: str | None = None
+    draft_model: str | None = None
+    """The draft model of speculative=draft_model (a model spec, or self:N)."""
     max_queue: int = 16
     """Jobs waiting for the engine beyond which new ones are refused (QueueFull)."""
     decode: DecodeSettings = field(default_factory=DecodeSettings)

@@ -160,6 +160,14 @@ class EvalSettings:
     """Most tokens generated per prompt (one window of a conversation)."""
     batch_size: int = 8
     """Windows decoded together (the batched decoder); 1 decodes one at a time."""
+    speculative: str = "off"
+    """off | prompt_lookup | draft_model: draft tokens and verify them k at a time in one forward
+    pass (decode/speculative.py; answers that copy message uuids from the prompt draft well);
+    the texts are the plain decode's."""
+    draft_tokens: int = 8
+    """Draft tokens verified in one forward pass at most (1..15)."""
+    draft_model: str = ""
+    """speculative=draft_model's drafts: a model with the same tokenizer, or self:N."""
     constrained: bool = False
     """Also decode every window under the answer's grammar (its chunks follow the window's
     messages in order, each label 2-12 words; the answer may close after any chunk; grammar.py
@@ -211,6 +219,11 @@ class EvalSettings:
             )
         if self.batch_size < 1:
             raise UserError(f"batch_size must be >= 1, got {self.batch_size}")
+        from mlxlab.decode.speculative import check_mode
+
+        check_mode(self.speculative, self.draft_model or None)
+        if not 1 <= self.draft_tokens <= 15:
+            raise UserError(f"draft_tokens must be in [1, 15], got {self.draft_tokens}")
         if self.max_prompt_tokens < 0 or 0 < self.max_prompt_tokens < 256:
             raise UserError(
                 f"max_prompt_tokens must be 0 (auto) or >= 256, got {self.max_prompt_tokens}"

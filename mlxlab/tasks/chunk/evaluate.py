@@ -60,6 +60,7 @@ def evaluate(
     fixed_starts: list[list[int]] | None = None,
     kv=None,
     max_messages: int | None = WINDOW_MESSAGES,
+    speculation: dict | None = None,
 ) -> list[dict]:
     """Greedy-decode each case's windows (`plan_windows`: at most `max_messages` messages and
     `budget` prompt tokens each; `decode.offline.complete`, in eval mode) and score each case on their
@@ -70,7 +71,8 @@ def evaluate(
     one of them. `fixed_starts` (per case, the shown messages where chunks start: shifts.py
     `chunk_starts`) decodes each window under the grammar whose chunks start exactly there:
     only the labels are the model's. `kv`: the decoder's store of prompt KV, shared by the
-    decodes of one model."""
+    decodes of one model. `speculation`: `offline.complete`'s speculative, draft_tokens,
+    draft_model and counts (decode/speculative.py), None: off."""
     windows = plan_windows(cases, tokenizer, budget, overlap, max_messages)
     processors = None
     watched: dict[int, object] = {}  # window -> its watching grammar constraint
@@ -110,6 +112,7 @@ def evaluate(
         progress,
         processors,
         cache=kv,
+        **(speculation or {}),
     )
     refused = [watched.pop(i).refused() for i in range(len(windows))] if watched else None
     return score_windows(cases, windows, texts, train_labels, fixed_starts, refused)
@@ -236,6 +239,18 @@ def evaluate_model(
 
     mx.reset_peak_memory()
 
+    speculation = None
+    if getattr(settings, "speculative", "off") != "off":
+        from mlxlab.decode.speculative import Counts, load_draft
+
+        draft = settings.draft_model
+        speculation = {
+            "speculative": settings.speculative,
+            "draft_tokens": settings.draft_tokens,
+            "draft_model": load_draft(draft, model, tokenizer) if draft else None,
+            "counts": Counts(),
+        }
+
     kv = None
     if getattr(settings, "constrained", False) or getattr(settings, "shifts", ""):
         from mlxlab.decode.prompt_cache import PromptCache
@@ -262,6 +277,7 @@ def evaluate_model(
             fixed_starts,
             kv,
             settings.window_messages or WINDOW_MESSAGES,
+            speculation,
         )
         if getattr(settings, "label_model", ""):
             try:
@@ -269,11 +285,16 @@ def evaluate_model(
             except UserError as e:  # a missing extra score never costs the evaluation
                 log.warning(f"warning: no label similarity ({settings.label_model}): {e}")
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-        return {
+        out = {
             **summarize(rows),
             "seconds": round(time.perf_counter() - t0, 1),
             "results": str(path),
         }
+        if speculation is not None:  # this decode's drafted and accepted tokens
+            counts = speculation["counts"]
+            out["speculative"] = {"mode": settings.speculative, **counts.as_dict()}
+            speculation["counts"] = type(counts)()
+        return out
 
     starts, detected = None, 0.0
     if getattr(settings, "shifts", ""):  # first: a bad embedding model fails before any decode
