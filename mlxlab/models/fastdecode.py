@@ -157,7 +157,7 @@ def _fits_bfloat16(w: mx.array, rows: int = 16384) -> bool:
     return True
 
 
-def use_head_dtype(model, mode: str) -> str:
+def use_head_dtype(model, mode: str, pace=None) -> str:
     """What the decode-step products read: each module's own weight, or a bfloat16 copy that the
     kernel reads with float32 sums. The float32 weights stay for prefill, the embedding and
     training, so a copy costs half its weight's size in memory (`decode_copies` says how much).
@@ -173,7 +173,7 @@ def use_head_dtype(model, mode: str) -> str:
     throughout with bit-identical logits (gemma3-270m: ~750 -> ~540 MB a step).
 
     Returns the head's: "exact", "bfloat16 (lossless)" or "bfloat16 (rounded)"; "exact" also
-    when the kernel is not in use."""
+    when the kernel is not in use. `pace`: called after each copy (a paced load: zoo.load)."""
     if mode not in HEAD_MODES:
         raise ValueError(f"unknown decode head {mode!r}; choose one of {', '.join(HEAD_MODES)}")
     # On a GPU the kernel never runs (mlx-lm's path does), so a copy would only cost memory.
@@ -190,6 +190,8 @@ def use_head_dtype(model, mode: str) -> str:
             if lossless or (mode == "bfloat16" and module is head):
                 copy = (w, w.astype(mx.bfloat16))
                 mx.eval(copy[1])
+                if pace is not None:
+                    pace()
                 if module is head:
                     used = "bfloat16 (lossless)" if lossless else "bfloat16 (rounded)"
         if module is head:

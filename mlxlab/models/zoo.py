@@ -361,6 +361,57 @@ def resolve(spec: str) -> Path:
     )
 
 
+def _snapshot(repo: Path) -> Path | None:
+    """The snapshot a hub cache repo folder serves: refs/main's commit, else its newest."""
+    snapshots = repo / "snapshots"
+    try:
+        ref = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        ref = ""
+    if ref and (snapshots / ref).is_dir():
+        return snapshots / ref
+    found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    return found[-1] if found else None
+
+
+def hub_cached() -> dict[str, Path]:
+    """Every model in the Hugging Face cache (`hub_cache()`) that mlx-lm could load, by repo id:
+    its snapshot holds a config.json and safetensors weights. Read from the folders alone (no
+    network, nothing downloaded)."""
+    cache, out = hub_cache(), {}
+    try:
+        repos = sorted(cache.iterdir())
+    except OSError:
+        return out
+    for repo in repos:
+        if not repo.name.startswith("models--") or "--" not in repo.name[8:]:
+            continue
+        repo_id = repo.name[8:].replace("--", "/", 1)
+        if not is_repo_id(repo_id):
+            continue
+        snap = _snapshot(repo)
+        if snap is not None and is_complete(snap):
+            out[repo_id] = snap
+    return out
+
+
+def local_dir(spec: str) -> Path | None:
+    """The directory `resolve(spec)` gives when it is there already: nothing to build, convert
+    or download (a GGUF's conversion is keyed by its content, so it is never known here); None
+    when resolving has work to do, or would fail."""
+    if spec in ZOO:
+        out = models_dir() / spec
+        return out if is_complete(out) else None
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return None
+    if path.is_dir():
+        return path if (path / "config.json").is_file() else None
+    if is_repo_id(spec):
+        return hub_cached().get(spec)
+    return None
+
+
 def listing() -> list[dict]:
     return [
         {
@@ -380,6 +431,7 @@ def load(
     decode_kernel: bool = True,
     decode_head: str = "auto",
     lazy: bool = False,
+    pace: Callable[[], None] | None = None,
 ):
     """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype).
 
@@ -389,7 +441,11 @@ def load(
     `decode_kernel`: route decode-step products through mlxlab's CPU kernel
     (models/fastdecode.py); False keeps mlx-lm's code path for every product. `decode_head`:
     what the LM head reads at decode (`fastdecode.use_head_dtype`): auto (a bf16 copy when
-    lossless), exact, or bfloat16 (opt-in, approximate)."""
+    lossless), exact, or bfloat16 (opt-in, approximate).
+
+    `pace`: called between the slices of the work (the weights read and cast in pieces of about
+    `PACE_BYTES`, the tokenizer, each decode copy): a server loading a model beside others
+    generating lets them go first there (serve/engine/pacer.py). The result is the same."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -402,19 +458,50 @@ def load(
             f"{spec} is a {ZOO[spec].kind} model, not a chat/text model: "
             f"serve it beside one with `serve {flag}={spec}`"
         )
-    model, tokenizer = mlx_lm_load(str(resolve(spec)), lazy=lazy)
-    model.set_dtype(target)
-    if not lazy:
-        mx.eval(model.parameters())
+    if pace is None:
+        model, tokenizer = mlx_lm_load(str(resolve(spec)), lazy=lazy)
+        model.set_dtype(target)
+        if not lazy:
+            mx.eval(model.parameters())
+    else:
+        model, tokenizer = _load_paced(resolve(spec), target, pace)
     if decode_kernel:
         from mlxlab.models.fastdecode import accelerate, use_head_dtype
 
         accelerate(model)
-        used = use_head_dtype(model, decode_head)
+        used = use_head_dtype(model, decode_head, pace=pace)
         if decode_head == "bfloat16" and used == "exact":
             log.warning(
                 "mlxlab: decode_head=bfloat16 needs the CPU decode kernel (float32 on the CPU); "
                 "the LM head stays exact"
             )
         log.debug("mlxlab: the LM head reads %s at decode", used)
+    return model, tokenizer
+
+
+PACE_BYTES = 32 << 20
+"""The weights one slice of a paced load reads and casts (`load(pace=...)`)."""
+
+
+def _load_paced(path: Path, target, pace: Callable[[], None]):
+    """mlx-lm's `load` in slices, `pace()` between them: the model built on lazy weights, cast,
+    then its arrays evaluated about PACE_BYTES at a time; the tokenizer is one slice."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(path, lazy=True)
+    model.set_dtype(target)
+    part, size = [], 0
+    for _, v in tree_flatten(model.parameters()):
+        part.append(v)
+        size += v.nbytes
+        if size >= PACE_BYTES:
+            mx.eval(part)
+            part, size = [], 0
+            pace()
+    mx.eval(part)
+    pace()
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    pace()
     return model, tokenizer

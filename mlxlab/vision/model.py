@@ -353,17 +353,24 @@ def needs_mlx_vlm(spec: str) -> bool:
     return config is not None and not mlx_lm_has(config.get("model_type"))
 
 
-def load(spec: str, dtype: str = "auto", decode_head: str = "auto", text_model: bool | None = None):
+def load(
+    spec: str,
+    dtype: str = "auto",
+    decode_head: str = "auto",
+    text_model: bool | None = None,
+    pace=None,
+):
     """(model, tokenizer, VisionModel or None) for any model spec (see the module docstring).
     `text_model`: for a VLM, whether mlx-lm runs its text requests (default: when mlx-lm has the
-    family); False serves it through mlx-vlm alone."""
+    family); False serves it through mlx-vlm alone. `pace`: as `zoo.load`'s (the text model's
+    load in slices)."""
     from mlxlab.models.zoo import load as load_text
     from mlxlab.models.zoo import resolve
 
     model_dir = resolve(spec)
     config = vision_config(model_dir)
     if config is None:
-        return (*load_text(str(model_dir), dtype, decode_head=decode_head), None)
+        return (*load_text(str(model_dir), dtype, decode_head=decode_head, pace=pace), None)
     try:
         from mlx_vlm.utils import get_model_and_args
     except ImportError as e:  # pragma: no cover - mlx-vlm is a dependency
@@ -379,7 +386,7 @@ def load(spec: str, dtype: str = "auto", decode_head: str = "auto", text_model: 
     if not text_model:
         return _load_alone(model_dir, dtype, config)
     try:
-        model, tokenizer = load_text(str(model_dir), dtype, decode_head=decode_head)
+        model, tokenizer = load_text(str(model_dir), dtype, decode_head=decode_head, pace=pace)
     except ValueError as e:
         raise UserError(
             f"{model_dir}: mlx-lm cannot load the language model of this "
