@@ -13,6 +13,8 @@ mlx-lm's grad-checkpoint peak (target <= 0.5x) and segmented time vs the full ba
 (target <= 1.3x). Writes <out>.json, <out>.md (the table) and <out>.png.
 
 A preference step: `--modes dpo-full dpo-seg4 orpo-seg4` (one pair, each side L tokens).
+`--model` takes any model spec, a quantized one too (`models quantize`); `--lora-type dora|full`
+trains DoRA or the projections' own weights instead of LoRA.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--target-gb", type=float, default=1.6)
     ap.add_argument("--out", default="bench_backward")
+    ap.add_argument(
+        "--lora-type", default="lora", choices=["lora", "dora", "full"], help="what is trained"
+    )
     args = ap.parse_args()
 
     import mlxlab  # noqa: F401
@@ -46,6 +51,7 @@ def main() -> None:
         args.steps,
         target_gb=args.target_gb,
         progress=lambda line: print(line, flush=True),
+        lora_type=args.lora_type,
     )
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [memory.table(report)]

@@ -75,18 +75,33 @@ def make_conv(
     return sharegpt.Conversation(cid, (f"{cid}_0",), tuple(msgs), split)
 
 
-def synthetic_segments(n_sources=40, split="train") -> list[segments.Segment]:
+def synthetic_segments(n_sources=40, split="train", prefix="src") -> list[segments.Segment]:
     convs = []
     names = sorted(TOPICS)
     for i in range(n_sources):
         a, b = names[i % len(names)], names[(i * 3 + 1) % len(names)]
         if a == b:
             b = names[(i + 5) % len(names)]
-        convs.append(make_conv(f"src{i:03d}", [(a, 2 + i % 4), (b, 1 + i % 3)], split))
+        convs.append(make_conv(f"{prefix}{i:03d}", [(a, 2 + i % 4), (b, 1 + i % 3)], split))
     return segments.segments(convs, BagOfWords(), threshold=0.5, cache=None)
 
 
 # ------------------------------------------------------------------------------ reading
+
+
+def test_a_damaged_data_file_is_a_user_error(tmp_path, monkeypatch):
+    from mlxlab.errors import UserError
+
+    with pytest.raises(UserError, match="holds no JSON list"):
+        list(sharegpt.iter_records("not json"))
+    few = tmp_path / "few.json"
+    few.write_text(json.dumps([{"id": "a_0", "conversations": []}]))
+    with pytest.raises(UserError, match="holds 1 whole records"):
+        sharegpt.read_records(few)
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"[\xff\xfe")
+    with pytest.raises(UserError, match="cannot read"):
+        sharegpt.read_records(bad)
 
 
 def test_stream_reader_stops_at_the_cut():
@@ -476,6 +491,16 @@ def test_vector_cache_round_trip(tmp_path):
 
     v2 = segments.text_vectors(Refuses(), texts, 64, again)
     assert np.array_equal(v1, v2) and np.array_equal(v1[0], v1[2])
+    assert [p.name for p in tmp_path.iterdir()] == ["bow.npz"]  # one file, no temporaries left
+
+
+def test_vector_cache_reads_the_older_pair_and_ignores_a_mismatched_one(tmp_path):
+    keys = np.array(["k1", "k2"], dtype="U40")
+    np.save(tmp_path / "bow.keys.npy", keys)
+    np.save(tmp_path / "bow.vectors.npy", np.eye(2, dtype=np.float32))
+    assert segments.VectorCache("bow", tmp_path).get("k2").tolist() == [0.0, 1.0]
+    np.save(tmp_path / "bow.vectors.npy", np.eye(3, dtype=np.float32))  # a torn write
+    assert segments.VectorCache("bow", tmp_path).get("k2") is None
 
 
 # ------------------------------------------------------------------------------ joined cases
@@ -576,13 +601,13 @@ def test_build_is_deterministic():
 
 
 def test_only_the_split_is_used():
-    segs = synthetic_segments(20, "train") + synthetic_segments(20, "test")
+    segs = synthetic_segments(20, "train", "tr") + synthetic_segments(20, "test", "te")
     test_sources = {s.source for s in segs if s.split == "test"}
     train_sources = {s.source for s in segs if s.split == "train"}
-    # the synthetic ids collide on purpose: each split's segments carry their own split
+    assert test_sources and train_sources and not test_sources & train_sources
     cases = joins.build_from_segments(segs, "test", 30, seed=1)
-    assert {c["source"] for case in cases for c in case["chunks"]} <= test_sources
-    assert train_sources  # (same names, other split objects)
+    used = {c["source"] for case in cases for c in case["chunks"]}
+    assert used and used <= test_sources
 
 
 def test_long_assistant_messages_are_cut():

@@ -828,6 +828,7 @@ def test_data_and_eval_commands(tiny_dir, tmp_path):
     r = run_cli("data", "chunk", f"out={out}", "train=5", "valid=2", "test=3")
     assert r.returncode == 0, r.stderr
     assert "train: 5 conversations" in r.stdout and (out / "test.cases.json").is_file()
+    assert "source docs: train 5, valid 2, test 3" in r.stdout
     assert "| gold chunks per conversation | train | valid | test |" in r.stdout
     assert json.loads((out / "build.json").read_text())["train"] == 5
     again = run_cli("data", "chunk", f"out={out}")
@@ -883,6 +884,7 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
             "task.eval.max_tokens=6",
             "task.eval.constrained=true",
             "task.eval.shifts=tiny-bert",
+            "task.eval_splits=[valid]",
             "data.max_seq_length=8192",  # the tiny tokenizer takes ~1.4 characters a token
             "iters=2",
             "batch_size=2",
@@ -894,7 +896,9 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
     )
     summary = cli.run(cfg)
     run_dir = tmp_path / "run"
-    assert set(summary["eval"]) == {"base", "tuned"} and summary["eval"]["tuned"]["cases"] == 3
+    assert set(summary["eval"]) == {"base", "tuned", "base, valid", "tuned, valid"}
+    assert summary["eval"]["tuned"]["cases"] == 3 and summary["eval"]["tuned, valid"]["cases"] == 2
+    assert (run_dir / "eval_tuned_valid.jsonl").is_file()
     for name in ("eval_base.jsonl", "eval_tuned.jsonl", "README.md", "data/train.jsonl"):
         assert (run_dir / name).is_file(), name
     text = report.read_text()
@@ -905,9 +909,11 @@ def test_task_run_trains_evaluates_and_reports(tiny_dir, tmp_path):
         and "wall time" in text
     )
     assert "| base, constrained | 3 |" in text and "| tuned, constrained | 3 |" in text
+    assert "| tuned, valid | 2 |" in text and "| tuned, valid, constrained | 2 |" in text
     assert (run_dir / "eval_tuned.constrained.jsonl").is_file()
     assert "| base, shift boundaries | 3 |" in text and "| tuned, shift boundaries | 3 |" in text
-    assert text.count("the topic-shift detector alone (tiny-bert") == 1
+    assert text.count("the topic-shift detector alone (tiny-bert") == 2  # one per split
+    assert "- base, tuned: the topic-shift detector alone (tiny-bert" in text
     assert "rows marked shift boundaries: tiny-bert sentence vectors" in text
     assert (run_dir / "eval_tuned.shifts.jsonl").is_file()
     # A run directory stands for its final adapter, never a checkpoint.
@@ -1355,3 +1361,25 @@ def test_an_evaluations_time_counts_its_constrained_decode():
     )
     resumed = wall_line({"seconds": 120.0, "start_step": 60}, evals, 3000.0)
     assert resumed.startswith(line + ". Resumed at step 60: ") and resumed.count("(") == 1
+
+
+def test_the_splits_to_evaluate_are_checked_before_training(tmp_path):
+    """eval_splits: held-out splits, each once; dev and export need data.dev (or, in a prebuilt
+    dataset, their files): refused at prepare_data, not after the training run."""
+    from mlxlab.tasks.chunk.config import ChunkTaskConfig
+    from mlxlab.tasks.chunk.task import ChunkTask
+
+    for bad in (["test"], ["train"], ["dev", "dev"]):
+        with pytest.raises(UserError, match="each once"):
+            ChunkTaskConfig(eval_splits=bad)
+    with pytest.raises(UserError, match="needs task.data.dev=true"):
+        ChunkTask(ChunkTaskConfig(eval_splits=["dev"])).check_splits(None)
+    ChunkTask(ChunkTaskConfig(eval_splits=["dev"], data=ChunkDataConfig(dev=True))).check_splits(
+        None
+    )
+    (tmp_path / "test.cases.json").write_text("[]")
+    task = ChunkTask(ChunkTaskConfig(eval_splits=["export"]))
+    with pytest.raises(UserError, match="no export split in .*data chunk dev=true"):
+        task.check_splits(tmp_path)
+    (tmp_path / "export.cases.json").write_text("[]")
+    task.check_splits(tmp_path)

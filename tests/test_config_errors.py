@@ -28,8 +28,14 @@ def _optimizers() -> tuple[str, ...]:
 
 
 # command -> {field path: the values it allows}; "modes" is a list field (each entry is checked).
+# speculative=draft_model needs draft_model=, so the values tried alone are these two
+SPECULATIVE = ("off", "prompt_lookup")
 ENUMS = {
-    "generate": {"dtype": DTYPES, "decode_head": ("auto", "exact", "bfloat16")},
+    "generate": {
+        "dtype": DTYPES,
+        "decode_head": ("auto", "exact", "bfloat16"),
+        "speculative": SPECULATIVE,
+    },
     "models": {
         "action": ("list", "pull", "convert", "quantize", "info"),
         "dtype": ("float32", "bfloat16", "float16"),
@@ -47,12 +53,15 @@ ENUMS = {
         "optim.schedule": ("cosine", "constant"),
         "backward.mode": ("full", "checkpoint", "segmented"),
         "backward.plan": ("size", "auto"),
-        "objective": ("sft", "dpo", "orpo"),
+        "objective": ("sft", "dpo", "orpo", "grpo"),
         "lora.type": ("lora", "dora", "full"),
         "dpo.loss": ("sigmoid", "ipo"),
+        "grpo.loss": ("grpo", "dr_grpo", "gspo", "dapo"),
+        "grpo.scale_rewards": ("group", "none"),
         "dist.backend": ("any", "ring", "mpi", "jaccl", "nccl"),
     },
     "diag": {
+        "speculative": SPECULATIVE,
         "action": ("parity", "leak", "memory", "decode", "profile"),
         "dtype": DTYPES,
         "decode_head": ("auto", "exact", "bfloat16"),
@@ -63,8 +72,13 @@ ENUMS = {
         "dpo.loss": ("sigmoid", "ipo"),
     },
     "data chunk": {},
-    "eval chunk": {"split": ("train", "valid", "test"), "dtype": DTYPES},
+    "eval chunk": {
+        "split": ("train", "valid", "test"),
+        "dtype": DTYPES,
+        "speculative": SPECULATIVE,
+    },
     "serve": {
+        "speculative": SPECULATIVE,
         "dtype": DTYPES,
         "decode_head": ("auto", "exact", "bfloat16"),
         "kv_quant": ("off", "4", "8", "config", "plan.json"),
@@ -78,13 +92,22 @@ ENUMS = {
 }
 # Task configs (train's `task` group): task name -> {field path under task.: allowed values}.
 TASK_ENUMS = {
-    "chunk": {"name": ("chunk",), "eval.split": ("train", "valid", "test")},
-    "chunk_pref": {"name": ("chunk_pref",), "eval.split": ("train", "valid", "test")},
+    "chunk": {
+        "name": ("chunk",),
+        "eval.split": ("train", "valid", "test"),
+        "eval_splits": ("valid", "dev", "export"),  # train and eval.split's test: refused
+        "eval.speculative": SPECULATIVE,
+    },
+    "chunk_pref": {
+        "name": ("chunk_pref",),
+        "eval.split": ("train", "valid", "test"),
+        "eval.speculative": SPECULATIVE,
+    },
 }
 
 # String fields that take free text (paths, names, prompts): everything else string-typed is an enum.
 FREE = {
-    "generate": {"model", "prompt", "system", "adapter"},
+    "generate": {"model", "prompt", "system", "adapter", "draft_model"},
     "models": {"target", "out"},
     "lora": {"model", "adapter", "out"},
     "train": {
@@ -96,11 +119,13 @@ FREE = {
         "data.valid",
         "lora.targets",
         "lora.init",
+        "grpo.stop",
+        "grpo.rewards",  # format-checked (a built-in name or module:function)
     },
     "diag": {"model", "adapter", "out"},
     "data chunk": {"out"},
-    "eval chunk": {"model", "adapter", "data", "out", "label_model", "shifts"},
-    "serve": {"model", "host", "adapter_root"}
+    "eval chunk": {"model", "adapter", "data", "out", "label_model", "shifts", "draft_model"},
+    "serve": {"model", "host", "adapter_root", "draft_model"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
     | {"runs_dir"}
     | {"image_url_hosts"}  # format-checked
@@ -109,8 +134,8 @@ FREE = {
     "transcribe": {"file", "model", "language", "prompt", "out"},
 }
 TASK_FREE = {
-    "chunk": {"report", "eval.label_model", "eval.shifts"},
-    "chunk_pref": {"report", "sft", "eval.label_model", "eval.shifts"},
+    "chunk": {"report", "eval.label_model", "eval.shifts", "eval.draft_model"},
+    "chunk_pref": {"report", "sft", "eval.label_model", "eval.shifts", "eval.draft_model"},
 }
 
 
@@ -188,13 +213,14 @@ TASK_CASES = [(t, p, v) for t, fields in TASK_ENUMS.items() for p, v in fields.i
 )
 def test_bad_task_value_is_a_user_error(task, path, allowed):
     cls = TASKS[task]
+    listed = path.endswith("splits")  # a list of choices: each element is checked
     with pytest.raises(UserError) as e:
-        config.from_dict(cls, nested(path, "bogus"))
+        config.from_dict(cls, nested(path, ["bogus"] if listed else "bogus"))
     message = str(e.value)
     assert "\n" not in message and path.rpartition(".")[2] in message
     assert all(a in message for a in allowed), message
     for value in allowed:
-        config.from_dict(cls, nested(path, value))
+        config.from_dict(cls, nested(path, [value] if listed else value))
 
 
 def test_task_group_options_are_checked_before_hydra():

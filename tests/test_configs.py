@@ -70,8 +70,10 @@ def test_the_task_is_a_config_group_not_trainer_fields():
     assert type(seg4.train_config()) is config.TrainConfig
     hooks = registry.hooks_for(seg4.task)
     assert hooks.cfg.eval.max_tokens == 256 and hooks.config()["name"] == "chunk"
-    # the shift-boundaries decode is opt-in: with it the command ran past 90 minutes
-    assert hooks.cfg.eval.shifts == "" and hooks.cfg.eval.constrained
+    # one decode per split: the grammar's and the shift boundaries' decodes are opt-in
+    assert hooks.cfg.eval.shifts == "" and not hooks.cfg.eval.constrained
+    assert hooks.cfg.eval_splits == ["dev", "export"] and hooks.cfg.data.dev
+    assert hooks.cfg.data.sharegpt and hooks.cfg.data.natural
     on = cli.compose("train", ["+exp=chunk_seg4", "task.eval.shifts=all-minilm-l6-v2"])
     assert registry.hooks_for(on.task).cfg.eval.shifts == "all-minilm-l6-v2"
     assert cli.compose("train", ["task.name=chunk"]).task["name"] == "chunk"  # the old path

@@ -75,6 +75,22 @@ def test_complete_gives_mlx_lms_greedy_texts(tiny, batch_size):
     assert got == want
 
 
+def test_a_batched_group_reports_progress_as_its_rows_finish(tiny, monkeypatch):
+    """With the heartbeat at 0 every step reports: the counts never go down, pass through the
+    group's partial counts and end at the total, and the texts are the plain run's."""
+    from mlxlab.decode import offline
+
+    model, tok = tiny
+    prompts = _prompts(6, seed=3)
+    plain = complete(model, tok, prompts, 10, 3, tokens=True)
+    seen = []
+    monkeypatch.setattr(offline, "HEARTBEAT_S", 0.0)
+    got = complete(model, tok, prompts, 10, 3, lambda d, t: seen.append((d, t)), tokens=True)
+    assert got == plain
+    assert len(seen) > 2 and seen == sorted(seen) and seen[-1] == (6, 6)
+    assert {t for _, t in seen} == {6} and {3, 6} <= {d for d, _ in seen}
+
+
 def test_each_row_has_its_own_processors_and_sampler(tiny):
     """A processor that forbids one token for its row alone: that row never writes it, the
     others are the plain decode's."""

@@ -88,8 +88,8 @@ def test_the_cycle_finder_finds_one():
         ("mlxlab.models", ("mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
         # the compiled kernel's loader sits below the models that use it
         ("mlxlab.kernels", ("mlxlab.models", "mlxlab.lora", "mlxlab.serve", "mlxlab.train")),
-        # the trainer knows no task, no decoder and no server
-        ("mlxlab.train", ("mlxlab.tasks", "mlxlab.serve", "mlxlab.decode")),
+        # the trainer knows no task and no server (nor the decoder: test below)
+        ("mlxlab.train", ("mlxlab.tasks", "mlxlab.serve")),
         # the one batched decoder sits below the server and the tasks, above models and LoRA
         ("mlxlab.decode", ("mlxlab.serve", "mlxlab.tasks", "mlxlab.train", "mlxlab.cli")),
         # a task sits above the trainer and the decoder, beside the server: it knows neither
@@ -143,3 +143,16 @@ def test_no_module_below_a_task_imports_one():
         if t.startswith("mlxlab.tasks.") and package(m) != package(t)
     )
     assert not bad, bad
+
+
+def test_the_trainer_knows_no_decoder_but_grpos_rollouts():
+    """GRPO's rollouts (mlxlab/train/grpo/rollout.py) sample on the batched decoder, which sits
+    below the trainer; nothing else of mlxlab.train imports it."""
+    graph = import_graph()
+    users = sorted(
+        m
+        for m, targets in graph.items()
+        if m.startswith("mlxlab.train")
+        and any(t == "mlxlab.decode" or t.startswith("mlxlab.decode.") for t in targets)
+    )
+    assert users == ["mlxlab.train.grpo.rollout"], users

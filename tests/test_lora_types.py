@@ -490,6 +490,7 @@ def test_serving_dora_per_row_and_refusals(tiny_dir, tmp_path):
         assert gateway.batch.peak_rows == 4
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "adapter": "a+d"})
         assert r.status_code == 400 and "DoRA adapter" in r.text
+        assert r.json()["error"]["code"] == "adapter_not_stackable"
         r = client.post("/v1/adapters", json={"id": "f", "path": "f"})
         assert r.status_code == 400 and "full fine-tune" in r.text
         cards = {c["id"]: c for c in client.get("/v1/adapters").json()["adapters"]}

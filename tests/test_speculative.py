@@ -526,3 +526,65 @@ def test_the_chunk_evaluation_decodes_as_plain_with_speculation(tiny_dir, tmp_pa
         assert counts.drafted > 0
         if constrained:
             assert counts.forced > 0
+
+
+# --- the real model ----------------------------------------------------------------------------
+
+REAL_TEXTS = [
+    "Original paragraph:\n\nThe history of the printing press begins in the fifteenth century, "
+    "when Johannes Gutenberg developed a system of movable metal type in the German city of "
+    "Mainz. Before his invention, books were copied by hand, a slow and expensive process that "
+    "kept them out of reach of most people.\n\nThe same paragraph, copied exactly:\n\n",
+    "Chapter One\n\nThe lighthouse keeper had not slept for three nights. The storm",
+    'Records: [{"id": "c9f1e4-7b2a", "city": "Lyon"}, {"id": "d03a11-9c4e", "city": "Porto"}]\n'
+    "The same records with the key 'city' renamed to 'town':\n",
+    "def total_price(items, tax_rate):\n    subtotal = 0.0\n    for item in items:\n"
+    "        subtotal += item.price * item.quantity\n    return subtotal * (1 + tax_rate)\n\n"
+    "# the same function, renamed to price_with_tax:\n",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_gemma3_270m_speculative_greedy_is_plain_but_for_near_ties(real_model_dir):
+    """Greedy gemma3-270m (its bf16 decode weights, the kernel's verify rows) with prompt lookup
+    against plain decoding over four texts: the tokens are the same but where the plain step's
+    top two logits were within float rounding (at most 1 in 1,000 positions), and lookup
+    drafts are accepted."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxlab.models.zoo import load
+
+    model, tok = load(str(real_model_dir))
+    positions, differ, accepted = 0, [], 0
+    for text in REAL_TEXTS:
+        ids = tok.encode(text)
+        plain, _, _ = _serial(model, ids, 160)
+        settings = DecodeSettings(speculative="prompt_lookup", draft_tokens=8)
+        ours, _, row = _serial(model, ids, 160, settings)
+        accepted += row.speculation.accepted
+        same = next((j for j, (a, b) in enumerate(zip(plain, ours, strict=True)) if a != b), None)
+        positions += len(plain) if same is None else same + 1
+        if same is not None:
+            logits = model(mx.array([ids + plain[:same]]), cache=make_prompt_cache(model))[0, -1]
+            top = mx.sort(logits)[-2:].tolist()
+            differ.append(abs(top[1] - top[0]) / max(abs(top[1]), 1.0))
+    assert accepted > 100
+    assert all(gap <= 1e-4 for gap in differ), differ
+    assert len(differ) <= max(1, positions // 1000), (differ, positions)
+
+
+def test_a_wide_batch_verifies_within_the_kernels_rows(gemma, monkeypatch):
+    """Ten rows cannot verify a draft within 16 rows x tokens: plain steps, no drafts. With the
+    bound lifted (BLAS's many-row products) they draft, and still decode as plain."""
+    model, tok = gemma
+    prompts = [_prompt(s) for s in range(10)]
+    plain, _ = _batch(model, tok, prompts, DecodeSettings(batch=10))
+    settings = DecodeSettings(batch=10, speculative="prompt_lookup")
+    got, counts = _batch(model, tok, prompts, settings)
+    assert got == plain and counts.drafted == 0
+    assert spec.batch_width(4) == 3 and spec.batch_width(8) == 1 and spec.batch_width(9) == 0
+    monkeypatch.setattr(spec, "BATCH_ROWS", 1 << 20)
+    draft = DecodeSettings(batch=10, speculative="draft_model", draft_tokens=4)
+    got, counts = _batch(model, tok, prompts, draft, spec.self_draft(model, 6))
+    assert got == plain and counts.accepted > 0

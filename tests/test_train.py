@@ -347,3 +347,26 @@ def test_segmented_training_follows_the_full_backward_exactly(tiny_dir, tmp_path
     assert losses[0] == losses[1] == losses[2]
     blobs = [(Path(s["adapter"]) / "adapters.safetensors").read_bytes() for s in (full, seg, ckpt)]
     assert blobs[0] == blobs[1] == blobs[2]
+
+
+def test_a_long_validation_pass_logs_that_it_is_alive(tiny_dir, monkeypatch, caplog):
+    """With the heartbeat at 0 every validation batch logs a line; the loss is the same."""
+    import logging
+
+    from mlx_lm.utils import load
+
+    from mlxlab.data.batches import BatchSampler
+    from mlxlab.data.datasets import Example
+    from mlxlab.train import trainer
+
+    model, _ = load(str(tiny_dir("llama")))
+    examples = [Example(list(range(3, 3 + n)), 2) for n in (6, 8, 10, 12)]
+    quiet = trainer.evaluate(model, BatchSampler(examples, 2, 0, shuffle=False))
+    monkeypatch.setattr(trainer, "VALIDATION_HEARTBEAT_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="mlxlab.train.trainer"):
+        loud = trainer.evaluate(model, BatchSampler(examples, 2, 0, shuffle=False))
+    assert loud == quiet
+    assert [r.getMessage() for r in caplog.records] == [
+        "validation: 1 batches",
+        "validation: 2 batches",
+    ]

@@ -35,6 +35,8 @@ class Batch:
     # reference model's summed response log-prob per row, mx.array [B] float32 (DPO)
     pairs: bool = False  # rows are (chosen, rejected) pairs
     weight: float | None = None  # sum of `weights` (None: ntoks, every weight 1)
+    unit_count: float | None = None  # what the loss is a mean over, where it is neither the
+    # trained tokens nor pairs (GRPO: its completions, or its tokens)
 
     def arrays(self) -> tuple:
         """What the losses take: (inputs, positions, labels, weights[, segments][, ref])."""
@@ -45,8 +47,11 @@ class Batch:
 
     @property
     def units(self) -> float:
-        """What a batch's mean loss is over: pairs for a preference batch, else trained tokens
-        by their loss weights (how accumulation and validation weight batches)."""
+        """What a batch's mean loss is over: pairs for a preference batch, `unit_count` where
+        set (GRPO), else trained tokens by their loss weights (how accumulation and validation
+        weight batches)."""
+        if self.unit_count is not None:
+            return self.unit_count
         if self.pairs:
             return self.inputs.shape[0] // 2
         return self.ntoks if self.weight is None else self.weight

@@ -335,17 +335,21 @@ class BatchDecoder:
         if leaving:
             gen.filter([i for i in range(len(gen)) if i not in leaving])
 
-    def _drafts(self) -> list[tuple[list[int], int]]:
+    def _drafts(self) -> list[tuple[list[int], int]] | None:
         """Each generating row's drafts to follow its pending token (none after an end token,
-        nor past max_tokens) and how many of them its grammar forced."""
+        nor past max_tokens, nor past `speculative.batch_width`) and how many of them its grammar
+        forced; None when the batch is too wide to verify any."""
         import mlx.core as mx
 
         gen = self.gen
+        width = speculative.batch_width(len(gen))
+        if width < 1:  # too many rows to verify drafts: plain steps, pipelined as mlx-lm's
+            return None
         mx.eval(gen._next_tokens)
         plan = []
         for i, (uid, token) in enumerate(zip(gen.uids, gen._next_tokens.tolist(), strict=True)):
             row = self.rows[uid]
-            room = gen.max_tokens[i] - gen._num_tokens[i] - 1
+            room = min(gen.max_tokens[i] - gen._num_tokens[i] - 1, width)
             if token in self.eos or room < 1:
                 plan.append(([], 0))
                 continue

@@ -4,12 +4,17 @@ call (`complete`), on the batched decoder (batch.py) or, one prompt at a time, t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from mlxlab.decode.batch import BatchDecoder, Row
 from mlxlab.decode.prompt_cache import PromptCache
 from mlxlab.decode.serial import run_serial
 from mlxlab.decode.settings import DecodeSettings
+
+HEARTBEAT_S = 60.0
+"""A batched group still calls `progress` at least this often (its rows finished so far), so a
+long evaluation prints a line a minute."""
 
 NAMESPACE = "offline"
 """The prompt-cache namespace of `complete`'s rows (one model, no per-row adapters)."""
@@ -86,7 +91,12 @@ def complete(
                 )
                 for row in rows:
                     decoder.add(row)
-                decoder.run()
+                beat = time.monotonic()
+                while decoder.active:
+                    decoder.step()
+                    if progress and time.monotonic() - beat >= HEARTBEAT_S:
+                        beat = time.monotonic()
+                        progress(done + len(group) - len(decoder.rows), len(prompts))
             if counts is not None:
                 for row in rows:
                     if row.speculation is not None:

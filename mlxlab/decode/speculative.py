@@ -206,7 +206,7 @@ def self_draft(model, layers: int):
 
 def load_draft(spec: str, model, tokenizer, dtype: str = "auto"):
     """The draft model `spec` names: `self:N` (`self_draft`), or a model spec (zoo name,
-    directory, .gguf) whose tokenizer must be the model's (a one-line UserError otherwise)."""
+    directory, .gguf, Hugging Face repo id) whose tokenizer must be the model's (a one-line UserError otherwise)."""
     if spec.startswith("self:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -527,6 +527,21 @@ def run(model, row, kv, drafter: Drafter, last: int) -> str:
 
 
 # --- the batched path --------------------------------------------------------------------------
+
+BATCH_ROWS: int | None = None
+"""Rows x tokens a batched verify step may hold; None: the decode kernel's verify rows
+(`fastdecode.VERIFY_ROWS`). Past them the products go to BLAS's many-row path, which reads the
+float32 weights at a fraction of the bandwidth, so the drafts are cut to fit: 2 rows verify up
+to 7 drafts each, 4 rows 3, 8 rows 1, more rows none (plain steps). scripts/bench_speculative.py
+lifts it to measure what wider verify steps would give."""
+
+
+def batch_width(rows: int) -> int:
+    """The most drafts each of `rows` rows may verify in one step."""
+    from mlxlab.models import fastdecode
+
+    limit = BATCH_ROWS if BATCH_ROWS is not None else fastdecode.VERIFY_ROWS
+    return limit // max(rows, 1) - 1
 
 
 @dataclass

@@ -68,9 +68,14 @@ def run(cfg: LoraToolConfig) -> None:
 
         model, _ = load(cfg.model, decode_head="exact")
         plan, weights = lora_io.read_plan(cfg.adapter, model)
+        what = {
+            "lora": f"rank {plan.rank}, scale {plan.scale}",
+            "dora": f"DoRA rank {plan.rank}, scale {plan.scale}",
+            "full": "full fine-tune",
+        }[plan.kind]
         print(
-            f"ok: {len(weights)} tensors, rank {plan.rank}, scale {plan.scale}, "
-            f"layers {list(plan.layers)}, projections {', '.join(plan.keys)}"
+            f"ok: {len(weights)} tensors, {what}, layers {list(plan.layers)}, "
+            f"{'modules' if plan.kind == 'full' else 'projections'} {', '.join(plan.keys)}"
         )
     else:
         if not cfg.out:

@@ -149,16 +149,6 @@ def _dora_factor(linear, a, b, scale, m):
     return m.astype(a.dtype) / mx.linalg.norm(adapted, axis=1)
 
 
-def kinds(model) -> dict[str, str]:
-    """Attached adapter name -> lora | dora."""
-    out = {}
-    for _, module in model.named_modules():
-        if isinstance(module, MultiLoRA):
-            for name, slot in module._slots.items():
-                out[name] = "dora" if len(slot) == 4 else "lora"
-    return out
-
-
 def detach(model, name: str) -> None:
     """Drop slot `name` everywhere; wrappers left without slots give back their base linear."""
     for layer in model.layers:

@@ -60,13 +60,13 @@ _verify_rows = 0  # > 0 inside `verifying`
 
 
 @contextlib.contextmanager
-def verifying(rows: int = VERIFY_ROWS):
+def verifying(rows: int | None = None):
     """Within the block, products of up to `rows` rows go to the kernel whatever their tokens per
     row (a verify step's [B, k + 1] inputs); outside, only one token per row does. The kernel's
     sum for each row is the same whatever rows it is computed with, so a verified token's
     products equal a plain step's bit for bit."""
     global _verify_rows
-    before, _verify_rows = _verify_rows, rows
+    before, _verify_rows = _verify_rows, rows or VERIFY_ROWS
     try:
         yield
     finally:

@@ -440,8 +440,8 @@ def load(
 
     `decode_kernel`: route decode-step products through mlxlab's CPU kernel
     (models/fastdecode.py); False keeps mlx-lm's code path for every product. `decode_head`:
-    what the LM head reads at decode (`fastdecode.use_head_dtype`): auto (a bf16 copy when
-    lossless), exact, or bfloat16 (opt-in, approximate).
+    what the LM head and the other linears read at decode (`fastdecode.use_head_dtype`): auto
+    (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate).
 
     `pace`: called between the slices of the work (the weights read and cast in pieces of about
     `PACE_BYTES`, the tokenizer, each decode copy): a server loading a model beside others

@@ -33,6 +33,7 @@ from fastapi.responses import StreamingResponse
 
 from mlxlab.serve import vision
 from mlxlab.serve.config import ServeConfig
+from mlxlab.serve.engine.adapters import adapter_error_code
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.engine.jobs import (
     AdapterSpec,
@@ -444,7 +445,8 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     try:
         loaded.adapters.check(ask.adapter)
     except KeyError as e:
-        raise APIError(400, str(e).strip("'\""), param="adapter", code="unknown_adapter") from None
+        code = adapter_error_code(e)
+        raise APIError(400, str(e).strip("'\""), param="adapter", code=code) from None
     return Job(
         prompt=prompt,
         max_tokens=limit,

@@ -131,7 +131,8 @@ def make_plan(model, cfg, batch_shape: tuple[int, int]) -> Plan:
 
 def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True, objective=None):
     """(GradFn, description) for BackwardConfig `cfg`. `objective` (train/objectives.py
-    PairObjective; None: SFT) makes every mode differentiate that pair loss instead, its GradFn
+    PairObjective, train/grpo GRPOObjective; None: SFT) makes every mode differentiate that
+    loss instead, its GradFn
     returning the objective's metrics as a fourth value; a DPO batch without reference
     log-probs gets them computed first (adapters off, or the objective's starting adapter)."""
     import functools
@@ -142,7 +143,7 @@ def make_grad_fn(model, cfg, batch_shape: tuple[int, int], compile: bool = True,
     chunk = cfg.head_chunk
     head = f", loss head in chunks of {chunk} positions" if chunk else ""
     if objective is not None:
-        head += f", {objective.kind} on pairs"
+        head += ", " + getattr(objective, "description", f"{objective.kind} on pairs")
     if cfg.mode == "full":
         if objective is not None:
             loss_fn = functools.partial(objective.loss, head_chunk=chunk)

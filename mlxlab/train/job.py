@@ -231,12 +231,24 @@ def load(s: Start) -> Prepared:
     from mlxlab.models.zoo import load as load_model
 
     cfg = s.cfg
+    if (
+        cfg.objective == "grpo"
+    ):  # a reward that cannot be imported stops the run before the model loads
+        from mlxlab.train.grpo.rewards import resolve
+
+        resolve(cfg.grpo.rewards, cfg.grpo.reward_weights)
     data_cfg = s.hooks.prepare_data(cfg.data, s.run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
     # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
     # A pipeline stage loads lazily: the layers it does not hold are never read (pipeline.py).
     model, tokenizer = load_model(cfg.model, cfg.dtype, decode_head="exact", lazy=s.pipeline)
-    pairs = cfg.objective != "sft"
+    if cfg.objective == "grpo":  # prompts: the completions are the policy's own
+        import functools
+
+        from mlxlab.data.prompts import load_prompt_split
+
+        load_split = functools.partial(load_prompt_split, max_tokens=cfg.grpo.max_tokens)  # noqa: F811
+    pairs = cfg.objective in ("dpo", "orpo")
     if pairs:
         from mlxlab.data.preference import load_pair_split as load_split  # noqa: F811
     train_set = load_split(train_path, tokenizer, data_cfg)
@@ -273,13 +285,19 @@ def attach_lora(s: Start, model) -> tuple[object, dict | None]:
         if not s.pipeline:  # a pipeline stage reads only the arrays it holds
             mx.eval(model.parameters())
         log.info(f"LoRA starts from {lora_io.resolve_dir(cfg.lora.init)}")
-    elif cfg.objective == "dpo" and plan.kind != "lora":
-        # DPO's reference is the model the run starts from. A LoRA's scale at 0 gives the base
-        # exactly (objectives.adapters_off); DoRA's trained magnitudes and a full fine-tune's
-        # weights have no such switch, so their starting arrays are kept and swapped in for the
-        # reference pass: the base itself (full), or DoRA at init (the base, to float rounding).
+    elif plan.kind != "lora" and (
+        cfg.objective == "dpo" or (cfg.objective == "grpo" and cfg.grpo.beta > 0)
+    ):
+        # DPO's reference (and GRPO's KL reference) is the model the run starts from. A LoRA's
+        # scale at 0 gives the base exactly (objectives.adapters_off); DoRA's trained magnitudes
+        # and a full fine-tune's weights have no such switch, so their starting arrays are kept
+        # and swapped in for the reference pass: the base itself (full), or DoRA at init (the
+        # base, to float rounding).
         init = dict(lora_apply.adapter_parameters(model))
-        log.info(f"DPO's reference: the {plan.kind} adapter's starting arrays (the base model)")
+        log.info(
+            f"{cfg.objective.upper()}'s reference: the {plan.kind} adapter's starting arrays "
+            "(the base model)"
+        )
     return plan, init
 
 
@@ -297,15 +315,29 @@ def distribute(s: Start, d: Prepared, init) -> tuple[object, tuple[int, int]]:
 
         log.info(
             f"data parallel: each rank trains on {cfg.batch_size // world.size} of every "
-            f"{cfg.batch_size} {'pairs' if d.pairs else 'examples'}; rank 0 writes {s.run_dir}"
+            f"{cfg.batch_size} {_units(cfg, d)}; rank 0 writes {s.run_dir}"
         )
         return DataParallel(world), (world.rank, world.size)
     return None, (0, 1)
 
 
+def _units(cfg: TrainConfig, d: Prepared) -> str:
+    return "pairs" if d.pairs else "prompts" if cfg.objective == "grpo" else "examples"
+
+
 def samplers(cfg: TrainConfig, d: Prepared, shard: tuple[int, int]):
     """(the training sampler, the validation sampler or None)."""
     from mlxlab.data.batches import BatchSampler
+
+    if cfg.objective == "grpo":  # batches of prompts, and the rollouts' key
+        from mlxlab.data.prompts import PromptSampler
+
+        train = PromptSampler(d.train_set.prompts, cfg.batch_size, cfg.seed, shard=shard)
+        valid = None
+        if d.valid_set:
+            size = min(cfg.batch_size, len(d.valid_set.prompts))
+            valid = PromptSampler(d.valid_set.prompts, size, cfg.seed, False, shard)
+        return train, valid
 
     train = BatchSampler(
         d.train_set.examples,
@@ -352,13 +384,24 @@ def describe(s: Start, d: Prepared, plan, train_sampler) -> None:
 
     cfg = s.cfg
     n_params = sum(v.size for v in lora_apply.adapter_parameters(d.model).values())
-    unit = "pairs" if d.pairs else "examples"
-    n_valid = len(d.valid_set.examples) // d.per_unit if d.valid_set else 0
     what = (
         f"full fine-tuning of {len(plan.keys)} modules"
         if plan.kind == "full"
         else f"{'DoRA' if plan.kind == 'dora' else 'LoRA'} rank {plan.rank} on {len(plan.keys)} projections"
     )
+    if cfg.objective == "grpo":
+        g = cfg.grpo
+        n_valid = len(d.valid_set.prompts) if d.valid_set else 0
+        log.info(
+            f"run dir: {s.run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | {what} x "
+            f"{len(plan.layers)} layers ({n_params / 1e6:.2f}M params)\ndata: {len(d.train_set.prompts)} train / {n_valid} valid prompts | "
+            f"GRPO ({g.loss}): {cfg.batch_size} prompts x {g.group_size} completions of at most "
+            f"{g.max_tokens} tokens a step, {g.updates} update(s) each, rewards "
+            f"{', '.join(g.rewards)}"
+        )
+        return
+    unit = "pairs" if d.pairs else "examples"
+    n_valid = len(d.valid_set.examples) // d.per_unit if d.valid_set else 0
     log.info(
         f"run dir: {s.run_dir}\nmodel: {cfg.model} ({cfg.dtype}) | {what} x {len(plan.layers)} "
         f"layers ({n_params / 1e6:.2f}M params)\n"
@@ -388,12 +431,19 @@ def gradients(s: Start, d: Prepared, dist, init):
     cfg = s.cfg
     if s.pipeline:
         return dist.grad_fn(), dist.describe()
+    rows = cfg.batch_size * d.per_unit
+    objective = PairObjective.from_config(cfg, init)
+    if cfg.objective == "grpo":
+        from mlxlab.train.grpo.losses import GRPOObjective
+
+        rows = -(-cfg.batch_size * cfg.grpo.group_size // cfg.grad_accum)
+        objective = GRPOObjective.from_config(cfg)
     return make_grad_fn(
         d.model,
         cfg.backward,
-        (cfg.batch_size * d.per_unit, cfg.data.max_seq_length),
+        (rows, cfg.data.max_seq_length),
         compile=cfg.compile,
-        objective=PairObjective.from_config(cfg, init),
+        objective=objective,
     )
 
 
@@ -402,8 +452,9 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
 
     The steps, in order: `start` (world, run directory), `load` (the task's data, the model, the
     datasets), the hooks' `before_lora`, `attach_lora`, `distribute`, `samplers`, config.yaml
-    (and DPO's `reference_logprobs`), `describe`, `gradients`, the trainer's loop, the adapter,
-    then the hooks' `after_training` and `finish` around summary.json."""
+    (and DPO's `reference_logprobs`), `describe`, `gradients`, the trainer's loop (GRPO's:
+    train/grpo/loop.py), the adapter, then the hooks' `after_training` and `finish` around
+    summary.json."""
     import yaml
 
     from mlxlab.fsutil import atomic_write_text, writable_dir
@@ -432,18 +483,36 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
         run_log = trainer.RunLog(run_dir, cfg.iters, cfg.wandb, cfg.wandb_project, s.config_dict)
     else:
         run_log = trainer.QuietLog()
-    summary = trainer.train(
-        d.model,
-        plan,
-        train_sampler,
-        valid_sampler,
-        cfg,
-        run_dir,
-        grad_fn=grad_fn,
-        run_log=run_log,
-        meta=meta,
-        dist=dist,
-    )
+    if cfg.objective == "grpo":
+        from mlxlab.train.grpo.loop import train as grpo_train
+
+        summary = grpo_train(
+            d.model,
+            d.tokenizer,
+            plan,
+            train_sampler,
+            valid_sampler,
+            cfg,
+            run_dir,
+            grad_fn,
+            run_log=run_log,
+            meta=meta,
+            start_adapter=init,
+            dist=dist,
+        )
+    else:
+        summary = trainer.train(
+            d.model,
+            plan,
+            train_sampler,
+            valid_sampler,
+            cfg,
+            run_dir,
+            grad_fn=grad_fn,
+            run_log=run_log,
+            meta=meta,
+            dist=dist,
+        )
     if dist is None:
         adapter_dir = lora_io.save(d.model, plan, run_dir / "adapter", meta=meta)
     else:  # rank 0 writes (the pipeline gathers the stages' arrays first)

@@ -122,13 +122,12 @@ METRICS = {
 }
 
 
-def row_logps(model, h: mx.array, positions, labels, weights, chunk: int = 0):
-    """(summed log-prob, trained-token count) of each row of final-normed states h [B, T, D] at
-    its trained `positions` (flat indices into B*T), both [B] float32. `chunk` > 0 runs the LM
-    head over that many positions at a time under `mx.checkpoint` (as losses.head_ce)."""
+def position_ce(model, h: mx.array, positions, labels, chunk: int = 0) -> mx.array:
+    """Cross-entropy [N] float32 of final-normed states h [B, T, D] at `positions` (flat
+    indices into B*T) against `labels`: minus each trained token's log-prob. `chunk` > 0 runs
+    the LM head over that many positions at a time under `mx.checkpoint` (as losses.head_ce)."""
     from mlxlab.train.losses import _head_is_trainable, lm_head, token_ce
 
-    b, t = h.shape[0], h.shape[1]
     flat = h.reshape(-1, h.shape[-1])[positions]
     n = flat.shape[0]
     if chunk > 0 and _head_is_trainable(model):
@@ -142,7 +141,15 @@ def row_logps(model, h: mx.array, positions, labels, weights, chunk: int = 0):
         ce = mx.concatenate(
             [part(flat[i : i + chunk], labels[i : i + chunk]) for i in range(0, n, chunk)]
         )
-    ce = ce.astype(mx.float32) * weights
+    return ce.astype(mx.float32)
+
+
+def row_logps(model, h: mx.array, positions, labels, weights, chunk: int = 0):
+    """(summed log-prob, trained-token count) of each row of final-normed states h [B, T, D] at
+    its trained `positions` (flat indices into B*T), both [B] float32. `chunk` > 0 runs the LM
+    head over that many positions at a time under `mx.checkpoint` (as losses.head_ce)."""
+    b, t = h.shape[0], h.shape[1]
+    ce = position_ce(model, h, positions, labels, chunk) * weights
     # rows by a one-hot product: a fixed summation order, the same in every backward mode
     onehot = (positions[:, None] // t == mx.arange(b)[None, :]).astype(mx.float32)
     return -(ce @ onehot), weights @ onehot

@@ -168,6 +168,9 @@ def clip_or_norm(acc, grad_clip: float | None):
     return acc, mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for _, g in tree_flatten(acc)))
 
 
+VALIDATION_HEARTBEAT_S = 60.0
+
+
 def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce, dist=None) -> float:
     """Mean loss over the validation batches (dropout off), weighted by trained tokens (their
     loss weights summed, where examples carry some; by pairs
@@ -175,13 +178,17 @@ def evaluate(model, sampler: BatchSampler, limit: int = 0, loss_fn=response_ce, 
     With `dist`, over the world (a data-parallel rank sees its shares, some possibly empty)."""
     model.eval()
     total, weighted = 0, 0.0
-    for b in sampler.one_pass(limit):
+    beat = time.monotonic()
+    for k, b in enumerate(sampler.one_pass(limit), 1):
         if b is None:  # a data-parallel rank's empty share of a small batch
             continue
         loss = loss_fn(model, *b.arrays())[0]
         size = b.units
         weighted += loss.item() * size
         total += size
+        if time.monotonic() - beat >= VALIDATION_HEARTBEAT_S:  # a long pass says it is alive
+            beat = time.monotonic()
+            log.info(f"validation: {k} batches")
     model.train()
     if dist is not None:
         weighted, total = dist.sum_values([weighted, total])
@@ -348,6 +355,17 @@ class QuietLog:
 
 
 PAIR_METRICS = {k for keys in METRICS.values() for k in keys}  # printed with 4 digits
+# GRPO's (train/grpo/loop.py): the head's metrics, shares, and rewards (reward_<name>...)
+GRPO_FIELDS = {
+    "kl",
+    "clip_frac",
+    "clip_low",
+    "clip_high",
+    "ratio",
+    "logp",
+    "truncated",
+    "groups_kept",
+}
 
 
 def _fmt(key: str, value) -> str:
@@ -360,7 +378,12 @@ def _fmt(key: str, value) -> str:
             return f"mfu {value:.1%}"
         if "loss" in key:
             return f"{key} {value:.4f}"
-        if key in PAIR_METRICS or key == "bubble":
+        if (
+            key in PAIR_METRICS
+            or key in GRPO_FIELDS
+            or key.startswith(("reward", "val_reward"))
+            or key == "bubble"
+        ):
             return f"{key} {value:.4g}"
         return f"{key} {value:.1f}"
     return f"{key} {value}"

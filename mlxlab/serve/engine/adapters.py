@@ -21,6 +21,15 @@ from mlxlab.lora import multi
 from mlxlab.serve.engine.jobs import AdapterSpec
 
 
+class NotStackable(KeyError):
+    """A mounted adapter asked for in a stack it cannot join (DoRA applies alone)."""
+
+
+def adapter_error_code(e: KeyError) -> str:
+    """The API error code of `AdapterRegistry.check`'s KeyError."""
+    return "adapter_not_stackable" if isinstance(e, NotStackable) else "unknown_adapter"
+
+
 @dataclass
 class Mounted:
     id: str
@@ -169,7 +178,7 @@ class Adapters:
             )
         dora = [i for i in ids if self.mounted[i].kind == "dora"]
         if dora and len(ids) > 1:  # it rescales the whole output: not a delta to stack
-            raise KeyError(
+            raise NotStackable(
                 f"adapter {dora[0]!r} is a DoRA adapter: it applies alone, not in a stack "
                 f"({'+'.join(ids)})"
             )

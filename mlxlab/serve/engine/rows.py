@@ -7,6 +7,7 @@ import logging
 import time
 
 from mlxlab.grammar import constrain
+from mlxlab.serve.engine.adapters import adapter_error_code
 from mlxlab.serve.engine.jobs import AdapterSpec, Delta, Done, Job, JobError, spec_name
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.output import OutputParser
@@ -20,7 +21,7 @@ def claim_adapters(m: Loaded, job: Job) -> AdapterSpec:
     try:
         m.adapters.check(job.adapter)
     except KeyError as e:
-        raise JobError(str(e).strip("'\""), "unknown_adapter") from None
+        raise JobError(str(e).strip("'\""), adapter_error_code(e)) from None
     for i in job.adapter:
         m.adapters.mounted[i].requests += 1
     return job.adapter

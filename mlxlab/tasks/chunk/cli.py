@@ -221,13 +221,23 @@ def trained_window(run_dir: Path, tokenizer) -> int:
     return set_to or (dataset.training_window(data, tokenizer) if data is not None else 0)
 
 
+def source_count(split: str, part) -> str:
+    """One split of a source as `data chunk` prints it ("train 400 (from 800 chats)")."""
+    if not isinstance(part, dict):
+        return f"{split} {part}"
+    chats = part.get("source_chats")
+    return f"{split} {part['conversations']}" + (f" (from {chats} chats)" if chats else "")
+
+
 def build(cfg: ChunkBuildConfig) -> Path:
     """`data chunk`: write the dataset into `out`; print its counts and histograms."""
     out = Path(cfg.out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:
         raise UserError(f"{out} exists and is not empty; force=true replaces it")
-    out = dataset.write_dataset(out, cfg.data())
+    out = dataset.write_dataset(out, cfg.data(), log=log.info)
     built = json.loads((out / "build.json").read_text())
+    for name, parts in built.get("sources", {}).items():
+        print(f"source {name}: " + ", ".join(source_count(k, v) for k, v in parts.items()))
     for split, st in built["stats"].items():
         n = sum(1 for line in (out / f"{split}.jsonl").read_text().splitlines() if line.strip())
         print(

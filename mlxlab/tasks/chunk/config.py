@@ -41,7 +41,9 @@ class ChunkDataConfig:
     windows of a few messages (windows.py)."""
 
     seed: int = 0
-    """Seeds the topic split and every conversation."""
+    """Seeds the documentation topics' split, every documentation and joined conversation and the
+    natural cases' uuids (the ShareGPT split by base id and the source chats drawn for each split
+    are fixed: seed 0)."""
     train: int = 300
     """Training conversations over documentation (a long one becomes several windowed
     examples)."""
@@ -83,13 +85,13 @@ class ChunkDataConfig:
     max_message_chars: int = 12000
     """A message's text is cut to this many characters."""
     window_chars: int = 4000
-    """A training example's messages take at most this many characters (a window of fewer than
-    `window_messages` where long messages do not fit; windows.py `windows`). Evaluation reads
-    in tokens (EvalSettings.max_prompt_tokens: by default the longest training prompt).
-    Characters per token vary with the text (code and uuids take more tokens), so check a
-    setting against data.max_seq_length: chunk_seg4's 3600 gives at most 2,000 Gemma 3 tokens
-    with the answer, and it sets on_too_long=error, so a setting that overflows stops at load
-    time instead of cutting an answer."""
+    """A training example's messages take at most this many characters together (where they take
+    more, the longest are cut to fit: windows.py `training_windows`, filled as evaluation fills
+    its windows). Evaluation reads in tokens (EvalSettings.max_prompt_tokens: by default the
+    longest training prompt). Characters per token vary with the text (code and uuids take more
+    tokens), so check a setting against data.max_seq_length: chunk_seg4's 3600 fits its
+    max_seq_length of 2560 with the answer, and it sets on_too_long=error, so a setting that
+    overflows stops at load time instead of cutting an answer."""
     window_overlap: int = 2
     """Messages each window shares with the one before."""
     window_messages: int = WINDOW_MESSAGES
@@ -288,11 +290,22 @@ class ChunkTaskConfig:
     """With eval.constrained (or eval.shifts), also decode the base model under the answer
     grammar (false saves those passes: the base model writes to max_tokens unconstrained, the
     slowest decode of a run)."""
+    eval_splits: list[str] = field(default_factory=list)
+    """More splits evaluated as `eval.split` is, base and tuned, each its own rows in the report
+    ("tuned, dev (off-domain)"): dev and export with a dataset built with `data.dev`."""
     report: str | None = None
     """Markdown report written after the run (e.g. experiments/chunk_seg4/README.md)."""
 
     def __post_init__(self):
         check_choice("task.name", self.name, ("chunk",), "task")
+        for split in self.eval_splits:
+            check_choice("task.eval_splits", split, SPLITS)
+        splits = [self.eval.split, *self.eval_splits]
+        if "train" in self.eval_splits or len(set(splits)) < len(splits):
+            raise UserError(
+                f"task.eval_splits must name held-out splits other than task.eval.split "
+                f"({self.eval.split}), each once, got {self.eval_splits}"
+            )
 
 
 @dataclass

@@ -12,6 +12,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from mlxlab.tasks.chunk.config import SPLITS
 from mlxlab.tasks.chunk.metrics import PASSES, fmt, table
 from mlxlab.tasks.chunk.ref import extract_json_ref
 from mlxlab.tasks.chunk.shifts import Rule, shift_rule
@@ -74,7 +75,11 @@ def results(evals: dict[str, dict]) -> list[str]:
                     f"windows; their windows' answers scored alone: ref "
                     f"{fmt(sm.get('window_ref'))}" + overruled_note(sm)
                 )
-    lines += [f"- {n}" for n in sorted({detector_note(e) for e in evals.values()} - {""})]
+    by_note: dict[str, list[str]] = {}  # one line per detector result, naming its rows
+    for name, e in evals.items():
+        if detector_note(e):
+            by_note.setdefault(detector_note(e), []).append(name)
+    lines += [f"- {', '.join(names)}: {note}" for note, names in by_note.items()]
     return lines
 
 
@@ -113,9 +118,9 @@ METRICS = (
 
 
 QUESTION = (
-    "Does LoRA trained with the {how} teach {model} to split a conversation "
-    "into topical chunks and answer in the exact JSON schema, on topics it never saw in "
-    "training, within a {budget} run on this machine?"
+    "Does LoRA trained with the {how} teach {model} to split a user/assistant conversation "
+    "about anything into topical chunks and answer in the exact JSON schema, on conversations "
+    "it never saw in training, within a {budget} run on this machine?"
 )
 
 
@@ -157,7 +162,7 @@ def data_report(data_dir: Path, tokenizer, max_seq_length: int) -> list[str]:
     from mlxlab.tasks.chunk.prompt import prompt
 
     per_split = {}
-    for split in ("train", "valid", "test"):
+    for split in SPLITS:
         path = data_dir / f"{split}.cases.json"
         if path.is_file():
             cases = json.loads(path.read_text())
@@ -315,7 +320,9 @@ def report(run, task, summary: dict, evals: dict[str, dict], command: str | None
         decoding_line(task.eval),
         machine_line(),
         "",
-        f"## Result ({task.eval.split} split, topics never seen in training)",
+        f"## Result ({task.eval.split} split"
+        + "".join(f", {x}" for x in task.eval_splits)
+        + "; nothing evaluated was seen in training)",
         "",
         *results(evals),
     ]

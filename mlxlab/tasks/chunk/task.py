@@ -18,6 +18,9 @@ from mlxlab.tasks.chunk import dataset
 from mlxlab.tasks.chunk.config import WINDOW_MESSAGES, ChunkTaskConfig, check_window_messages
 from mlxlab.train.job import Hooks, Run
 
+SPLIT_NAMES = {"dev": "dev (off-domain)", "export": "export-like chats"}
+"""How the report names a split's rows."""
+
 log = logging.getLogger(__name__)
 
 
@@ -39,16 +42,37 @@ class ChunkTask(Hooks):
         writable_dir(run_dir)
         if data.train:
             self.check_windows(dataset.dataset_dir(data.train))
+            self.check_splits(dataset.dataset_dir(data.train))
             return data
 
         data_dir = run_dir / "data"
         if not (data_dir / "train.cases.json").is_file():
             self.check_windows(None)  # task.data's cap, before building
-            dataset.write_dataset(data_dir, self.cfg.data)
+            self.check_splits(None)
+            dataset.write_dataset(data_dir, self.cfg.data, log=log.info)
             log.info(f"built the {self.cfg.name} dataset in {data_dir}")
         else:  # a resumed run's dataset: its own build.json
             self.check_windows(data_dir)
         return dataclasses.replace(data, train=str(data_dir))
+
+    def check_splits(self, data_dir: Path | None) -> None:
+        """UserError now, before training, where a split to evaluate will not be there: dev and
+        export need task.data.dev=true (in a prebuilt dataset, its files)."""
+        from mlxlab.errors import UserError
+
+        for split in [self.cfg.eval.split, *self.cfg.eval_splits]:
+            if data_dir is not None:
+                if not (data_dir / f"{split}.cases.json").is_file():
+                    raise UserError(
+                        f"no {split} split in {data_dir} (no {split}.cases.json"
+                        + (
+                            "; build it with data chunk dev=true)"
+                            if split in ("dev", "export")
+                            else ")"
+                        )
+                    )
+            elif split in ("dev", "export") and not self.cfg.data.dev:
+                raise UserError(f"evaluating the {split} split needs task.data.dev=true")
 
     def check_windows(self, data_dir: Path | None) -> None:
         """UserError now, before the base evaluation and training, where the evaluation's window
@@ -73,11 +97,20 @@ class ChunkTask(Hooks):
 
             check_model(self.cfg.eval.shifts)
         if self.cfg.eval_base:
-            self.evals["base"] = self.evaluate(run, "base")
+            self.evaluate_splits(run, "base")
 
     def after_training(self, run: Run, summary: dict) -> None:
-        self.evals["tuned"] = self.evaluate(run, "tuned")
+        self.evaluate_splits(run, "tuned")
         summary["eval"] = self.evals
+
+    def evaluate_splits(self, run: Run, which: str) -> None:
+        """`which` on eval.split (its row `which`), then on each of eval_splits (its row
+        "<which>, <split's name>")."""
+        self.evals[which] = self.evaluate(run, which)
+        for split in self.cfg.eval_splits:
+            self.evals[f"{which}, {SPLIT_NAMES.get(split, split)}"] = self.evaluate(
+                run, which, split
+            )
 
     def report_text(self, run: Run, summary: dict) -> str:
         """The run's report (README.md); a subclass's task writes its own."""
@@ -99,17 +132,21 @@ class ChunkTask(Hooks):
             log.info(f"report: {self.cfg.report}")
         log.info(table(self.evals))
 
-    def evaluate(self, run: Run, which: str) -> dict:
-        """Evaluate on the task's split; results in <run>/eval_<which>.jsonl, summary cached in
-        <run>/eval_<which>.json (a resumed run does not evaluate the base model again)."""
+    def evaluate(self, run: Run, which: str, split: str | None = None) -> dict:
+        """Evaluate on the task's split (or `split`); results in <run>/eval_<which>[_<split>].jsonl,
+        summary cached in <run>/eval_<which>[_<split>].json (a resumed run does not evaluate the
+        base model again)."""
         from mlxlab.fsutil import atomic_write_text
         from mlxlab.tasks.chunk.evaluate import evaluate_model
 
-        cached = run.run_dir / f"eval_{which}.json"
+        settings = self.cfg.eval
+        if split is not None:
+            settings = dataclasses.replace(settings, split=split)
+        stem = f"eval_{which}" + (f"_{split}" if split is not None else "")
+        cached = run.run_dir / f"{stem}.json"
         if cached.is_file():
             return json.loads(cached.read_text())
         data_dir = dataset.dataset_dir(run.data.train)
-        settings = self.cfg.eval
         records = dataset.read_split(data_dir, settings)  # a missing or bad split fails here
         if which == "base" and not self.cfg.eval_base_constrained:
             settings = dataclasses.replace(settings, constrained=False, shifts="")
@@ -124,7 +161,7 @@ class ChunkTask(Hooks):
             run.tokenizer,
             records,
             settings,
-            run.run_dir / f"eval_{which}.jsonl",
+            run.run_dir / f"{stem}.jsonl",
             which,
             dataset.training_labels(data_dir),
         )
