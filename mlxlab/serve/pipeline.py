@@ -5,7 +5,9 @@
 - `Ask` is one generation request normalized at the edge of its protocol (chat messages in the
   chat-template form, or a completion prompt; the sampling fields the client gave; stops, tools,
   limits; the adapter spec already parsed). Nothing below re-parses a request.
-- `prepare` runs the protocol's body -> Ask and `make_job` on the render thread (never on the
+- `prepare` runs the protocol's body -> Ask, takes a lease on the model the request names
+  (`lease_for`: loading it first when it is not loaded, engine/models.py; an unknown one is a
+  404 `model_not_found`), then `make_job` on the render thread (never on the
   event loop): it checks the per-request ceilings (messages, tools, top_logprobs), then the
   tools' parameter schemas (`check_request`), renders the prompt, resolves sampling
   defaults (request > serve flag > the model's generation_config.json > fallback), applies memory
@@ -49,6 +51,7 @@ from mlxlab.serve.engine.jobs import (
     parse_adapter_spec,
 )
 from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.models import Lease, ModelError
 from mlxlab.serve.http import SSE_HEADERS, APIError
 from mlxlab.serve.structured import Shape, check_tool_schema, grammar_for
 
@@ -360,12 +363,55 @@ async def off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_RENDER, functools.partial(fn, *args))
 
 
-async def prepare(gateway: Gateway, cfg: ServeConfig, build: Callable[[], Ask]) -> Job:
-    """`build()` (the protocol's body -> Ask) then `make_job`, both on the render thread: what
-    every router calls, so nothing that grows with the request runs on the event loop."""
+async def prepare(
+    gateway: Gateway, cfg: ServeConfig, build: Callable[[], Ask], model: str | None = None
+) -> Job:
+    """`build()` (the protocol's body -> Ask), a lease on the model the request names (`model`:
+    its `model` field), then `make_job`, on the render thread: what every router calls, so
+    nothing that grows with the request runs on the event loop. The job holds the lease; the
+    engine releases it when the job leaves (or `run`, when it is never queued)."""
     ask = await off_loop(build)
-    await vision.fetch_images(cfg, gateway.loaded, ask)  # image URLs, when allowed (async)
-    return await off_loop(lambda: make_job(gateway, cfg, ask))
+    lease = await lease_for(gateway, model)
+    try:
+        await vision.fetch_images(cfg, lease.loaded, ask)  # image URLs, when allowed (async)
+        job = await off_loop(lambda: make_job(gateway, cfg, ask, lease))
+    except BaseException:
+        lease.release()
+        raise
+    job.lease = lease
+    return job
+
+
+def model_error(e: ModelError) -> APIError:
+    """The APIError of a model that cannot serve a request (unknown, failed, cannot fit)."""
+    kind = {404: "not_found_error", 500: "server_error", 503: "service_unavailable"}
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else {}
+    return APIError(
+        e.status,
+        str(e),
+        type=kind.get(e.status, "invalid_request_error"),
+        param="model",
+        code=e.code,
+        headers=headers,
+    )
+
+
+async def lease_for(gateway: Gateway, model: str | None) -> Lease:
+    """A lease on the model `model` names, awaited while it loads (engine/models.py); a client
+    that leaves meanwhile gives its lease back."""
+    ready_loaded(gateway)
+    try:
+        future = gateway.models.acquire(model)
+    except ModelError as e:
+        raise model_error(e) from None
+    try:
+        return await asyncio.wrap_future(future)
+    except ModelError as e:
+        raise model_error(e) from None
+    except asyncio.CancelledError:
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().release()
+        raise
 
 
 def check_request(cfg: ServeConfig, ask: Ask) -> None:
@@ -420,10 +466,11 @@ def check_length(loaded: Loaded, ask: Ask) -> None:
         )
 
 
-def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
-    """The engine job for `ask`; a 4xx APIError for anything that cannot run, before queueing."""
+def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask, lease: Lease | None = None) -> Job:
+    """The engine job for `ask` on the model `lease` holds (the default without one); a 4xx
+    APIError for anything that cannot run, before queueing."""
     check_request(cfg, ask)
-    loaded = ready_loaded(gateway)
+    loaded = lease.loaded if lease is not None else ready_loaded(gateway)
     check_length(loaded, ask)
     checkpoint, reasoning = 0, False
     seen = vision.plan(cfg, loaded, ask)  # images: checked, numbered, through the processor
@@ -467,6 +514,28 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
     )
 
 
+def check_adapters(gateway: Gateway, loaded: Loaded, spec: AdapterSpec) -> None:
+    """400 unless every adapter of `spec` is mounted on `loaded`'s model; one mounted on another
+    model names both (an adapter belongs to the base it was trained on)."""
+    for adapter_id in spec:
+        if adapter_id in loaded.adapters.mounted:
+            continue
+        owner = gateway.models.owner_of(adapter_id)
+        if owner is not None and owner.name != loaded.model_id:
+            raise APIError(
+                400,
+                f"adapter {adapter_id!r} belongs to model {owner.name!r}, not to "
+                f"{loaded.model_id!r} (the model this request names)",
+                param="adapter",
+                code="adapter_model_mismatch",
+            )
+    try:
+        loaded.adapters.check(spec)
+    except KeyError as e:
+        code = adapter_error_code(e)
+        raise APIError(400, str(e).strip("'\""), param="adapter", code=code) from None
+
+
 # --- Job -> events -> encoders -------------------------------------------------------------------
 
 
@@ -496,17 +565,19 @@ async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
     job.sink = sink
     try:
         gateway.submit(job)
-    except QueueFull as e:
-        raise APIError(
-            503,
-            f"server busy: {e}",
-            type="service_unavailable",
-            code="queue_full",
-            headers={"Retry-After": "2"},
-        ) from None
-    except ShuttingDown as e:
-        raise failed_error(shutting_down(str(e))) from None
-    except NotReady as e:
+    except (QueueFull, NotReady) as e:
+        if job.lease is not None:  # never queued: the engine will not release it
+            job.lease.release()
+        if isinstance(e, QueueFull):
+            raise APIError(
+                503,
+                f"server busy: {e}",
+                type="service_unavailable",
+                code="queue_full",
+                headers={"Retry-After": "2"},
+            ) from None
+        if isinstance(e, ShuttingDown):
+            raise failed_error(shutting_down(str(e))) from None
         raise APIError(
             503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
         ) from None

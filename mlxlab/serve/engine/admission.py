@@ -11,8 +11,7 @@ parameters, its decode copies (models/fastdecode.py) and anything else it keeps 
 VLM's vision tower); `others` what the rest of the server holds: the other loaded models'
 weights (serve `models.NAME=`, engine/models.py), so a model's ceiling shrinks while others are
 loaded. A request whose prompt + max_tokens exceeds the ceiling is refused with 400 before it is
-queued; batch admission also counts the KV the other models' lanes hold (`held`); the allocator
-is capped at the budget as a second line of defence (`mx.set_memory_limit`).
+queued; the allocator is capped at the budget as a second line of defence (`mx.set_memory_limit`).
 """
 
 from __future__ import annotations
@@ -42,15 +41,13 @@ class Admission:
     rejected: int = 0  # requests `check` refused
 
     def __post_init__(self):
-        # What the rest of the server holds (set by the engine: `bind`); not fields, so `stats`
-        # sees only the model's own terms. `others`: bytes resident beside this model (the other
-        # loaded or loading models' weights); `held`: KV bytes the other models' batched lanes
-        # hold, or wait for ahead of this one.
+        # What the rest of the server holds (bound by the engine: `bind`); not a field, so
+        # `stats` sees only the model's own terms: bytes resident beside this model (the other
+        # loaded or loading models' weights, engine/models.py).
         self.others: Callable[[], int] = _nothing
-        self.held: Callable[[], int] = _nothing
 
-    def bind(self, others: Callable[[], int], held: Callable[[], int]) -> Admission:
-        self.others, self.held = others, held
+    def bind(self, others: Callable[[], int]) -> Admission:
+        self.others = others
         return self
 
     def per_row_bytes(self, tokens: int) -> int:
@@ -81,12 +78,7 @@ class Admission:
         return self.weights_bytes + self.others()
 
     def fits_rows(self, lengths: list[int], copies: int = 0) -> bool:
-        """Whether a batch of these rows fits beside what the other lanes hold. A row alone fits
-        when no other lane holds KV (it passed `check`, which counts every model's weights)."""
-        held = self.held()
-        if len(lengths) == 1 and not held:
-            return True
-        return self.bytes_for_rows(lengths, copies) + held <= self.budget_bytes
+        return self.bytes_for_rows(lengths, copies) <= self.budget_bytes
 
     @property
     def max_safe_context(self) -> int:

@@ -26,13 +26,14 @@ log = logging.getLogger(__name__)
 class Loaded:
     """One loaded model. Built in two steps: the constructor reads the files (the weights, in
     slices when `pace` is given, so it can run on the loader thread beside generation:
-    engine/pacer.py), `start` (on the engine thread) measures admission and mounts adapters.
+    engine/pacer.py), `start` (on the engine thread) measures admission and mounts adapters;
+    the constructor runs `start` too unless `deferred` (the loader thread's models).
 
     `cache`: the server's prompt cache (one for every model: entries are namespaced by
     `cache_id` and adapter); `name`: the id requests use (default: the spec); `model_dir`: the
     resolved directory, when the caller resolved it; `vocab`: build the grammar engine's
-    vocabulary while loading (the default model: no request pays for it; an on-demand model
-    builds it on its first structured request instead, off the engine thread)."""
+    vocabulary while loading, in a thread `start` joins (the default model: no request pays for
+    it); an on-demand model's is built by the loader thread (`grammar_vocab`) before it serves."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class Loaded:
         model_dir: Path | None = None,
         pace=None,
         vocab: bool = True,
+        deferred: bool = False,
     ):
         self.cfg = cfg
         self.model_dir = Path(model_dir) if model_dir is not None else resolve(cfg.model)
@@ -64,7 +66,7 @@ class Loaded:
         self._vocab = None
         if vocab:
             self._vocab = threading.Thread(
-                target=self._grammar_vocab, name="mlxlab-grammar-vocab", daemon=True
+                target=self.grammar_vocab, name="mlxlab-grammar-vocab", daemon=True
             )
             self._vocab.start()
         self.tool = tool_syntax(self.tokenizer)
@@ -80,13 +82,13 @@ class Loaded:
         self.adapters: Adapters | None = None
         self.draft = None
         self.speech = self.embedder = None
+        if not deferred:
+            self.start()
 
-    def start(self, optional: frozenset[str] = frozenset()) -> dict[str, str]:
+    def start(self) -> None:
         """The engine thread's part: admission measured (a one-token forward), the allocator
         capped, the draft model, the adapters of `cfg.adapters` mounted, the speech and
-        embedding models (the default model's). A mount that fails fails the load, except for
-        the ids in `optional` (runtime mounts being restored after an eviction): those are
-        returned, id -> why, and left unmounted."""
+        embedding models (the default model's)."""
         import mlx.core as mx
 
         cfg = self.cfg
@@ -104,21 +106,8 @@ class Loaded:
             self.draft = load_draft(cfg.draft_model, self.model, self.tokenizer, cfg.dtype)
             log.info("mlxlab serve: speculative drafts from %s", cfg.draft_model)
         self.adapters = Adapters(self.model, cfg.adapter_root)
-        dropped = {}
         for adapter_id, path in (cfg.adapters or {}).items():
-            try:
-                m = self.adapters.mount(adapter_id, path)
-            except Exception as e:
-                if adapter_id not in optional:
-                    raise
-                dropped[adapter_id] = str(e)
-                log.warning(
-                    "mlxlab serve: adapter %r could not be mounted again on %s: %s",
-                    adapter_id,
-                    self.model_id,
-                    e,
-                )
-                continue
+            m = self.adapters.mount(adapter_id, path)
             log.info(
                 "mlxlab serve: mounted adapter %r from %s on %s (rank %d, %d modules)",
                 adapter_id,
@@ -142,9 +131,9 @@ class Loaded:
             log.info("mlxlab serve: embedding model %s", self.embedder.name)
         if self._vocab is not None:
             self._vocab.join()
-        return dropped
 
-    def _grammar_vocab(self) -> None:
+    def grammar_vocab(self) -> None:
+        """Build the grammar engine's vocabulary (memoized by `grammar.vocab_for`)."""
         try:
             grammar.vocab_for(self.tokenizer, self.n_vocab)
         except Exception as e:  # noqa: BLE001 - structured output then fails per request, with this message

@@ -75,8 +75,6 @@ class Entry:
     last_used: float = field(default_factory=time.monotonic)
     leases: set = field(default_factory=set)
     waiters: list = field(default_factory=list)  # futures of requests waiting for its load
-    adapters: dict[str, str] = field(default_factory=dict)  # id -> path, mounted at each load
-    configured: set[str] = field(default_factory=set)  # of those, the ones `serve adapters.` named
     facts: Facts | None = None  # from its files, when unloaded (memoized)
     # counters (since start)
     loads: int = 0
@@ -132,8 +130,6 @@ class Models:
         self.pacer = Pacer(cfg.load_share)
         self.loads: queue.Queue = queue.Queue()  # entries to load, for the loader thread
         self.default = Entry(cfg.model, cfg.model, pinned=True)
-        self.default.adapters = dict(cfg.adapters or {})
-        self.default.configured = set(self.default.adapters)
         self.entries: dict[str, Entry] = {self.default.name: self.default}
         self.aliases: dict[str, str] = {}
         for name, spec in (cfg.models or {}).items():
@@ -143,10 +139,6 @@ class Models:
                 self.aliases[name] = self.default.name
                 continue
             self.entries[name] = Entry(name, spec)
-        for name, adapters in (cfg.model_adapters or {}).items():
-            entry = self.entries[self.aliases.get(name, name)]
-            entry.adapters.update(adapters)
-            entry.configured |= set(adapters)
         self.strict = bool(cfg.models or cfg.models_from_cache)
 
     # --- names ------------------------------------------------------------------------------
@@ -181,9 +173,13 @@ class Models:
         return out
 
     def owner_of(self, adapter_id: str) -> Entry | None:
-        """The model adapter `adapter_id` belongs to (mounted, or mounted whenever it loads)."""
+        """The loaded model adapter `adapter_id` is mounted on, if any."""
         with self.lock:
-            return next((e for e in self.entries.values() if adapter_id in e.adapters), None)
+            for e in self.entries.values():
+                reg = getattr(e.loaded, "adapters", None)
+                if e.state == "loaded" and reg is not None and adapter_id in reg.mounted:
+                    return e
+        return None
 
     # --- leases -----------------------------------------------------------------------------
 
@@ -235,9 +231,7 @@ class Models:
             budget = self.budget_bytes
             gb = 1e9
             if weight_bytes + pinned + RESERVE_BYTES > budget:
-                beside = (
-                    f" beside the default model's {pinned / gb:.2f} GB" if pinned else ""
-                )
+                beside = f" beside the default model's {pinned / gb:.2f} GB" if pinned else ""
                 raise ModelError(
                     f"model {e.name!r} needs {weight_bytes / gb:.2f} GB for its weights, which "
                     f"cannot fit the memory budget of {budget / gb:.2f} GB{beside} (and "
@@ -246,7 +240,9 @@ class Models:
                     "model_too_large",
                 )
             resident = self.others(e)
-            need = max((lease.need_bytes for x in self.entries.values() for lease in x.leases), default=0)
+            need = max(
+                (lease.need_bytes for x in self.entries.values() for lease in x.leases), default=0
+            )
             idle = sorted(
                 (
                     x
@@ -258,9 +254,7 @@ class Models:
             victims = []
             while resident + weight_bytes + RESERVE_BYTES + need > budget:
                 if not idle:
-                    busy = [
-                        x.name for x in self.entries.values() if x.state in HOLDING and x.busy
-                    ]
+                    busy = [x.name for x in self.entries.values() if x.state in HOLDING and x.busy]
                     raise ModelError(
                         f"model {e.name!r} ({weight_bytes / gb:.2f} GB) cannot be loaded now: "
                         f"the memory budget of {budget / gb:.2f} GB is held by models with "
@@ -360,7 +354,8 @@ class Models:
 
     def settings_for(self, e: Entry) -> EngineSettings:
         """The engine settings a model other than the default loads with: the server's, without
-        the speech and embedding models (the default's), its own adapters, KV quantization only
+        the speech and embedding models (the default's), no adapters at start (`serve
+        adapters.` are the default model's), KV quantization only
         when uniform (a kv_config plan is the default model's), and speculative drafts only from
         its own layers (`self:N`; a named draft model shares the default's tokenizer)."""
         cfg = self.cfg
@@ -373,7 +368,7 @@ class Models:
             cfg,
             model=e.spec,
             kv_quant=kv,
-            adapters=dict(e.adapters),
+            adapters={},
             stt_model=None,
             embeddings_model=None,
             draft_model=draft,
@@ -410,9 +405,9 @@ class Models:
                 "requests": e.requests,
                 "prompt_tokens": e.prompt_tokens,
                 "completion_tokens": e.completion_tokens,
-                "adapters": sorted(e.adapters),
             }
         if loaded is not None:
+            info["adapters"] = sorted(loaded.adapters.mounted)
             adm = loaded.admission
             info["size_bytes"] = adm.weights_bytes
             info["context_length"] = adm.max_safe_context
@@ -423,6 +418,20 @@ class Models:
             info["context_length"] = f.context_length
             info["vision"] = f.vision
         return info
+
+    def listing(self) -> list[dict]:
+        """`describe` of every name a request may use, the default first (an alias as its
+        model, under its own id; a cache model not yet asked for as unloaded)."""
+        with self.lock:
+            entries = dict(self.entries)
+            aliases = dict(self.aliases)
+        out = []
+        for name in self.names():
+            if name in aliases:
+                out.append({**self.describe(entries[aliases[name]]), "id": name})
+            else:
+                out.append(self.describe(entries.get(name) or Entry(name, name)))
+        return out
 
     def stats(self) -> dict:
         with self.lock:
