@@ -370,7 +370,9 @@ def _snapshot(repo: Path) -> Path | None:
         ref = ""
     if ref and (snapshots / ref).is_dir():
         return snapshots / ref
-    found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    found = (
+        sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    )
     return found[-1] if found else None
 
 
