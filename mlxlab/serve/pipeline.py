@@ -487,13 +487,11 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask, lease: Lease | None =
     if seen is None or seen.inputs is None:
         limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
         seen = vision.text_job(loaded, ask, prompt, seen)  # a VLM only mlx-vlm runs
+    if lease is not None:  # the KV it needs: no load evicts what this request could need
+        lease.reserve(len(prompt) + limit)
     sampling = resolve_sampling(ask.sampling, cfg, loaded)
     grammar = grammar_for(ask.shape, ask.tools, loaded, reasoning)
-    try:
-        loaded.adapters.check(ask.adapter)
-    except KeyError as e:
-        code = adapter_error_code(e)
-        raise APIError(400, str(e).strip("'\""), param="adapter", code=code) from None
+    check_adapters(gateway, loaded, ask.adapter)
     return Job(
         prompt=prompt,
         max_tokens=limit,

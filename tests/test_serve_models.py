@@ -1,0 +1,256 @@
+"""Several models behind one server (serve `models.NAME=SPEC`, engine/models.py, engine/loader.py):
+tiny models of three families answer alternately and in parallel with the texts they give served
+alone; an unknown model is a 404 on every protocol; eviction under a small budget and reload; idle
+unload; a load that fails leaves the others serving; a model too large is refused; an adapter on
+another model's request is a 400 naming both; /v1/models, /stats and /metrics per model."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+
+import mlxlab  # noqa: F401  (BLAS before MLX)
+from mlxlab.serve.engine.admission import RESERVE_BYTES
+from mlxlab.serve.engine.catalog import facts
+from tests.helpers.serve import make_adapter, make_client
+
+PROMPTS = ("The zip builtin pairs", "Lists in Python are", "def main():")
+SMALL = {"small": "tiny-llama", "qwen": "tiny-qwen2"}  # beside the default, tiny-gemma3
+
+
+def complete(client, model, prompt, max_tokens=8) -> str:
+    r = client.post(
+        "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == model
+    return r.json()["choices"][0]["text"]
+
+
+def stats_of(client, name) -> dict:
+    return next(m for m in client.get("/stats").json()["models"]["models"] if m["id"] == name)
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_dir):
+    """Each model's answers to PROMPTS served alone (greedy), by the name the tests use."""
+    out = {}
+    for name, spec in (("tiny-gemma3", "tiny-gemma3"), *SMALL.items()):
+        client, gateway = make_client(model=spec, batch=4)
+        out[name] = [complete(client, spec, p) for p in PROMPTS]
+        gateway.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    client, gateway = make_client(models=SMALL, batch=4)
+    yield client, gateway
+    gateway.stop()
+
+
+def test_models_answer_alternately_as_served_alone(served, alone):
+    client, _ = served
+    for p_i, prompt in enumerate(PROMPTS):
+        for name in ("tiny-gemma3", "small", "qwen", "small", "tiny-gemma3"):
+            assert complete(client, name, prompt) == alone[name][p_i], (name, prompt)
+    # the default answers a request that names no model
+    r = client.post(
+        "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    )
+    assert r.json()["model"] == "tiny-gemma3"
+    assert r.json()["choices"][0]["text"] == alone["tiny-gemma3"][0]
+
+
+def test_models_answer_in_parallel_as_served_alone(served, alone):
+    client, _ = served
+    work = [(name, i) for name in ("tiny-gemma3", "small", "qwen") for i in range(len(PROMPTS))]
+    got, errors = {}, []
+
+    def ask(name, i):
+        try:
+            got[name, i] = complete(client, name, PROMPTS[i], max_tokens=8)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for name, i in work:
+        assert got[name, i] == alone[name][i], (name, i)
+
+
+def test_models_listed_and_counted(served):
+    client, _ = served
+    complete(client, "small", PROMPTS[0])
+    cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
+    assert set(cards) == {"tiny-gemma3", "small", "qwen"}
+    assert cards["tiny-gemma3"]["default"] and not cards["small"]["default"]
+    for card in cards.values():
+        assert card["size_bytes"] > 0 and card["context_length"] > 0
+    assert cards["small"]["loaded"] and cards["small"]["state"] == "loaded"
+    assert client.get("/v1/models/small").json()["id"] == "small"
+    r = client.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    small = stats_of(client, "small")
+    assert small["loads"] == 1 and small["requests"] >= 1 and small["completion_tokens"] >= 1
+    assert small["last_load_seconds"] is not None
+    metrics = client.get("/metrics").text
+    assert 'mlxlab_model_loads_total{model="small"} 1.0' in metrics
+    assert 'mlxlab_model_requests_total{model="small"}' in metrics
+
+
+def test_unknown_model_on_every_protocol(served):
+    client, _ = served
+    chat = [{"role": "user", "content": "hi"}]
+    openai = [
+        ("/v1/chat/completions", {"model": "nope", "messages": chat}),
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}),
+        ("/v1/responses", {"model": "nope", "input": "hi"}),
+    ]
+    for path, body in openai:
+        r = client.post(path, json=body)
+        assert r.status_code == 404, (path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and "'nope'" in err["message"], path
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = client.post(path, json={"model": "nope", "max_tokens": 8, "messages": chat})
+        assert r.status_code == 404, (path, r.text)
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "not_found_error", path
+        assert "'nope'" in body["error"]["message"]
+
+
+def test_model_picked_on_anthropic_and_responses(served):
+    client, _ = served
+    chat = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/messages", json={"model": "qwen", "max_tokens": 4, "messages": chat})
+    assert r.status_code == 200 and r.json()["model"] == "qwen", r.text
+    r = client.post(
+        "/v1/messages/count_tokens", json={"model": "qwen", "max_tokens": 4, "messages": chat}
+    )
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+    r = client.post("/v1/responses", json={"model": "small", "input": "hi", "max_output_tokens": 4})
+    assert r.status_code == 200 and r.json()["model"] == "small", r.text
+
+
+def test_one_model_server_answers_any_name(tiny_dir):
+    """Without `models`, the one model answers whatever a request names (as it always has)."""
+    client, gateway = make_client()
+    try:
+        r = client.post(
+            "/v1/completions", json={"model": "gpt-4o", "prompt": "hi", "max_tokens": 2}
+        )
+        assert r.status_code == 200 and r.json()["model"] == "tiny-gemma3"
+    finally:
+        gateway.stop()
+
+
+def weights(tiny_dir, family) -> int:
+    return facts(tiny_dir(family)).weight_bytes
+
+
+def test_eviction_under_a_small_budget_and_reload(tiny_dir, alone):
+    """The default and one other fit, not two others: asking for the second evicts the first
+    (least recently used, idle), asking for the first again reloads it, with the same answers."""
+    w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
+    room = 600_000  # under either small model's weights: two of them never fit
+    assert room < min(w["llama"], w["qwen2"])
+    budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + room
+    client, gateway = make_client(models=SMALL, memory_budget_gb=budget / 1e9, prefill_step=16)
+    try:
+        assert complete(client, "small", PROMPTS[0]) == alone["small"][0]
+        assert complete(client, "qwen", PROMPTS[1], 8) == alone["qwen"][1]
+        assert stats_of(client, "small")["state"] == "unloaded"
+        assert stats_of(client, "small")["evictions"] == 1
+        assert complete(client, "small", PROMPTS[1], 8) == alone["small"][1]
+        small, qwen = stats_of(client, "small"), stats_of(client, "qwen")
+        assert small["loads"] == 2 and small["state"] == "loaded"
+        assert qwen["evictions"] == 1 and qwen["state"] == "unloaded"
+        assert stats_of(client, "tiny-gemma3")["evictions"] == 0  # the default is pinned
+        assert complete(client, "tiny-gemma3", PROMPTS[2], 8) == alone["tiny-gemma3"][2]
+    finally:
+        gateway.stop()
+
+
+def test_a_model_that_cannot_fit_is_refused(tiny_dir):
+    budget = RESERVE_BYTES + weights(tiny_dir, "gemma3") + 100_000
+    client, gateway = make_client(models=SMALL, memory_budget_gb=budget / 1e9, prefill_step=16)
+    try:
+        r = client.post("/v1/completions", json={"model": "small", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_too_large" and "memory_budget_gb" in err["message"]
+        assert stats_of(client, "small")["state"] == "unloaded"
+    finally:
+        gateway.stop()
+
+
+def test_idle_model_is_unloaded_and_reloads(tiny_dir, alone):
+    client, gateway = make_client(models=SMALL, model_idle_s=0.3)
+    try:
+        assert complete(client, "small", PROMPTS[0]) == alone["small"][0]
+        assert wait_for(lambda: stats_of(client, "small")["state"] == "unloaded")
+        assert stats_of(client, "small")["idle_unloads"] == 1
+        assert stats_of(client, "tiny-gemma3")["state"] == "loaded"  # never the default
+        assert complete(client, "small", PROMPTS[0]) == alone["small"][0]
+        assert stats_of(client, "small")["loads"] == 2
+    finally:
+        gateway.stop()
+
+
+def test_a_failed_load_leaves_the_others_serving(tiny_dir, tmp_path, alone):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir("qwen3"), broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"\x00garbage" * 1000)
+    client, gateway = make_client(models={**SMALL, "broken": str(broken)})
+    try:
+        r = client.post(
+            "/v1/completions", json={"model": "broken", "prompt": "hi", "max_tokens": 2}
+        )
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] == "model_load_failed"
+        assert stats_of(client, "broken")["state"] == "failed"
+        assert stats_of(client, "broken")["failures"] == 1
+        assert complete(client, "tiny-gemma3", PROMPTS[0]) == alone["tiny-gemma3"][0]
+        assert complete(client, "small", PROMPTS[0]) == alone["small"][0]
+        # a request soon after gets the same error at once, without another try
+        r = client.post(
+            "/v1/completions", json={"model": "broken", "prompt": "hi", "max_tokens": 2}
+        )
+        assert r.status_code == 500 and stats_of(client, "broken")["failures"] == 1
+        assert client.get("/health").status_code == 200
+    finally:
+        gateway.stop()
+
+
+def test_adapter_of_another_model_is_refused_naming_both(tiny_dir, tmp_path):
+    make_adapter(tiny_dir("gemma3"), tmp_path / "g", seed=1)
+    client, gateway = make_client(models=SMALL, adapters={"g": str(tmp_path / "g")})
+    try:
+        body = {"prompt": "hi", "max_tokens": 2, "adapter": "g"}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        r = client.post("/v1/completions", json={**body, "model": "small"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "adapter_model_mismatch" and err["param"] == "adapter", err
+        assert "'tiny-gemma3'" in err["message"] and "'small'" in err["message"]
+    finally:
+        gateway.stop()
