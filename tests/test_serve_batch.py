@@ -17,6 +17,7 @@ from mlxlab.serve.engine import kv_quant
 from mlxlab.serve.engine.batch import BatchLane
 from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job, Sampling, parse_adapter_spec
 from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.rows import cache_namespace
 from tests.helpers.serve import (
     SYSTEM,
     free_port,
@@ -147,7 +148,7 @@ def test_finished_rows_cache_exactly_prompt_plus_completion(tiny_dir, family):
     done, _ = lane_tokens(loaded, cfg, ps, (10, 14, 6), (0, 0, 1))
     for p, d in zip(ps, done, strict=True):
         full = p + d.tokens
-        cache, n = loaded.cache.fetch((loaded.model_id, "none"), full + [5])
+        cache, n = loaded.cache.fetch(cache_namespace(loaded, ()), full + [5])
         assert n == len(full)
         cached = loaded.model(mx.array([[5]]), cache=cache)[0, -1]
         fresh = loaded.model(mx.array([full + [5]]), cache=make_prompt_cache(loaded.model))[0, -1]
