@@ -254,3 +254,62 @@ def test_adapter_of_another_model_is_refused_naming_both(tiny_dir, tmp_path):
         assert "'tiny-gemma3'" in err["message"] and "'small'" in err["message"]
     finally:
         gateway.stop()
+
+
+def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alone):
+    """models_from_cache=true: a model in the local cache is listed (unloaded, its size read
+    from its files) and answers by its repo id; a repo id not in the cache is a 404."""
+    from tests.helpers.hub import write_cache
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_cache(tmp_path / "hub", "tiny-org/llama", tiny_dir("llama"))
+    client, gateway = make_client(models_from_cache=True)
+    try:
+        cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
+        card = cards["tiny-org/llama"]
+        assert not card["loaded"] and card["size_bytes"] == weights(tiny_dir, "llama")
+        assert complete(client, "tiny-org/llama", PROMPTS[0]) == alone["small"][0]
+        assert stats_of(client, "tiny-org/llama")["loads"] == 1
+        r = client.post(
+            "/v1/completions", json={"model": "tiny-org/absent", "prompt": "hi", "max_tokens": 2}
+        )
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    finally:
+        gateway.stop()
+
+
+def test_a_paced_load_is_the_same_model(tiny_dir):
+    """zoo.load(pace=...) (the loader's slices, engine/pacer.py) builds the same weights and
+    tokenizer as a plain load, calling pace between its slices."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxlab.models import zoo
+
+    calls = []
+    paced, tok_paced = zoo.load(str(tiny_dir("qwen2")), pace=lambda: calls.append(1))
+    plain, tok_plain = zoo.load(str(tiny_dir("qwen2")))
+    assert len(calls) >= 2  # the weights, then the tokenizer
+    a, b = dict(tree_flatten(paced.parameters())), dict(tree_flatten(plain.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
+    assert tok_paced.encode("hello there") == tok_plain.encode("hello there")
+
+
+def test_the_pacer_waits_only_while_the_engine_generates():
+    from mlxlab.serve.engine.pacer import Pacer
+
+    pacer = Pacer(share=0.5)
+    pacer.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    pacer.pace()  # the engine is idle: no wait
+    assert time.monotonic() - t0 < 0.03 and pacer.waited_s == 0
+    pacer.busy(True)
+    pacer.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    pacer.pace()  # a 50 ms slice at share 0.5: about 50 ms of waiting
+    assert 0.04 <= time.monotonic() - t0 < 0.5 and pacer.waited_s >= 0.04
