@@ -313,3 +313,20 @@ def test_the_pacer_waits_only_while_the_engine_generates():
     t0 = time.monotonic()
     pacer.pace()  # a 50 ms slice at share 0.5: about 50 ms of waiting
     assert 0.04 <= time.monotonic() - t0 < 0.5 and pacer.waited_s >= 0.04
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"models": {"small": ""}}, "models.small"),
+        ({"model_idle_s": -1}, "model_idle_s"),
+        ({"load_share": 0}, "load_share"),
+        ({"load_share": 1.5}, "load_share"),
+    ],
+)
+def test_bad_model_settings_are_refused(bad, words):
+    from mlxlab.config import UserError
+    from mlxlab.serve.config import ServeConfig
+
+    with pytest.raises(UserError, match=words):
+        ServeConfig(**bad)
