@@ -56,6 +56,9 @@ class Lanes:
     batch: BatchLane | None
 
 
+_WAKE = object()  # put on the queue with each `between` task: an idle engine wakes to run it
+
+
 class _Between:
     """A task the engine thread runs as soon as it sees it, between two decode steps."""
 
@@ -106,6 +109,7 @@ class Gateway:
         self.lanes: dict[str, Lanes] = {}  # each loaded model's, by name (the engine thread's)
         self.cache = None  # the prompt cache every model shares: the default model's
         self.loader = Loader(self)
+        self._between: queue.Queue = queue.Queue()  # the loader's tasks (`between`)
         self._thread = threading.Thread(target=self._work, name="mlxlab-engine", daemon=True)
 
     def start(self) -> Gateway:
@@ -128,7 +132,8 @@ class Gateway:
         if self.state in ("failed", "stopped"):
             task.future.set_exception(RuntimeError(f"the engine is {self.state}"))
         else:
-            self._queue.put(task)
+            self._between.put(task)
+            self._queue.put(_WAKE)
         return task.future
 
     def attach(self, e: Entry, loaded: Loaded) -> None:
@@ -252,6 +257,7 @@ class Gateway:
         self.ready.set()
         held = []  # an item that must wait for the batches to drain (serial job, admin task, stop)
         while True:
+            self._run_between()
             batches = [x.batch for x in self.lanes.values() if x.batch is not None]
             batches = [b for b in batches if b.active]
             if batches:
@@ -260,9 +266,9 @@ class Gateway:
                         item = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    if isinstance(item, _Between):
-                        item()
-                    elif isinstance(item, Job) and self.lane_for(item) == "batch":
+                    if item is _WAKE:
+                        continue
+                    if isinstance(item, Job) and self.lane_for(item) == "batch":
                         self._add_row(item)
                     else:
                         held.append(item)
@@ -275,6 +281,8 @@ class Gateway:
                         batch.fail_all(f"generation failed: {e}")
                 continue
             item = held.pop() if held else self._take()
+            if item is _WAKE:
+                continue
             if item is None:
                 self.state = "stopped"
                 self._refuse_between()
@@ -286,15 +294,23 @@ class Gateway:
             else:
                 self._run_serial(item)
 
+    def _run_between(self) -> None:
+        """Run the loader's tasks that have arrived (before the next decode step or job)."""
+        while True:
+            try:
+                task = self._between.get_nowait()
+            except queue.Empty:
+                return
+            task()
+
     def _refuse_between(self) -> None:
         """The engine stopped: the loader's tasks still queued fail, so it never waits forever."""
         while True:
             try:
-                item = self._queue.get_nowait()
+                task = self._between.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Between):
-                item.future.set_exception(RuntimeError("the engine is stopped"))
+            task.future.set_exception(RuntimeError("the engine is stopped"))
 
     def _cancelled_before_start(self, job: Job) -> bool:
         if job.cancelled.is_set():
