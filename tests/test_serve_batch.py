@@ -353,6 +353,28 @@ def test_aggregate_admission_makes_rows_wait_instead_of_overflowing(tiny_dir):
         gateway.stop()
 
 
+def test_a_lone_row_past_half_the_ceiling_is_admitted(tiny_dir):
+    """A row alone is always admitted: one of ~0.6x the max safe context passes the 400 check
+    (its KV once) and must answer, though its KV twice (the prefill copy) would not fit."""
+    tiny_dir("gemma3")
+    _, gateway = make_client(batch=4, prompt_cache_gb=0)
+    try:
+        adm = gateway.loaded.admission
+        prompt_len, max_tokens = 40, 20
+        need = prompt_len + 1 + max_tokens
+        # a budget whose ceiling is need / 0.6 tokens
+        ceiling = int(need / 0.6)
+        adm.budget_bytes = adm.bytes_for_rows([ceiling])
+        assert adm.max_safe_context >= need and adm.check(prompt_len + 1, max_tokens) is None
+        assert not adm.fits_rows([need], 1)  # what the branch asked of a lone row
+        (p,) = prompts((prompt_len,), seed=7)
+        ends, _ = submit_all(gateway, [Job(p, max_tokens, None, Sampling(temperature=0.0))], 60)
+        (done,) = ends.values()
+        assert isinstance(done, Done) and done.completion_tokens > 0
+    finally:
+        gateway.stop()
+
+
 def test_a_failing_forward_fails_the_batch_and_the_lane_recovers(tiny_dir, monkeypatch):
     tiny_dir("gemma3")
     _, gateway = make_client(batch=4, prompt_cache_gb=0)

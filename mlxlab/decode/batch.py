@@ -19,8 +19,7 @@ decoder adds to mlx-lm's:
   decode in the same batch;
 - admission: a waiting row is admitted only when `fits(lengths, copies)` says every row, each
   grown to prompt + max_tokens, plus a copy of each row still prefilling, fits together
-  (otherwise it waits for rows to finish); `fits` is asked for a row alone too, and must say
-  yes for one that fits the memory by itself (the server's waits only for other models' lanes);
+  (otherwise it waits for rows to finish; a row alone is always admitted);
 - cancellation: a waiting or prefilling row whose `cancelled()` is true leaves before the next
   prefill chunk; a generating row stops when its `feed` returns a finish reason.
 
@@ -368,11 +367,10 @@ class BatchDecoder:
         lengths = [self.rows[u].length for u in self.prompt_batch.uids + self.gen.uids]
         while self.waiting and len(admitted) < room:
             row = self.waiting[0]
-            # Rows being prefilled are counted twice: moving to generation copies their cache.
-            # `fits` is asked for a row alone too (the server's says yes unless other models'
-            # lanes hold the memory); without `fits` every row fits.
+            # Rows being prefilled are counted twice: moving to generation copies their cache. A row
+            # alone is always admitted.
             copies = len(self.prompt_batch) + len(admitted) + 1
-            if self.fits is not None and not self.fits(lengths + [row.length], copies):
+            if lengths and self.fits is not None and not self.fits(lengths + [row.length], copies):
                 if row.uid not in self._waited:  # counted once per row
                     self._waited.add(row.uid)
                     self.memory_waits += 1
