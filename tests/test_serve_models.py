@@ -280,40 +280,70 @@ def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alo
         gateway.stop()
 
 
-def test_a_paced_load_is_the_same_model(tiny_dir):
-    """zoo.load(pace=...) (the loader's slices, engine/pacer.py) builds the same weights and
-    tokenizer as a plain load, calling pace between its slices."""
+@pytest.mark.parametrize("family", ["qwen2", "gemma3-vl"])
+def test_a_paced_load_is_the_same_model_and_evaluates_only_through_pace(
+    tiny_dir, monkeypatch, family
+):
+    """vision.model.load(pace=...) -> zoo.load (the loader's slices, engine/pacer.py) builds the
+    same weights (a VLM's vision tower too) and tokenizer as a plain load; every evaluation runs
+    inside `pace(fn)` (the server runs those on its engine thread), none on the calling thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxlab.models import zoo
+    from mlxlab.vision.model import load
 
-    calls = []
-    paced, tok_paced = zoo.load(str(tiny_dir("qwen2")), pace=lambda: calls.append(1))
-    plain, tok_plain = zoo.load(str(tiny_dir("qwen2")))
-    assert len(calls) >= 2  # the weights, then the tokenizer
-    a, b = dict(tree_flatten(paced.parameters())), dict(tree_flatten(plain.parameters()))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
+    model_dir = str(tiny_dir(family))  # built (and evaluated) before the check
+    engine = ThreadPoolExecutor(1)  # stands for the engine thread
+    engine_ident = engine.submit(threading.get_ident).result()
+    evals, calls = [], []
+    real_eval = mx.eval
+
+    def recording_eval(*args, **kwargs):
+        evals.append(threading.get_ident())
+        return real_eval(*args, **kwargs)
+
+    def pace(fn=None):
+        calls.append(fn is not None)
+        return engine.submit(fn).result() if fn is not None else None
+
+    monkeypatch.setattr(mx, "eval", recording_eval)
+    paced, tok_paced, vision_paced = load(model_dir, pace=pace)
+    monkeypatch.setattr(mx, "eval", real_eval)
+    engine.shutdown()
+    assert evals and set(evals) == {engine_ident}
+    assert calls.count(True) >= 1 and calls.count(False) >= 1  # the weights, then the tokenizer
+    plain, tok_plain, vision_plain = load(model_dir)
+    pairs = [(paced, plain)]
+    if vision_plain is not None:
+        pairs.append((vision_paced.model, vision_plain.model))
+        assert vision_paced.bytes_per_image > 0  # measured, on the engine thread
+    for x, y in pairs:
+        a, b = dict(tree_flatten(x.parameters())), dict(tree_flatten(y.parameters()))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
     assert tok_paced.encode("hello there") == tok_plain.encode("hello there")
 
 
-def test_the_pacer_waits_only_while_the_engine_generates():
+def test_the_pacer_runs_slices_through_run_and_waits_only_while_the_engine_generates():
     from mlxlab.serve.engine.pacer import Pacer
 
     pacer = Pacer(share=0.5)
+    ran = []
+    pacer.run = lambda fn: ran.append(1) or fn()
     pacer.start()
-    time.sleep(0.05)
-    t0 = time.monotonic()
-    pacer.pace()  # the engine is idle: no wait
-    assert time.monotonic() - t0 < 0.03 and pacer.waited_s == 0
+    assert pacer.pace(lambda: time.sleep(0.05) or "result") == "result" and ran == [1]
+    assert pacer.waited_s == 0  # the engine is idle: no wait at all
     pacer.busy(True)
     pacer.start()
-    time.sleep(0.05)
-    t0 = time.monotonic()
-    pacer.pace()  # a 50 ms slice at share 0.5: about 50 ms of waiting
-    assert 0.04 <= time.monotonic() - t0 < 0.5 and pacer.waited_s >= 0.04
+    pacer.pace(lambda: time.sleep(0.05))  # a 50 ms slice at share 0.5: about 50 ms of waiting
+    assert pacer.waited_s >= 0.04
+    waited = pacer.waited_s
+    pacer.busy(False)  # the engine goes idle: the next slice does not wait
+    pacer.pace(lambda: time.sleep(0.05))
+    assert pacer.waited_s == waited
 
 
 @pytest.mark.parametrize(

@@ -433,7 +433,7 @@ def load(
     decode_kernel: bool = True,
     decode_head: str = "auto",
     lazy: bool = False,
-    pace: Callable[[], None] | None = None,
+    pace: Callable[..., object] | None = None,
 ):
     """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype).
 
@@ -445,9 +445,12 @@ def load(
     what the LM head and the other linears read at decode (`fastdecode.use_head_dtype`): auto
     (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate).
 
-    `pace`: called between the slices of the work (the weights read and cast in pieces of about
-    `PACE_BYTES`, the tokenizer, each decode copy): a server loading a model beside others
-    generating lets them go first there (serve/engine/pacer.py). The result is the same."""
+    `pace(fn)`: runs each slice of MLX work `fn` and returns its result (the weights evaluated
+    in pieces of about `PACE_BYTES`, each decode copy; the lazy model's construction too, since
+    MLX's streams are per thread); `pace()` marks a slice of other work (the tokenizer). No MLX
+    array is made where `load` is called: a server loading a model beside others generating runs
+    each slice on its engine thread between two decode steps, giving generation its share
+    (serve/engine/pacer.py). The result is the same."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -485,25 +488,39 @@ PACE_BYTES = 32 << 20
 """The weights one slice of a paced load reads and casts (`load(pace=...)`)."""
 
 
-def _load_paced(path: Path, target, pace: Callable[[], None]):
-    """mlx-lm's `load` in slices, `pace()` between them: the model built on lazy weights, cast,
-    then its arrays evaluated about PACE_BYTES at a time; the tokenizer is one slice."""
-    import mlx.core as mx
+def _load_paced(path: Path, target, pace: Callable[..., object]):
+    """mlx-lm's `load` in slices through `pace(fn)`: the model built on lazy weights and cast
+    (MLX's streams are per thread: arrays are built where they are evaluated), its arrays
+    evaluated about PACE_BYTES at a time; then the tokenizer, here (`pace()`)."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 
-    model, config = load_model(path, lazy=True)
-    model.set_dtype(target)
-    part, size = [], 0
-    for _, v in tree_flatten(model.parameters()):
-        part.append(v)
-        size += v.nbytes
-        if size >= PACE_BYTES:
-            mx.eval(part)
-            part, size = [], 0
-            pace()
-    mx.eval(part)
-    pace()
+    def build():
+        model, config = load_model(path, lazy=True)
+        model.set_dtype(target)
+        return model, config
+
+    model, config = pace(build)
+    evaluate([v for _, v in tree_flatten(model.parameters())], pace)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
     pace()
     return model, tokenizer
+
+
+def evaluate(arrays: list, pace: Callable[..., object] | None = None) -> None:
+    """Evaluate `arrays`: at once, or with `pace` (see `load`) in slices of about PACE_BYTES,
+    each one run by `pace(fn)`."""
+    import mlx.core as mx
+
+    if pace is None:
+        mx.eval(arrays)
+        return
+    part, size = [], 0
+    for v in arrays:
+        part.append(v)
+        size += v.nbytes
+        if size >= PACE_BYTES:
+            pace(lambda part=part: mx.eval(part))
+            part, size = [], 0
+    if part:
+        pace(lambda part=part: mx.eval(part))

@@ -43,7 +43,8 @@ class ServeConfig:
     """Unload a model other than the default after this many seconds without a request; 0: never."""
     load_share: float = 1.0
     """While other models generate, the share of the time a model's load may take (0 < x <= 1;
-    below 1, it reads its weights in slices and waits between them, engine/pacer.py)."""
+    its weights are evaluated in slices between decode steps; below 1, it waits after each,
+    engine/pacer.py)."""
     dtype: str = "auto"
     """Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
     decode_head: str = "auto"

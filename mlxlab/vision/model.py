@@ -86,30 +86,35 @@ class VisionModel:
     """mlx-vlm's model and processor for `model_dir`, its language weights shared with the
     mlx-lm `text_model` (see the module docstring)."""
 
-    def __init__(self, model_dir, dtype: str, text_model=None):
-        import mlx.core as mx
+    def __init__(self, model_dir, dtype: str, text_model=None, pace=None):
         from mlx.utils import tree_flatten, tree_unflatten
         from mlx_vlm.utils import load_image_processor, load_model, load_processor
 
+        from mlxlab.models.zoo import evaluate
         from mlxlab.runtime import resolve_dtype
 
         path = Path(model_dir)
-        self.model = load_model(path, lazy=True)
-        self.model.set_dtype(resolve_dtype(dtype))
+        theirs = dict(tree_flatten(text_model.parameters())) if text_model is not None else {}
+        shared = []
+
+        def build():  # where `pace` runs it (arrays are made on the thread that evaluates them)
+            model = load_model(path, lazy=True)
+            model.set_dtype(resolve_dtype(dtype))
+            for name, value in tree_flatten(model.language_model.parameters()):
+                full = f"language_model.{name}"
+                mine = theirs.get(full)
+                if mine is None and name == "lm_head.weight":  # mlx-vlm unties what mlx-lm ties
+                    mine = theirs.get("language_model.model.embed_tokens.weight")
+                if mine is not None and mine.shape == value.shape and mine.dtype == value.dtype:
+                    shared.append((name, mine))
+            model.language_model.update(tree_unflatten(shared))
+            return model
+
+        self.model = pace(build) if pace is not None else build()
         self.config = self.model.config
         self.model_type = self.config.model_type
         self.alone = text_model is None  # no mlx-lm model beside it: every request runs here
-        theirs = dict(tree_flatten(text_model.parameters())) if text_model is not None else {}
-        shared = []
-        for name, value in tree_flatten(self.model.language_model.parameters()):
-            full = f"language_model.{name}"
-            mine = theirs.get(full)
-            if mine is None and name == "lm_head.weight":  # mlx-vlm unties what mlx-lm ties
-                mine = theirs.get("language_model.model.embed_tokens.weight")
-            if mine is not None and mine.shape == value.shape and mine.dtype == value.dtype:
-                shared.append((name, mine))
-        self.model.language_model.update(tree_unflatten(shared))
-        mx.eval(self.model.parameters())
+        evaluate([v for _, v in tree_flatten(self.model.parameters())], pace)
 
         def nbytes(pairs, skip=()) -> int:  # each array once (a tied head is the embedding)
             seen = {id(v): v.nbytes for _, v in pairs if id(v) not in skip}
@@ -139,7 +144,8 @@ class VisionModel:
             None,
         )
         try:
-            self.bytes_per_image, self.reference_tokens = self._measure()
+            measured = pace(self._measure) if pace is not None else self._measure()
+            self.bytes_per_image, self.reference_tokens = measured
         except Exception as e:  # noqa: BLE001 - a family whose processor wants more than this
             log.warning(
                 "mlxlab: could not measure the vision tower's memory on a reference image (%s); "
@@ -362,8 +368,8 @@ def load(
 ):
     """(model, tokenizer, VisionModel or None) for any model spec (see the module docstring).
     `text_model`: for a VLM, whether mlx-lm runs its text requests (default: when mlx-lm has the
-    family); False serves it through mlx-vlm alone. `pace`: as `zoo.load`'s (the text model's
-    load in slices)."""
+    family); False serves it through mlx-vlm alone. `pace`: as `zoo.load`'s (every evaluation,
+    the vision tower's and its measurement included, runs through it)."""
     from mlxlab.models.zoo import load as load_text
     from mlxlab.models.zoo import resolve
 
@@ -384,7 +390,7 @@ def load(
     if text_model is None:
         text_model = mlx_lm_has(config.get("model_type"))
     if not text_model:
-        return _load_alone(model_dir, dtype, config)
+        return _load_alone(model_dir, dtype, config, pace)
     try:
         model, tokenizer = load_text(str(model_dir), dtype, decode_head=decode_head, pace=pace)
     except ValueError as e:
@@ -392,7 +398,7 @@ def load(
             f"{model_dir}: mlx-lm cannot load the language model of this "
             f"{config.get('model_type')} model ({e})"
         ) from None
-    vision = VisionModel(model_dir, dtype, model)
+    vision = VisionModel(model_dir, dtype, model, pace)
     if not getattr(tokenizer, "chat_template", None) and vision.chat_template:
         # mlx-community conversions keep the template in the processor's chat_template.json
         tokenizer._tokenizer.chat_template = vision.chat_template
@@ -410,12 +416,12 @@ def load(
     return model, tokenizer, vision
 
 
-def _load_alone(model_dir, dtype: str, config: dict):
+def _load_alone(model_dir, dtype: str, config: dict, pace=None):
     """A VLM served by mlx-vlm alone: its model, mlx-lm's tokenizer wrapper over the same
     tokenizer files (streaming detokenizer, end tokens), a TextView for the engine."""
     from mlx_lm.utils import load_tokenizer
 
-    vision = VisionModel(model_dir, dtype)
+    vision = VisionModel(model_dir, dtype, pace=pace)
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
     eos = [eos] if isinstance(eos, int) else eos
     tokenizer = load_tokenizer(Path(model_dir), eos_token_ids=eos)

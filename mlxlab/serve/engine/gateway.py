@@ -10,8 +10,9 @@ The worker thread loads the default model (`Loaded`), then runs jobs on its mode
 (`lanes`, by model name; a job names its model through its lease): `Gateway.lane_for` picks per
 job; every lane runs on this one thread, so no two use a model at the same time; the batched
 lanes of several models step in turn, one decode step each. Admin tasks (adapter mount/unmount)
-are queued with `call` and run between jobs; the loader thread's tasks (engine/loader.py:
-attaching a model it loaded, detaching one it evicts) with `between`, run between decode steps.
+are queued with `call` and run between jobs; the loader thread's tasks (engine/loader.py: each
+slice of a load's MLX work, attaching a model it loaded, detaching one it evicts) with
+`between`, run between decode steps, a serial job's included: MLX evaluates on this thread only.
 The other models (serve `models.NAME=`) are engine/models.py's and engine/loader.py's.
 """
 
@@ -110,6 +111,8 @@ class Gateway:
         self.cache = None  # the prompt cache every model shares: the default model's
         self.loader = Loader(self)
         self._between: queue.Queue = queue.Queue()  # the loader's tasks (`between`)
+        # a load's slices of MLX work run here, between decode steps (engine/pacer.py)
+        self.models.pacer.run = lambda fn: self.between(fn).result()
         self._thread = threading.Thread(target=self._work, name="mlxlab-engine", daemon=True)
 
     def start(self) -> Gateway:
@@ -162,7 +165,7 @@ class Gateway:
                 "(quantized KV caches cannot be batched)",
                 loaded.model_id,
             )
-        return Lanes(loaded, SerialLane(loaded, cfg), batch)
+        return Lanes(loaded, SerialLane(loaded, cfg, self._run_between), batch)
 
     @property
     def pending(self) -> int:
