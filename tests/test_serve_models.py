@@ -203,6 +203,28 @@ def test_a_model_that_cannot_fit_is_refused(tiny_dir):
         gateway.stop()
 
 
+def test_a_load_plan_counts_the_kv_of_every_request_in_flight():
+    """Batched rows hold their KV together: the plan sums every lease's, not the largest."""
+    from mlxlab.serve.config import ServeConfig
+    from mlxlab.serve.engine.models import Lease, ModelError, Models
+
+    gb = 10**9
+    models = Models(ServeConfig(model="a", models={"b": "b-spec"}, memory_budget_gb=10).engine())
+    default, other = models.default, models.entries["b"]
+    default.state, default.reserved = "loaded", 2 * gb
+    for _ in range(3):  # three requests of 2 GB each on the default: 6 GB, the largest 2 GB
+        lease = Lease(models, default)
+        lease.need_bytes = 2 * gb
+        default.leases.add(lease)
+    # 2 GB of weights + 6 GB of KV + the reserve leave less than 2 GB for b
+    with pytest.raises(ModelError) as e:
+        models.plan_load(other, 2 * gb)
+    assert e.value.status == 503 and e.value.code == "insufficient_memory"
+    lease.release()  # 4 GB of KV in flight now: b fits
+    assert models.plan_load(other, 2 * gb - RESERVE_BYTES) == []
+    assert other.state == "loading"
+
+
 def test_idle_model_is_unloaded_and_reloads(tiny_dir, alone):
     client, gateway = make_client(models=SMALL, model_idle_s=0.3)
     try:

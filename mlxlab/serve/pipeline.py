@@ -474,9 +474,9 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask, lease: Lease | None =
     check_length(loaded, ask)
     checkpoint, reasoning = 0, False
     seen = vision.plan(cfg, loaded, ask)  # images: checked, numbered, through the processor
-    if seen is not None and seen.inputs is not None:
+    images = seen is not None and seen.inputs is not None
+    if images:
         prompt, reasoning = seen.prompt, seen.reasoning
-        limit = vision.completion_limit(loaded, cfg, len(prompt), ask.max_tokens, seen.image_bytes)
     elif ask.messages is not None:
         messages = seen.messages if seen is not None else ask.messages
         prompt, checkpoint, reasoning = render_chat(
@@ -484,11 +484,19 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask, lease: Lease | None =
         )
     else:
         prompt = render_text(loaded, ask.prompt)
-    if seen is None or seen.inputs is None:
-        limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+    # The admission check and the KV reservation together, under the models' lock: no load is
+    # planned between them (so none evicts or crowds out what this request was admitted with).
+    with gateway.models.lock:
+        if images:
+            limit = vision.completion_limit(
+                loaded, cfg, len(prompt), ask.max_tokens, seen.image_bytes
+            )
+        else:
+            limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+        if lease is not None:
+            lease.reserve(len(prompt) + limit)
+    if not images:
         seen = vision.text_job(loaded, ask, prompt, seen)  # a VLM only mlx-vlm runs
-    if lease is not None:  # the KV it needs: no load evicts what this request could need
-        lease.reserve(len(prompt) + limit)
     sampling = resolve_sampling(ask.sampling, cfg, loaded)
     grammar = grammar_for(ask.shape, ask.tools, loaded, reasoning)
     check_adapters(gateway, loaded, ask.adapter)

@@ -17,7 +17,7 @@
   against it (`others`, which each model's `Admission` reads), so each model's context ceiling
   is what is left beside the others. A load is planned (`plan_load`) from the model's weight
   bytes read from its files (engine/catalog.py): least recently used idle models are evicted
-  until the new one fits beside the rest and the largest request in flight; a model that can
+  until the new one fits beside the rest and the KV of every request in flight; a model that can
   never fit beside the pinned default is a 400 `model_too_large`, one that cannot fit now
   because the others are busy a 503 `insufficient_memory` (Retry-After).
 
@@ -240,9 +240,8 @@ class Models:
                     "model_too_large",
                 )
             resident = self.others(e)
-            need = max(
-                (lease.need_bytes for x in self.entries.values() for lease in x.leases), default=0
-            )
+            # the KV of every request in flight: batched rows hold theirs at the same time
+            need = sum(lease.need_bytes for x in self.entries.values() for lease in x.leases)
             idle = sorted(
                 (
                     x
