@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+import weakref
 
 import httpx
 import pytest
@@ -177,8 +178,10 @@ def test_eviction_under_a_small_budget_and_reload(tiny_dir, alone):
     client, gateway = make_client(models=SMALL, memory_budget_gb=budget / 1e9, prefill_step=16)
     try:
         assert complete(client, "small", PROMPTS[0]) == alone["small"][0]
+        evicted = weakref.ref(gateway.models.entries["small"].loaded.model)
         assert complete(client, "qwen", PROMPTS[1], 8) == alone["qwen"][1]
         assert stats_of(client, "small")["state"] == "unloaded"
+        assert evicted() is None  # nothing holds the evicted model: its memory is freed
         assert stats_of(client, "small")["evictions"] == 1
         assert complete(client, "small", PROMPTS[1], 8) == alone["small"][1]
         small, qwen = stats_of(client, "small"), stats_of(client, "qwen")

@@ -146,11 +146,14 @@ class Gateway:
         loaded.admission.bind(lambda: self.models.others(e))
         self.lanes[e.name] = self._lanes_for(loaded)
 
-    def detach(self, e: Entry) -> None:
-        """On the engine thread: drop `e`'s lanes (it has no work in flight) and free its memory."""
+    def detach(self, e: Entry, reason: str) -> None:
+        """On the engine thread: drop `e`'s lanes (it has no work in flight) and its model
+        (`Models.unloaded`, `reason`: lru or idle), then free their memory: nothing references
+        the model any more when the arrays are collected and MLX's cache cleared."""
         import mlx.core as mx
 
         self.lanes.pop(e.name, None)
+        self.models.unloaded(e, reason)
         gc.collect()
         mx.clear_cache()
 

@@ -95,9 +95,11 @@ class Loader:
         log.info("mlxlab serve: loaded model %r (%s) in %.1f s", e.name, e.spec, seconds)
 
     def _unload(self, e: Entry, reason: str) -> None:
-        """Detach `e`'s lanes on the engine thread and free its memory (`reason`: lru or idle)."""
+        """Detach `e`'s lanes and model on the engine thread and free its memory (`reason`: lru
+        or idle)."""
         try:
-            self.gateway.between(lambda: self.gateway.detach(e)).result()
+            self.gateway.between(lambda: self.gateway.detach(e, reason)).result()
         finally:
-            self.models.unloaded(e, reason)
+            if e.state == "evicting":  # the engine did not get to it (stopped, or it failed)
+                self.models.unloaded(e, reason)
         log.info("mlxlab serve: unloaded model %r (%s)", e.name, reason)
