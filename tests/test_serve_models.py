@@ -228,6 +228,67 @@ def test_a_load_plan_counts_the_kv_of_every_request_in_flight():
     assert other.state == "loading"
 
 
+def test_a_lease_handed_after_its_request_left_goes_back(tiny_dir):
+    """A request that leaves after the loader claimed its future (set_running_or_notify_cancel)
+    but before it set the lease: the lease still goes back, so the model can become idle."""
+    import asyncio
+
+    from mlxlab.serve import pipeline
+
+    _, gateway = make_client(models=SMALL)
+    try:
+        gateway.loader.stop()  # nothing loads: the test plays the loader's part
+        models, small = gateway.models, gateway.models.entries["small"]
+
+        async def leave():
+            task = asyncio.create_task(pipeline.lease_for(gateway, "small"))
+            while not small.waiters:
+                await asyncio.sleep(0.01)
+            (future,) = small.waiters
+            assert future.set_running_or_notify_cancel()  # the loader is handing it over...
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return future
+
+        future = asyncio.run(leave())
+        future.set_result(models._lease(small))  # ... and hands it, after the request left
+        assert not small.leases and models.describe(small)["in_flight"] == 0
+    finally:
+        gateway.stop()
+
+
+def test_the_loader_goes_on_after_an_error_and_a_stuck_load_is_a_503(tiny_dir, monkeypatch, alone):
+    """An error in the loader's loop (here: looking for idle models) is logged and the loader
+    goes on; a request whose model does not load within LOAD_WAIT_S is a 503 and holds nothing."""
+    from mlxlab.serve import pipeline
+
+    monkeypatch.setattr(pipeline, "LOAD_WAIT_S", 30.0)
+    other = str(tiny_dir("llama"))  # tiny-llama again, under another spec: a third model
+    client, gateway = make_client(models={**SMALL, "other": other})
+    try:
+        models, real, calls = gateway.models, gateway.models.idle_victims, []
+
+        def failing_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug in the loader's loop")
+            return real()
+
+        monkeypatch.setattr(models, "idle_victims", failing_once)
+        assert complete(client, "small", PROMPTS[0]) == alone["small"][0]
+        assert complete(client, "qwen", PROMPTS[0]) == alone["qwen"][0]  # the loader went on
+        assert len(calls) >= 2
+        gateway.loader.stop()  # a load that never ends
+        monkeypatch.setattr(pipeline, "LOAD_WAIT_S", 0.5)
+        r = client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "model_load_timeout" and r.headers["Retry-After"]
+        assert stats_of(client, "other")["in_flight"] == 0
+    finally:
+        gateway.stop()
+
+
 def test_idle_model_is_unloaded_and_reloads(tiny_dir, alone):
     client, gateway = make_client(models=SMALL, model_idle_s=0.3)
     try:

@@ -396,22 +396,41 @@ def model_error(e: ModelError) -> APIError:
     )
 
 
+LOAD_WAIT_S = 600.0
+"""How long a request waits for its model's load before a 503 (a load stuck or far too slow)."""
+
+
 async def lease_for(gateway: Gateway, model: str | None) -> Lease:
-    """A lease on the model `model` names, awaited while it loads (engine/models.py); a client
-    that leaves meanwhile gives its lease back."""
+    """A lease on the model `model` names, awaited while it loads (engine/models.py), at most
+    LOAD_WAIT_S (then a 503); a client that leaves meanwhile gives its lease back, even one
+    handed to it after it left."""
     ready_loaded(gateway)
     try:
         future = gateway.models.acquire(model)
     except ModelError as e:
         raise model_error(e) from None
     try:
-        return await asyncio.wrap_future(future)
+        return await asyncio.wait_for(asyncio.wrap_future(future), LOAD_WAIT_S)
     except ModelError as e:
         raise model_error(e) from None
-    except asyncio.CancelledError:
-        if future.done() and not future.cancelled() and future.exception() is None:
-            future.result().release()
+    except (asyncio.CancelledError, TimeoutError) as e:
+        future.add_done_callback(_give_back)  # at once when it is done already
+        if isinstance(e, TimeoutError):
+            raise APIError(
+                503,
+                f"model {model!r} did not load within {LOAD_WAIT_S:.0f} s; retry later",
+                type="service_unavailable",
+                param="model",
+                code="model_load_timeout",
+                headers={"Retry-After": "10"},
+            ) from None
         raise
+
+
+def _give_back(future) -> None:
+    """The lease a request that left got after all goes back."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().release()
 
 
 def check_request(cfg: ServeConfig, ask: Ask) -> None:

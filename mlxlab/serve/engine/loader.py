@@ -59,10 +59,15 @@ class Loader:
                 e = False
             if e is None:
                 return
-            if e:
-                self._load(e)
-            for victim in self.models.idle_victims():
-                self._unload(victim, "idle")
+            try:
+                if e:
+                    self._load(e)
+                for victim in self.models.idle_victims():
+                    self._unload(victim, "idle")
+            except Exception as err:  # noqa: BLE001 - the loader goes on; the model's waiters get it
+                log.exception("mlxlab serve: the loader failed (%s); it goes on", err)
+                if e and e.state in ("queued", "loading"):
+                    self.models.failed(e, err)
 
     def _load(self, e: Entry) -> None:
         m, cfg = self.models, self.models.cfg
