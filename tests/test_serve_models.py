@@ -289,6 +289,29 @@ def test_the_loader_goes_on_after_an_error_and_a_stuck_load_is_a_503(tiny_dir, m
         gateway.stop()
 
 
+def test_a_load_is_planned_from_the_headers_else_from_the_disk_else_refused(tiny_dir, tmp_path):
+    """planned_bytes: the headers' weights (a VLM's vision tower included: what loading it
+    measures); an unreadable header: an upper bound from the files' sizes; no weights: refused."""
+    from mlxlab.serve.config import ServeConfig
+    from mlxlab.serve.engine.catalog import planned_bytes
+    from mlxlab.serve.engine.loaded import Loaded
+
+    vlm = tiny_dir("gemma3-vl")
+    loaded = Loaded(ServeConfig(model=str(vlm), memory_budget_gb=2).engine())
+    assert loaded.vision is not None and loaded.vision.extra_bytes > 0
+    assert planned_bytes(vlm) == loaded.admission.weights_bytes
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir("llama"), broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])  # a header length past any header
+    assert planned_bytes(broken) >= planned_bytes(tiny_dir("llama"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no weight files"):
+        planned_bytes(bare)
+
+
 def test_idle_model_is_unloaded_and_reloads(tiny_dir, alone):
     client, gateway = make_client(models=SMALL, model_idle_s=0.3)
     try:

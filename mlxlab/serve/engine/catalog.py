@@ -95,6 +95,33 @@ def facts(model_dir: Path | None, dtype: str = "auto", decode_head: str = "auto"
     return Facts(size, int(context) if isinstance(context, int) else None, vision)
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.npz", "*.gguf", "*.pt", "*.pth")
+"""What counts as a weight file when a model's size is estimated from the disk."""
+
+
+def planned_bytes(model_dir: Path, dtype: str = "auto", decode_head: str = "auto") -> int:
+    """The bytes a load of `model_dir` is planned with (engine/models.py `plan_load`): the
+    weights' from the safetensors headers (every weight of every file: a VLM's vision tower
+    too); where those cannot be read, an upper bound from the weight files' sizes on disk (as if
+    every byte were a 2-byte float cast to the compute dtype, plus its decode copy); ValueError
+    when there are no weight files to size (the model is refused rather than planned as 0)."""
+    target, copies = compute_terms(dtype, decode_head)
+    try:
+        return weight_bytes(Path(model_dir), target, copies)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    disk = 0
+    for pattern in WEIGHT_FILES:
+        for f in Path(model_dir).glob(pattern):
+            try:
+                disk += f.stat().st_size
+            except OSError:
+                pass
+    if not disk:
+        raise ValueError(f"{model_dir}: no weight files to tell the memory it needs from")
+    return disk * max(1, target // 2) + (disk if copies else 0)
+
+
 def compute_terms(dtype: str, decode_head: str) -> tuple[int, bool]:
     """(bytes per floating weight at the compute dtype, whether bf16 decode copies are kept)."""
     import mlx.core as mx

@@ -24,7 +24,7 @@ import threading
 import time
 
 from mlxlab.models import zoo
-from mlxlab.serve.engine.catalog import facts
+from mlxlab.serve.engine.catalog import planned_bytes
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.models import Entry, ModelError
 
@@ -74,8 +74,8 @@ class Loader:
         began = time.monotonic()
         try:
             model_dir = zoo.resolve(e.spec)  # may build a zoo model or convert a GGUF
-            size = facts(model_dir, cfg.dtype, cfg.decode_head).weight_bytes
-            for victim in m.plan_load(e, size or 0):
+            size = planned_bytes(model_dir, cfg.dtype, cfg.decode_head)
+            for victim in m.plan_load(e, size):
                 self._unload(victim, "lru")
             m.pacer.start()
             loaded = Loaded(
