@@ -374,17 +374,33 @@ def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alo
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     write_cache(tmp_path / "hub", "tiny-org/llama", tiny_dir("llama"))
+    from mlxlab.models import zoo
+    from mlxlab.serve.engine import models
+
+    scans, reads = [], []
+    real_scan, real_facts = zoo.hub_cached, models.facts
+    monkeypatch.setattr(zoo, "hub_cached", lambda: scans.append(1) or real_scan())
+    monkeypatch.setattr(models, "facts", lambda *a: reads.append(a[0]) or real_facts(*a))
+    monkeypatch.setattr(models, "HUB_TTL_S", 3600.0)
     client, gateway = make_client(models_from_cache=True)
     try:
         cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
         card = cards["tiny-org/llama"]
         assert not card["loaded"] and card["size_bytes"] == weights(tiny_dir, "llama")
+        read = len(reads)
+        for _ in range(3):  # listed again: the cache's scan and the headers are reused
+            assert "tiny-org/llama" in {c["id"] for c in client.get("/v1/models").json()["data"]}
+        assert len(scans) == 1 and len(reads) == read
         assert complete(client, "tiny-org/llama", PROMPTS[0]) == alone["small"][0]
         assert stats_of(client, "tiny-org/llama")["loads"] == 1
         r = client.post(
             "/v1/completions", json={"model": "tiny-org/absent", "prompt": "hi", "max_tokens": 2}
         )
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert len(scans) == 1  # the 404 too
+        monkeypatch.setattr(models, "HUB_TTL_S", 0.0)  # past its time: scanned again
+        client.get("/v1/models")
+        assert len(scans) == 2
     finally:
         gateway.stop()
 

@@ -397,10 +397,11 @@ def hub_cached() -> dict[str, Path]:
     return out
 
 
-def local_dir(spec: str) -> Path | None:
+def local_dir(spec: str, cached: dict[str, Path] | None = None) -> Path | None:
     """The directory `resolve(spec)` gives when it is there already: nothing to build, convert
     or download (a GGUF's conversion is keyed by its content, so it is never known here); None
-    when resolving has work to do, or would fail."""
+    when resolving has work to do, or would fail. `cached`: `hub_cached()`'s answer, when the
+    caller has it (a repo id is looked up there instead of scanning the cache again)."""
     if spec in ZOO:
         out = models_dir() / spec
         return out if is_complete(out) else None
@@ -410,7 +411,7 @@ def local_dir(spec: str) -> Path | None:
     if path.is_dir():
         return path if (path / "config.json").is_file() else None
     if is_repo_id(spec):
-        return hub_cached().get(spec)
+        return (cached if cached is not None else hub_cached()).get(spec)
     return None
 
 

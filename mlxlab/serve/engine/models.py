@@ -45,6 +45,9 @@ from mlxlab.serve.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
+HUB_TTL_S = 10.0
+"""How long a scan of the Hugging Face cache (models_from_cache) is reused."""
+
 RETRY_FAILED_S = 10.0
 """A model that failed to load answers its error for this long, then the next request retries."""
 
@@ -140,18 +143,32 @@ class Models:
                 continue
             self.entries[name] = Entry(name, spec)
         self.strict = bool(cfg.models or cfg.models_from_cache)
+        self._hub: tuple[float, dict] | None = None  # (when, zoo.hub_cached()): `hub`
+        self._facts: dict[str, Facts] = {}  # by model directory: `facts_of`
 
     # --- names ------------------------------------------------------------------------------
 
+    def hub(self) -> dict:
+        """The Hugging Face cache's models (`zoo.hub_cached`) with models_from_cache, else none:
+        the folders are scanned at most once every HUB_TTL_S, never under the lock."""
+        if not self.cfg.models_from_cache:
+            return {}
+        scanned = self._hub
+        now = time.monotonic()
+        if scanned is None or now - scanned[0] >= HUB_TTL_S:
+            scanned = self._hub = (now, zoo.hub_cached())
+        return scanned[1]
+
     def find(self, name: str | None) -> Entry:
         """The entry a request's `model` names (see the module docstring); ModelError 404."""
+        cached = self.hub() if name and zoo.is_repo_id(name) else {}
         with self.lock:
             if not name or name == self.default.name:
                 return self.default
             name = self.aliases.get(name, name)
             if name in self.entries:
                 return self.entries[name]
-            if self.cfg.models_from_cache and zoo.is_repo_id(name) and name in zoo.hub_cached():
+            if name in cached:
                 self.entries[name] = Entry(name, name)
                 return self.entries[name]
             if not self.strict:
@@ -168,8 +185,7 @@ class Models:
         """Every name a request may use now, the default first."""
         with self.lock:
             out = list(self.entries) + list(self.aliases)
-        if self.cfg.models_from_cache:
-            out += [r for r in zoo.hub_cached() if r not in out]
+        out += [r for r in self.hub() if r not in out]
         return out
 
     def owner_of(self, adapter_id: str) -> Entry | None:
@@ -375,9 +391,16 @@ class Models:
         )
 
     def facts_of(self, e: Entry) -> Facts:
-        """What its files say (loaded or not), memoized until it loads or unloads."""
+        """What its files say (loaded or not), memoized until it loads or unloads, and by the
+        model's directory (a cache model listed but never asked for has no lasting entry)."""
         if e.facts is None:
-            e.facts = facts(zoo.local_dir(e.spec), self.cfg.dtype, self.cfg.decode_head)
+            path = zoo.local_dir(e.spec, self.hub() if self.cfg.models_from_cache else None)
+            if path is None:
+                return facts(None)
+            key = str(path)
+            if key not in self._facts:
+                self._facts[key] = facts(path, self.cfg.dtype, self.cfg.decode_head)
+            e.facts = self._facts[key]
         return e.facts
 
     def describe(self, e: Entry) -> dict:
