@@ -164,6 +164,21 @@ def test_one_model_server_answers_any_name(tiny_dir):
         gateway.stop()
 
 
+def test_an_alias_answers_under_the_name_asked_for(tiny_dir):
+    """models.NAME=SPEC with the default's spec is another name for the default model: its
+    answers echo the name asked for (as OpenAI clients expect), on every protocol."""
+    client, gateway = make_client(models={"alias": "tiny-gemma3", **SMALL})
+    try:
+        assert complete(client, "alias", PROMPTS[0]) == complete(client, "tiny-gemma3", PROMPTS[0])
+        chat = [{"role": "user", "content": "hi"}]
+        r = client.post("/v1/messages", json={"model": "alias", "max_tokens": 2, "messages": chat})
+        assert r.status_code == 200 and r.json()["model"] == "alias"
+        r = client.post("/v1/responses", json={"model": "alias", "input": "hi"})
+        assert r.status_code == 200 and r.json()["model"] == "alias"
+    finally:
+        gateway.stop()
+
+
 def weights(tiny_dir, family) -> int:
     return facts(tiny_dir(family)).weight_bytes
 
@@ -244,7 +259,7 @@ def test_a_lease_handed_after_its_request_left_goes_back(tiny_dir):
             task = asyncio.create_task(pipeline.lease_for(gateway, "small"))
             while not small.waiters:
                 await asyncio.sleep(0.01)
-            (future,) = small.waiters
+            ((future, _),) = small.waiters
             assert future.set_running_or_notify_cancel()  # the loader is handing it over...
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -475,6 +490,7 @@ def test_the_pacer_runs_slices_through_run_and_waits_only_while_the_engine_gener
     "bad, words",
     [
         ({"models": {"small": ""}}, "models.small"),
+        ({"model": "tiny-gemma3", "models": {"tiny-gemma3": "tiny-llama"}}, "default model's name"),
         ({"model_idle_s": -1}, "model_idle_s"),
         ({"load_share": 0}, "load_share"),
         ({"load_share": 1.5}, "load_share"),

@@ -228,6 +228,11 @@ class ServeConfig:
                     f"serve.models.{name}={spec!r}: give each model a name and a spec "
                     "(models.small=tiny-llama)"
                 )
+            if str(name) == self.model and str(spec) != self.model:
+                raise UserError(
+                    f"serve.models.{name}={spec!r}: {name!r} is the default model's name "
+                    f"(model={self.model}); give this model another name"
+                )
         if self.model_idle_s < 0:
             raise UserError(f"model_idle_s must be >= 0, got {self.model_idle_s}")
         if not 0 < self.load_share <= 1:

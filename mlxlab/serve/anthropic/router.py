@@ -31,10 +31,10 @@ async def messages(body: MessagesRequest, request: Request):
     job.id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
         return await pipeline.stream(
-            gateway, job, encode.MessageStream(job.id, job.lease.name, job)
+            gateway, job, encode.MessageStream(job.id, job.lease.asked, job)
         )
     got = await pipeline.collect(gateway, job, request.receive)
-    return encode.message_body(job.id, job.lease.name, got)
+    return encode.message_body(job.id, job.lease.asked, got)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -180,7 +180,11 @@ class Gateway:
         if self.state != "ready":
             raise NotReady(self.error or f"the engine is {self.state}")
         with self._lock:
-            rows = self.cfg.decode.batch if self.batch is not None else 1
+            # what the loaded models can run at once: each one's batch rows, or its serial lane
+            rows = sum(
+                x.loaded.cfg.decode.batch if x.batch is not None else 1
+                for x in list(self.lanes.values())
+            )
             if self._pending >= self.cfg.max_queue + rows - 1:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(

@@ -77,7 +77,9 @@ class Entry:
     reserved: int = 0  # bytes counted against the budget: the estimate while loading, then measured
     last_used: float = field(default_factory=time.monotonic)
     leases: set = field(default_factory=set)
-    waiters: list = field(default_factory=list)  # futures of requests waiting for its load
+    waiters: list = field(
+        default_factory=list
+    )  # (future, name asked) of requests awaiting its load
     facts: Facts | None = None  # from its files, when unloaded (memoized)
     # counters (since start)
     loads: int = 0
@@ -96,10 +98,13 @@ class Entry:
 
 
 class Lease:
-    """A request's hold on a loaded model (see the module docstring)."""
+    """A request's hold on a loaded model (see the module docstring). `name`: the model's (its
+    lanes'); `asked`: the name the request used for it, which its answer echoes (an alias's
+    own; the model's when the one model answers any name)."""
 
-    def __init__(self, models: Models, entry: Entry):
+    def __init__(self, models: Models, entry: Entry, asked: str | None = None):
         self.models, self.entry = models, entry
+        self.asked = asked or entry.name
         self.loaded = entry.loaded
         self.need_bytes = 0
         self.open = True
@@ -136,7 +141,7 @@ class Models:
         self.entries: dict[str, Entry] = {self.default.name: self.default}
         self.aliases: dict[str, str] = {}
         for name, spec in (cfg.models or {}).items():
-            if name == self.default.name:
+            if name == self.default.name:  # its own name for itself (another spec: a config error)
                 continue
             if spec == cfg.model:
                 self.aliases[name] = self.default.name
@@ -206,18 +211,19 @@ class Models:
         fut: Future = Future()
         with self.lock:
             e = self.find(name)
+            asked = name if name in self.aliases else e.name
             if e.state == "loaded":
-                fut.set_result(self._lease(e))
+                fut.set_result(self._lease(e, asked))
                 return fut
             if e.state == "failed" and time.monotonic() - e.failed_at < RETRY_FAILED_S:
                 raise self.failure(e)
-            e.waiters.append(fut)
+            e.waiters.append((fut, asked))
             if e.state in ("unloaded", "failed"):
                 self._queue(e)
         return fut
 
-    def _lease(self, e: Entry) -> Lease:
-        lease = Lease(self, e)
+    def _lease(self, e: Entry, asked: str | None = None) -> Lease:
+        lease = Lease(self, e, asked)
         e.leases.add(lease)
         e.last_used = time.monotonic()
         return lease
@@ -318,8 +324,8 @@ class Models:
                 e.load_seconds += seconds
                 e.last_load_seconds = seconds
             waiters, e.waiters = e.waiters, []
-            for fut in waiters:
-                self._hand(fut, self._lease(e))
+            for fut, asked in waiters:
+                self._hand(fut, self._lease(e, asked))
 
     def _hand(self, fut: Future, lease: Lease) -> None:
         """Give a waiter its lease; one whose request has gone releases it at once."""
@@ -340,7 +346,7 @@ class Models:
                 e.failures += 1
                 out = self.failure(e)
             waiters, e.waiters = e.waiters, []
-            for fut in waiters:
+            for fut, _ in waiters:
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(out)
 

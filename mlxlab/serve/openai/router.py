@@ -21,7 +21,7 @@ async def chat(body: ChatRequest, request: Request):
     heard = await audio.transcribe_parts(request, body)  # input_audio parts -> their transcripts
     job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
     job.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    head = {"id": job.id, "created": int(time.time()), "model": job.lease.name}
+    head = {"id": job.id, "created": int(time.time()), "model": job.lease.asked}
     if body.stream:
         stream = audio.chat_stream(head, body.include_usage(), heard)
         return await pipeline.stream(gateway, job, stream)
@@ -38,7 +38,7 @@ async def completions(body: CompletionRequest, request: Request):
         "id": job.id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": job.lease.name,
+        "model": job.lease.asked,
     }
     if body.stream:
         return await pipeline.stream(

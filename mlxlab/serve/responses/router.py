@@ -95,7 +95,7 @@ async def create(body: ResponsesRequest, request: Request):
     job = await pipeline.prepare(
         gateway, cfg, lambda: to_ask(body, messages, instructions, origins), body.model
     )
-    draft = Draft(body, job.lease.name, instructions, int(time.time()))
+    draft = Draft(body, job.lease.asked, instructions, int(time.time()))
 
     def on_final(resp: dict, done: Done, text: str) -> None:
         if body.store:
