@@ -248,7 +248,7 @@ def test_a_lease_handed_after_its_request_left_goes_back(tiny_dir):
     but before it set the lease: the lease still goes back, so the model can become idle."""
     import asyncio
 
-    from mlxlab.serve import pipeline
+    from mlxlab.serve import model_choice
 
     _, gateway = make_client(models=SMALL)
     try:
@@ -256,7 +256,7 @@ def test_a_lease_handed_after_its_request_left_goes_back(tiny_dir):
         models, small = gateway.models, gateway.models.entries["small"]
 
         async def leave():
-            task = asyncio.create_task(pipeline.lease_for(gateway, "small"))
+            task = asyncio.create_task(model_choice.lease_for(gateway, "small"))
             while not small.waiters:
                 await asyncio.sleep(0.01)
             ((future, _),) = small.waiters
@@ -276,9 +276,9 @@ def test_a_lease_handed_after_its_request_left_goes_back(tiny_dir):
 def test_the_loader_goes_on_after_an_error_and_a_stuck_load_is_a_503(tiny_dir, monkeypatch, alone):
     """An error in the loader's loop (here: looking for idle models) is logged and the loader
     goes on; a request whose model does not load within LOAD_WAIT_S is a 503 and holds nothing."""
-    from mlxlab.serve import pipeline
+    from mlxlab.serve import model_choice
 
-    monkeypatch.setattr(pipeline, "LOAD_WAIT_S", 30.0)
+    monkeypatch.setattr(model_choice, "LOAD_WAIT_S", 30.0)
     other = str(tiny_dir("llama"))  # tiny-llama again, under another spec: a third model
     client, gateway = make_client(models={**SMALL, "other": other})
     try:
@@ -295,7 +295,7 @@ def test_the_loader_goes_on_after_an_error_and_a_stuck_load_is_a_503(tiny_dir, m
         assert complete(client, "qwen", PROMPTS[0]) == alone["qwen"][0]  # the loader went on
         assert len(calls) >= 2
         gateway.loader.stop()  # a load that never ends
-        monkeypatch.setattr(pipeline, "LOAD_WAIT_S", 0.5)
+        monkeypatch.setattr(model_choice, "LOAD_WAIT_S", 0.5)
         r = client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "model_load_timeout" and r.headers["Retry-After"]

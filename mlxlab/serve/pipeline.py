@@ -6,8 +6,8 @@
   chat-template form, or a completion prompt; the sampling fields the client gave; stops, tools,
   limits; the adapter spec already parsed). Nothing below re-parses a request.
 - `prepare` runs the protocol's body -> Ask, takes a lease on the model the request names
-  (`lease_for`: loading it first when it is not loaded, engine/models.py; an unknown one is a
-  404 `model_not_found`), then `make_job` on the render thread (never on the
+  (`model_choice.lease_for`: loading it first when it is not loaded, engine/models.py; an
+  unknown one is a 404 `model_not_found`), then `make_job` on the render thread (never on the
   event loop): it checks the per-request ceilings (messages, tools, top_logprobs), then the
   tools' parameter schemas (`check_request`), renders the prompt, resolves sampling
   defaults (request > serve flag > the model's generation_config.json > fallback), applies memory
@@ -35,7 +35,6 @@ from fastapi.responses import StreamingResponse
 
 from mlxlab.serve import vision
 from mlxlab.serve.config import ServeConfig
-from mlxlab.serve.engine.adapters import adapter_error_code
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.engine.jobs import (
     AdapterSpec,
@@ -51,8 +50,9 @@ from mlxlab.serve.engine.jobs import (
     parse_adapter_spec,
 )
 from mlxlab.serve.engine.loaded import Loaded
-from mlxlab.serve.engine.models import Lease, ModelError
-from mlxlab.serve.http import SSE_HEADERS, APIError
+from mlxlab.serve.engine.models import Lease
+from mlxlab.serve.http import SSE_HEADERS, APIError, error_type
+from mlxlab.serve.model_choice import check_adapters, lease_for, ready_loaded
 from mlxlab.serve.structured import Shape, check_tool_schema, grammar_for
 
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -178,18 +178,6 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 
 
 # --- Ask -> Job ----------------------------------------------------------------------------------
-
-
-def ready_loaded(gateway: Gateway) -> Loaded:
-    if gateway.state != "ready":
-        raise APIError(
-            503,
-            gateway.error or f"the model is {gateway.state}; try again shortly",
-            type="service_unavailable",
-            code="not_ready",
-            headers={"Retry-After": "5"},
-        )
-    return gateway.loaded
 
 
 def template_refusal(e: Exception, messages: list[dict], origins: list[str] | None) -> APIError:
@@ -382,57 +370,6 @@ async def prepare(
     return job
 
 
-def model_error(e: ModelError) -> APIError:
-    """The APIError of a model that cannot serve a request (unknown, failed, cannot fit)."""
-    kind = {404: "not_found_error", 500: "server_error", 503: "service_unavailable"}
-    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else {}
-    return APIError(
-        e.status,
-        str(e),
-        type=kind.get(e.status, "invalid_request_error"),
-        param="model",
-        code=e.code,
-        headers=headers,
-    )
-
-
-LOAD_WAIT_S = 600.0
-"""How long a request waits for its model's load before a 503 (a load stuck or far too slow)."""
-
-
-async def lease_for(gateway: Gateway, model: str | None) -> Lease:
-    """A lease on the model `model` names, awaited while it loads (engine/models.py), at most
-    LOAD_WAIT_S (then a 503); a client that leaves meanwhile gives its lease back, even one
-    handed to it after it left."""
-    ready_loaded(gateway)
-    try:
-        future = gateway.models.acquire(model)
-    except ModelError as e:
-        raise model_error(e) from None
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), LOAD_WAIT_S)
-    except ModelError as e:
-        raise model_error(e) from None
-    except (asyncio.CancelledError, TimeoutError) as e:
-        future.add_done_callback(_give_back)  # at once when it is done already
-        if isinstance(e, TimeoutError):
-            raise APIError(
-                503,
-                f"model {model!r} did not load within {LOAD_WAIT_S:.0f} s; retry later",
-                type="service_unavailable",
-                param="model",
-                code="model_load_timeout",
-                headers={"Retry-After": "10"},
-            ) from None
-        raise
-
-
-def _give_back(future) -> None:
-    """The lease a request that left got after all goes back."""
-    if not future.cancelled() and future.exception() is None:
-        future.result().release()
-
-
 def check_request(cfg: ServeConfig, ask: Ask) -> None:
     """What a request must pass before any rendering: the ceilings, then (bounded by them) each
     tool's parameter schema, offered or not, as OpenAI checks them."""
@@ -537,28 +474,6 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask, lease: Lease | None =
         default_limit=ask.max_tokens is None,
         slow_s=cfg.read_timeout_s,
     )
-
-
-def check_adapters(gateway: Gateway, loaded: Loaded, spec: AdapterSpec) -> None:
-    """400 unless every adapter of `spec` is mounted on `loaded`'s model; one mounted on another
-    model names both (an adapter belongs to the base it was trained on)."""
-    for adapter_id in spec:
-        if adapter_id in loaded.adapters.mounted:
-            continue
-        owner = gateway.models.owner_of(adapter_id)
-        if owner is not None and owner.name != loaded.model_id:
-            raise APIError(
-                400,
-                f"adapter {adapter_id!r} belongs to model {owner.name!r}, not to "
-                f"{loaded.model_id!r} (the model this request names)",
-                param="adapter",
-                code="adapter_model_mismatch",
-            )
-    try:
-        loaded.adapters.check(spec)
-    except KeyError as e:
-        code = adapter_error_code(e)
-        raise APIError(400, str(e).strip("'\""), param="adapter", code=code) from None
 
 
 # --- Job -> events -> encoders -------------------------------------------------------------------
@@ -688,9 +603,10 @@ def shutting_down(reason: str) -> Failed:
 
 def failed_error(ev: Failed) -> APIError:
     """The APIError a failed job answers (each protocol's shape maps it): its status and code."""
-    kind = {500: "server_error", 503: "service_unavailable"}.get(ev.status, "invalid_request_error")
     headers = {"Retry-After": "10"} if ev.status == 503 else {}
-    return APIError(ev.status, ev.message, type=kind, code=ev.code, headers=headers)
+    return APIError(
+        ev.status, ev.message, type=error_type(ev.status), code=ev.code, headers=headers
+    )
 
 
 class Collector(Encoder):

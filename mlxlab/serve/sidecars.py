@@ -26,7 +26,7 @@ from fastapi import Request
 from mlxlab.audio.decode import Audio, AudioError, decode
 from mlxlab.serve.engine.jobs import NotReady
 from mlxlab.serve.http import APIError
-from mlxlab.serve.pipeline import ready_loaded
+from mlxlab.serve.model_choice import ready_loaded
 
 _DECODER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxlab-audio-decode")
 

@@ -18,8 +18,8 @@ from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.http import APIError, protocol_route
 from mlxlab.serve.metrics import CONTENT_TYPE
+from mlxlab.serve.model_choice import model_error, ready_loaded
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
-from mlxlab.serve.pipeline import ready_loaded
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
@@ -90,14 +90,7 @@ async def model(model_id: str, request: Request):
         return beside
     card = next((c for c in await chat_cards(request) if c["id"] == model_id), None)
     if card is None:
-        served = ", ".join(c["id"] for c in await chat_cards(request))
-        raise APIError(
-            404,
-            f"model {model_id!r} is not served here (serving {served})",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_error(request.app.state.gateway.models.not_found(model_id))
     return card
 
 

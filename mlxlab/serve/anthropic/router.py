@@ -6,7 +6,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from mlxlab.serve import pipeline, vision
+from mlxlab.serve import model_choice, pipeline, vision
 from mlxlab.serve.anthropic import encode
 from mlxlab.serve.anthropic.protocol import (
     AnthropicError,
@@ -68,7 +68,7 @@ async def count_tokens(body: CountRequest, request: Request):
         return len(prompt)
 
     ask = await pipeline.off_loop(build)
-    lease = await pipeline.lease_for(gateway, body.model)  # the tokens of the model it names
+    lease = await model_choice.lease_for(gateway, body.model)  # the tokens of the model it names
     try:
         await vision.fetch_images(cfg, lease.loaded, ask)
         return {"input_tokens": await pipeline.off_loop(count, ask, lease.loaded)}

@@ -24,6 +24,14 @@ from mlxlab.runtime import total_memory_bytes
 RESERVE_BYTES = 256 * 2**20  # interpreter, MLX buffers, one chunk's activations
 
 
+def budget_bytes(memory_budget_gb: float | None) -> int:
+    """The server's memory budget: `serve.memory_budget_gb`, else 75% of the machine's memory
+    (every model's admission and the models' load plans read this one number)."""
+    if memory_budget_gb:
+        return int(memory_budget_gb * 1e9)
+    return int(0.75 * total_memory_bytes())
+
+
 def _nothing() -> int:
     return 0
 
@@ -118,10 +126,11 @@ class Admission:
 
 
 def measure(
-    model, budget_bytes: int | None, prefill_step: int, kv=None, extra_bytes: int = 0
+    model, memory_budget_gb: float | None, prefill_step: int, kv=None, extra_bytes: int = 0
 ) -> Admission:
-    """Measure the model's memory terms and solve for the max safe context (`kv`: a KVQuant plan;
-    `extra_bytes`: resident weights outside `model`, such as a VLM's vision tower)."""
+    """Measure the model's memory terms and solve for the max safe context under the budget
+    (`budget_bytes(memory_budget_gb)`; `kv`: a KVQuant plan; `extra_bytes`: resident weights
+    outside `model`, such as a VLM's vision tower)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
@@ -150,6 +159,7 @@ def measure(
     heads = getattr(args, "num_attention_heads", None) or 8
     score = heads * prefill_step * 4
     context = getattr(args, "max_position_embeddings", None)
-    explicit = budget_bytes is not None
-    budget = int(budget_bytes if explicit else 0.75 * total_memory_bytes())
-    return Admission(budget, explicit, weights, full, sliding, window, score, context)
+    explicit = bool(memory_budget_gb)
+    return Admission(
+        budget_bytes(memory_budget_gb), explicit, weights, full, sliding, window, score, context
+    )

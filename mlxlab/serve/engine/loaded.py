@@ -92,10 +92,9 @@ class Loaded:
         import mlx.core as mx
 
         cfg = self.cfg
-        budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb else None
         extra = self.vision.extra_bytes if self.vision is not None else 0  # the vision tower
         self.admission = admission.measure(
-            self.model, budget, cfg.decode.prefill_step, self.kv, extra
+            self.model, cfg.memory_budget_gb, cfg.decode.prefill_step, self.kv, extra
         )
         mx.set_memory_limit(self.admission.budget_bytes)
         # speculative=draft_model's drafts (decode/speculative.py): loaded before the adapters

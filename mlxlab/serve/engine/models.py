@@ -37,8 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from mlxlab.models import zoo
-from mlxlab.runtime import total_memory_bytes
-from mlxlab.serve.engine.admission import RESERVE_BYTES
+from mlxlab.serve.engine.admission import RESERVE_BYTES, budget_bytes
 from mlxlab.serve.engine.catalog import Facts, facts
 from mlxlab.serve.engine.pacer import Pacer
 from mlxlab.serve.engine.settings import EngineSettings
@@ -132,9 +131,7 @@ class Models:
     def __init__(self, cfg: EngineSettings):
         self.cfg = cfg
         self.lock = threading.RLock()
-        self.budget_bytes = int(
-            cfg.memory_budget_gb * 1e9 if cfg.memory_budget_gb else 0.75 * total_memory_bytes()
-        )
+        self.budget_bytes = budget_bytes(cfg.memory_budget_gb)
         self.pacer = Pacer(cfg.load_share)
         self.loads: queue.Queue = queue.Queue()  # entries to load, for the loader thread
         self.default = Entry(cfg.model, cfg.model, pinned=True)
@@ -178,13 +175,15 @@ class Models:
                 return self.entries[name]
             if not self.strict:
                 return self.default
-            known = ", ".join(self.names()[:20])
-            more = " (and the Hugging Face cache's models)" if self.cfg.models_from_cache else ""
-            raise ModelError(
-                f"model {name!r} is not served here (models: {known}{more})",
-                404,
-                "model_not_found",
-            )
+            raise self.not_found(name)
+
+    def not_found(self, name: str) -> ModelError:
+        """The 404 of a name no model answers to (here and GET /v1/models/{id})."""
+        known = ", ".join(self.names()[:20])
+        more = " (and the Hugging Face cache's models)" if self.cfg.models_from_cache else ""
+        return ModelError(
+            f"model {name!r} is not served here (models: {known}{more})", 404, "model_not_found"
+        )
 
     def names(self) -> list[str]:
         """Every name a request may use now, the default first."""
