@@ -6,7 +6,9 @@ another model's request is a 400 naming both; /v1/models, /stats and /metrics pe
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 import threading
 import time
 import weakref
@@ -564,26 +566,105 @@ def test_the_default_model_generates_while_another_loads(server, alone):
     assert httpx.get(f"{url}/stats").json()["models"]["load_waited_s"] > 0
 
 
+def hold_engine(gateway) -> threading.Event:
+    """Park the engine thread in a task of its own (`Gateway.between`) until the returned event
+    is set: jobs wait in the queue holding their leases, and no load can finish meanwhile."""
+    release, parked = threading.Event(), threading.Event()
+    gateway.between(lambda: (parked.set(), release.wait(120)))
+    assert parked.wait(30)
+    return release
+
+
+def post_in_thread(url, body, out: dict, key) -> threading.Thread:
+    def post():
+        out[key] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+    t = threading.Thread(target=post)
+    t.start()
+    return t
+
+
 def test_no_room_beside_a_busy_model_is_a_503(server, tiny_dir):
-    """The budget holds one model beside the default; while `small` has a request in flight,
-    `qwen` cannot evict it: 503 insufficient_memory with Retry-After, and `small` is kept."""
+    """The budget holds one model beside the default; while `small` has a request in flight
+    (queued behind the parked engine: deterministic), `qwen` cannot evict it: 503
+    insufficient_memory with Retry-After, and `small` is kept and then answers."""
     w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
     budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
     url, gateway = server(memory_budget_gb=budget / 1e9, prefill_step=16)
-    times = []
     small = httpx.post(f"{url}/v1/completions", json={"model": "small", "prompt": "hi"})
-    assert small.status_code == 200  # loaded: its end tokens are known
-    eos = gateway.lanes["small"].loaded.eos
-    busy = threading.Thread(target=stream_tokens, args=(url, "small", times, 300, eos))
-    busy.start()
-    assert wait_for(lambda: len(times) >= 2)
-    body = {"model": "qwen", "prompt": "hi", "max_tokens": 2}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    in_flight = busy.is_alive()
+    assert small.status_code == 200
+    release, got = hold_engine(gateway), {}
+    try:
+        busy = post_in_thread(url, {"model": "small", "prompt": "hi", "max_tokens": 2}, got, 0)
+        assert wait_for(lambda: model_stats(url, "small")["in_flight"] == 1)
+        body = {"model": "qwen", "prompt": "hi", "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    finally:
+        release.set()
     busy.join(120)
-    if not in_flight:  # pragma: no cover - the stream ended first: nothing was tested
-        pytest.skip("small's answer finished before qwen's request was planned")
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "insufficient_memory"
     assert r.headers["Retry-After"] == "5"
     assert model_stats(url, "small")["evictions"] == 0
+    assert got[0].status_code == 200
+    assert wait_for(lambda: model_stats(url, "small")["in_flight"] == 0)
+
+
+def test_leases_go_back_after_a_400_and_a_full_queue(server):
+    """A request refused in make_job (400) or at submit (503 queue_full) holds no lease after."""
+    url, gateway = server(max_queue=1)
+    assert httpx.post(f"{url}/v1/completions", json={"model": "small", "prompt": "hi"}).is_success
+    too_long = {"model": "small", "prompt": "hi", "max_tokens": 10**7}
+    r = httpx.post(f"{url}/v1/completions", json=too_long)
+    assert r.status_code == 400, r.text
+    assert model_stats(url, "small")["in_flight"] == 0
+    # both models loaded and serial: the queue holds max_queue + 2 - 1 = 2
+    release, got, threads = hold_engine(gateway), {}, []
+    try:
+        for i in range(2):
+            body = {"model": "small", "prompt": "hi", "max_tokens": 2}
+            threads.append(post_in_thread(url, body, got, i))
+        assert wait_for(lambda: model_stats(url, "small")["in_flight"] == 2)
+        body = {"model": "small", "prompt": "hi", "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        assert model_stats(url, "small")["in_flight"] == 2
+    finally:
+        release.set()
+    for t in threads:
+        t.join(120)
+    assert all(got[i].status_code == 200 for i in range(2))
+    assert wait_for(lambda: model_stats(url, "small")["in_flight"] == 0)
+
+
+def test_leases_go_back_when_clients_leave(server):
+    """A streamed client that disconnects mid-answer, and one that leaves while its model is
+    still loading (its load held up by the parked engine), leave nothing in flight."""
+    url, gateway = server()
+    assert httpx.post(f"{url}/v1/completions", json={"model": "small", "prompt": "hi"}).is_success
+    eos = gateway.lanes["small"].loaded.eos
+    body = {"model": "small", "prompt": PROMPTS[0], "max_tokens": 1000, "stream": True}
+    body["logit_bias"] = {str(t): -100 for t in eos}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 3:
+                break  # the client leaves mid-stream
+    assert wait_for(lambda: model_stats(url, "small")["in_flight"] == 0)
+    release = hold_engine(gateway)
+    try:
+        raw = json.dumps({"model": "qwen", "prompt": "hi", "max_tokens": 200}).encode()
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+            )
+            assert wait_for(lambda: model_stats(url, "qwen")["state"] in ("queued", "loading"))
+        # the client has gone; its model is still loading
+        assert model_stats(url, "qwen")["state"] in ("queued", "loading")
+    finally:
+        release.set()
+    assert wait_for(lambda: model_stats(url, "qwen")["state"] == "loaded")
+    assert wait_for(lambda: model_stats(url, "qwen")["in_flight"] == 0)
