@@ -2,13 +2,14 @@
 and idle ones are unloaded here (engine/models.py decides what fits and what is evicted).
 
     request --Models.acquire--> queued --loader: resolve, plan_load (evict LRU idle models),
-    build the lazy model, its weights evaluated in slices on the engine thread (paced:
+    the model built and its weights evaluated in slices on the engine thread (paced:
     engine/pacer.py), the tokenizer, the grammar vocabulary--> engine thread: Loaded.start
     (admission measured), its lanes attached --> loaded: the waiting requests get their leases
 
-Only what reads files or builds tables (the lazy model, the tokenizer, the grammar vocabulary)
-runs here, beside the engine thread's generation for the other models. MLX must not evaluate on
-two threads at once, so every evaluation (the weights' slices, decode copies, a vision tower),
+Only what reads files or builds tables without MLX (the tokenizer, the grammar vocabulary) runs
+here, beside the engine thread's generation for the other models. MLX must not evaluate on two
+threads at once, and its streams are per thread (an array is made where it is evaluated), so
+every MLX step (building the lazy model, the weights' slices, decode copies, a vision tower),
 every forward pass and everything that touches the lanes (measuring admission, attaching and
 detaching lanes) is handed to the engine thread (`Gateway.between`), which runs it between two
 decode steps. A load that fails (a corrupt file, a model that cannot fit) fails the requests
