@@ -428,7 +428,9 @@ def test_a_paced_load_is_the_same_model_and_evaluates_only_through_pace(
 ):
     """vision.model.load(pace=...) -> zoo.load (the loader's slices, engine/pacer.py) builds the
     same weights (a VLM's vision tower too) and tokenizer as a plain load; every evaluation runs
-    inside `pace(fn)` (the server runs those on its engine thread), none on the calling thread."""
+    inside `pace(fn)` (the server runs those on its engine thread), none on the calling thread,
+    which builds the lazy model on the engine thread's stream (as the loader does) without
+    moving the engine thread's random state (a seeded request's)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import mlx.core as mx
@@ -439,6 +441,8 @@ def test_a_paced_load_is_the_same_model_and_evaluates_only_through_pace(
     model_dir = str(tiny_dir(family))  # built (and evaluated) before the check
     engine = ThreadPoolExecutor(1)  # stands for the engine thread
     engine_ident = engine.submit(threading.get_ident).result()
+    stream = engine.submit(lambda: mx.default_stream(mx.default_device())).result()
+    engine.submit(mx.random.seed, 3).result()
     evals, calls = [], []
     real_eval = mx.eval
 
@@ -451,10 +455,18 @@ def test_a_paced_load_is_the_same_model_and_evaluates_only_through_pace(
         return engine.submit(fn).result() if fn is not None else None
 
     monkeypatch.setattr(mx, "eval", recording_eval)
-    paced, tok_paced, vision_paced = load(model_dir, pace=pace)
+    with mx.stream(stream):
+        paced, tok_paced, vision_paced = load(model_dir, pace=pace)
     monkeypatch.setattr(mx, "eval", real_eval)
-    engine.shutdown()
     assert evals and set(evals) == {engine_ident}
+
+    def draw():
+        return mx.random.uniform(shape=(4,)).tolist()
+
+    after = engine.submit(draw).result()
+    engine.submit(mx.random.seed, 3).result()
+    assert after == engine.submit(draw).result()
+    engine.shutdown()
     assert calls.count(True) >= 1 and calls.count(False) >= 1  # the weights, then the tokenizer
     plain, tok_plain, vision_plain = load(model_dir)
     pairs = [(paced, plain)]

@@ -447,11 +447,11 @@ def load(
     (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate).
 
     `pace(fn)`: runs each slice of MLX work `fn` and returns its result (the weights evaluated
-    in pieces of about `PACE_BYTES`, each decode copy; the lazy model's construction too, since
-    MLX's streams are per thread); `pace()` marks a slice of other work (the tokenizer). No MLX
-    array is made where `load` is called: a server loading a model beside others generating runs
-    each slice on its engine thread between two decode steps, giving generation its share
-    (serve/engine/pacer.py). The result is the same."""
+    in pieces of about `PACE_BYTES`, each decode copy); `pace()` marks a slice of other work (the
+    tokenizer). Only the lazy model is built where `load` is called, nothing is evaluated there:
+    a server loading a model beside others generating builds it on its loader thread (on the
+    engine thread's MLX stream) and runs each slice on its engine thread between two decode
+    steps, giving generation its share (serve/engine/pacer.py). The result is the same."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -490,18 +490,13 @@ PACE_BYTES = 32 << 20
 
 
 def _load_paced(path: Path, target, pace: Callable[..., object]):
-    """mlx-lm's `load` in slices through `pace(fn)`: the model built on lazy weights and cast
-    (MLX's streams are per thread: arrays are built where they are evaluated), its arrays
-    evaluated about PACE_BYTES at a time; then the tokenizer, here (`pace()`)."""
+    """mlx-lm's `load` in slices: the model built here on lazy weights and cast, its arrays
+    evaluated about PACE_BYTES at a time through `pace(fn)`; then the tokenizer (`pace()`)."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 
-    def build():
-        model, config = load_model(path, lazy=True)
-        model.set_dtype(target)
-        return model, config
-
-    model, config = pace(build)
+    model, config = load_model(path, lazy=True)
+    model.set_dtype(target)
     evaluate([v for _, v in tree_flatten(model.parameters())], pace)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
     pace()

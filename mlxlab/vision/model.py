@@ -94,26 +94,21 @@ class VisionModel:
         from mlxlab.runtime import resolve_dtype
 
         path = Path(model_dir)
-        theirs = dict(tree_flatten(text_model.parameters())) if text_model is not None else {}
-        shared = []
-
-        def build():  # where `pace` runs it (arrays are made on the thread that evaluates them)
-            model = load_model(path, lazy=True)
-            model.set_dtype(resolve_dtype(dtype))
-            for name, value in tree_flatten(model.language_model.parameters()):
-                full = f"language_model.{name}"
-                mine = theirs.get(full)
-                if mine is None and name == "lm_head.weight":  # mlx-vlm unties what mlx-lm ties
-                    mine = theirs.get("language_model.model.embed_tokens.weight")
-                if mine is not None and mine.shape == value.shape and mine.dtype == value.dtype:
-                    shared.append((name, mine))
-            model.language_model.update(tree_unflatten(shared))
-            return model
-
-        self.model = pace(build) if pace is not None else build()
+        self.model = load_model(path, lazy=True)
+        self.model.set_dtype(resolve_dtype(dtype))
         self.config = self.model.config
         self.model_type = self.config.model_type
         self.alone = text_model is None  # no mlx-lm model beside it: every request runs here
+        theirs = dict(tree_flatten(text_model.parameters())) if text_model is not None else {}
+        shared = []
+        for name, value in tree_flatten(self.model.language_model.parameters()):
+            full = f"language_model.{name}"
+            mine = theirs.get(full)
+            if mine is None and name == "lm_head.weight":  # mlx-vlm unties what mlx-lm ties
+                mine = theirs.get("language_model.model.embed_tokens.weight")
+            if mine is not None and mine.shape == value.shape and mine.dtype == value.dtype:
+                shared.append((name, mine))
+        self.model.language_model.update(tree_unflatten(shared))
         evaluate([v for _, v in tree_flatten(self.model.parameters())], pace)
 
         def nbytes(pairs, skip=()) -> int:  # each array once (a tied head is the embedding)

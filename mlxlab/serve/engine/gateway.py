@@ -109,6 +109,9 @@ class Gateway:
         self.models = Models(cfg)  # the models requests may name (engine/models.py)
         self.lanes: dict[str, Lanes] = {}  # each loaded model's, by name (the engine thread's)
         self.cache = None  # the prompt cache every model shares: the default model's
+        # this thread's MLX stream: the loader builds its lazy models on it (MLX's streams are per
+        # thread: an array must be made on a stream of the thread that evaluates it)
+        self.stream = None
         self.loader = Loader(self)
         self._between: queue.Queue = queue.Queue()  # the loader's tasks (`between`)
         # a load's slices of MLX work run here, between decode steps (engine/pacer.py)
@@ -234,6 +237,9 @@ class Gateway:
         self.loader.stop(timeout)
 
     def _start_default(self) -> None:
+        import mlx.core as mx
+
+        self.stream = mx.default_stream(mx.default_device())
         began = time.monotonic()
         self.loaded = self._loader(self.cfg)
         default = self.models.default

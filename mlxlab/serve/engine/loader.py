@@ -2,14 +2,15 @@
 and idle ones are unloaded here (engine/models.py decides what fits and what is evicted).
 
     request --Models.acquire--> queued --loader: resolve, plan_load (evict LRU idle models),
-    the model built and its weights evaluated in slices on the engine thread (paced:
+    the lazy model built, its weights evaluated in slices on the engine thread (paced:
     engine/pacer.py), the tokenizer, the grammar vocabulary--> engine thread: Loaded.start
     (admission measured), its lanes attached --> loaded: the waiting requests get their leases
 
-Only what reads files or builds tables without MLX (the tokenizer, the grammar vocabulary) runs
-here, beside the engine thread's generation for the other models. MLX must not evaluate on two
-threads at once, and its streams are per thread (an array is made where it is evaluated), so
-every MLX step (building the lazy model, the weights' slices, decode copies, a vision tower),
+Only what reads files or builds without evaluating runs here (the lazy model, on the engine
+thread's MLX stream: streams are per thread; the tokenizer, the grammar vocabulary), beside the
+engine thread's generation for the other models; a model's random initialization uses this
+thread's random state, never the engine's (a seeded request's). MLX must not evaluate on two
+threads at once, so every evaluation (the weights' slices, decode copies, a vision tower),
 every forward pass and everything that touches the lanes (measuring admission, attaching and
 detaching lanes) is handed to the engine thread (`Gateway.between`), which runs it between two
 decode steps. A load that fails (a corrupt file, a model that cannot fit) fails the requests
@@ -71,6 +72,8 @@ class Loader:
                     self.models.failed(e, err)
 
     def _load(self, e: Entry) -> None:
+        import mlx.core as mx
+
         m, cfg = self.models, self.models.cfg
         began = time.monotonic()
         try:
@@ -79,15 +82,16 @@ class Loader:
             for victim in m.plan_load(e, size):
                 self._unload(victim, "lru")
             m.pacer.start()
-            loaded = Loaded(
-                m.settings_for(e),
-                cache=self.gateway.cache,
-                name=e.name,
-                model_dir=model_dir,
-                pace=m.pacer.pace,
-                vocab=False,
-                deferred=True,
-            )
+            with mx.stream(self.gateway.stream):  # its arrays are the engine thread's to evaluate
+                loaded = Loaded(
+                    m.settings_for(e),
+                    cache=self.gateway.cache,
+                    name=e.name,
+                    model_dir=model_dir,
+                    pace=m.pacer.pace,
+                    vocab=False,
+                    deferred=True,
+                )
             loaded.grammar_vocab()
             self.gateway.between(lambda: self.gateway.attach(e, loaded)).result()
         except Exception as err:  # noqa: BLE001 - the waiting requests get it; the server goes on
