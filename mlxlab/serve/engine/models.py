@@ -76,9 +76,8 @@ class Entry:
     reserved: int = 0  # bytes counted against the budget: the estimate while loading, then measured
     last_used: float = field(default_factory=time.monotonic)
     leases: set = field(default_factory=set)
-    waiters: list = field(
-        default_factory=list
-    )  # (future, name asked) of requests awaiting its load
+    # (future, name asked) of requests waiting for its load
+    waiters: list = field(default_factory=list)
     facts: Facts | None = None  # from its files, when unloaded (memoized)
     # counters (since start)
     loads: int = 0
@@ -163,7 +162,8 @@ class Models:
 
     def find(self, name: str | None) -> Entry:
         """The entry a request's `model` names (see the module docstring); ModelError 404."""
-        cached = self.hub() if name and zoo.is_repo_id(name) else {}
+        # before the lock: a scan at most every HUB_TTL_S (`not_found` reads it too)
+        cached = self.hub()
         with self.lock:
             if not name or name == self.default.name:
                 return self.default
@@ -208,8 +208,8 @@ class Models:
         (ModelError at once for an unknown name or a recent failure; the future's exception
         for a load that fails or cannot fit)."""
         fut: Future = Future()
+        e = self.find(name)  # outside the lock: it may scan the Hugging Face cache
         with self.lock:
-            e = self.find(name)
             asked = name if name in self.aliases else e.name
             if e.state == "loaded":
                 fut.set_result(self._lease(e, asked))
