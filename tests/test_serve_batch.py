@@ -17,6 +17,7 @@ from mlxlab.serve.engine import kv_quant
 from mlxlab.serve.engine.batch import BatchLane
 from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job, Sampling, parse_adapter_spec
 from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.rows import cache_namespace
 from tests.helpers.serve import (
     SYSTEM,
     free_port,
@@ -147,7 +148,7 @@ def test_finished_rows_cache_exactly_prompt_plus_completion(tiny_dir, family):
     done, _ = lane_tokens(loaded, cfg, ps, (10, 14, 6), (0, 0, 1))
     for p, d in zip(ps, done, strict=True):
         full = p + d.tokens
-        cache, n = loaded.cache.fetch((loaded.model_id, "none"), full + [5])
+        cache, n = loaded.cache.fetch(cache_namespace(loaded, ()), full + [5])
         assert n == len(full)
         cached = loaded.model(mx.array([[5]]), cache=cache)[0, -1]
         fresh = loaded.model(mx.array([full + [5]]), cache=make_prompt_cache(loaded.model))[0, -1]
@@ -348,6 +349,28 @@ def test_aggregate_admission_makes_rows_wait_instead_of_overflowing(tiny_dir):
         adm.budget_bytes = 10**12
         free, _ = submit_all(gateway, jobs())
         assert {k: d.tokens for k, d in ends.items()} == {k: d.tokens for k, d in free.items()}
+    finally:
+        gateway.stop()
+
+
+def test_a_lone_row_past_half_the_ceiling_is_admitted(tiny_dir):
+    """A row alone is always admitted: one of ~0.6x the max safe context passes the 400 check
+    (its KV once) and must answer, though its KV twice (the prefill copy) would not fit."""
+    tiny_dir("gemma3")
+    _, gateway = make_client(batch=4, prompt_cache_gb=0)
+    try:
+        adm = gateway.loaded.admission
+        prompt_len, max_tokens = 40, 20
+        need = prompt_len + 1 + max_tokens
+        # a budget whose ceiling is need / 0.6 tokens
+        ceiling = int(need / 0.6)
+        adm.budget_bytes = adm.bytes_for_rows([ceiling])
+        assert adm.max_safe_context >= need and adm.check(prompt_len + 1, max_tokens) is None
+        assert not adm.fits_rows([need], 1)  # what the branch asked of a lone row
+        (p,) = prompts((prompt_len,), seed=7)
+        ends, _ = submit_all(gateway, [Job(p, max_tokens, None, Sampling(temperature=0.0))], 60)
+        (done,) = ends.values()
+        assert isinstance(done, Done) and done.completion_tokens > 0
     finally:
         gateway.stop()
 

@@ -157,7 +157,18 @@ def _fits_bfloat16(w: mx.array, rows: int = 16384) -> bool:
     return True
 
 
-def use_head_dtype(model, mode: str) -> str:
+def _decode_copy(w: mx.array, rounded: bool):
+    """(whether `w` is lossless in bfloat16, (w, its evaluated bfloat16 copy) or None): a copy
+    when lossless, or when `rounded` (the head under decode_head=bfloat16)."""
+    lossless = _fits_bfloat16(w)
+    if not (lossless or rounded):
+        return lossless, None
+    copy = w.astype(mx.bfloat16)
+    mx.eval(copy)
+    return lossless, (w, copy)
+
+
+def use_head_dtype(model, mode: str, pace=None) -> str:
     """What the decode-step products read: each module's own weight, or a bfloat16 copy that the
     kernel reads with float32 sums. The float32 weights stay for prefill, the embedding and
     training, so a copy costs half its weight's size in memory (`decode_copies` says how much).
@@ -173,7 +184,8 @@ def use_head_dtype(model, mode: str) -> str:
     throughout with bit-identical logits (gemma3-270m: ~750 -> ~540 MB a step).
 
     Returns the head's: "exact", "bfloat16 (lossless)" or "bfloat16 (rounded)"; "exact" also
-    when the kernel is not in use."""
+    when the kernel is not in use. `pace`: runs each module's check and copy (`pace(fn)`, a
+    paced load: zoo.load) where MLX may evaluate; without it they run here."""
     if mode not in HEAD_MODES:
         raise ValueError(f"unknown decode head {mode!r}; choose one of {', '.join(HEAD_MODES)}")
     # On a GPU the kernel never runs (mlx-lm's path does), so a copy would only cost memory.
@@ -186,12 +198,11 @@ def use_head_dtype(model, mode: str) -> str:
         w = module["weight"]
         copy = None
         if mode != "exact" and on_cpu and w.dtype == mx.float32:
-            lossless = _fits_bfloat16(w)
-            if lossless or (mode == "bfloat16" and module is head):
-                copy = (w, w.astype(mx.bfloat16))
-                mx.eval(copy[1])
-                if module is head:
-                    used = "bfloat16 (lossless)" if lossless else "bfloat16 (rounded)"
+            rounded = mode == "bfloat16" and module is head
+            work = lambda w=w, rounded=rounded: _decode_copy(w, rounded)  # noqa: E731
+            lossless, copy = pace(work) if pace is not None else work()
+            if copy is not None and module is head:
+                used = "bfloat16 (lossless)" if lossless else "bfloat16 (rounded)"
         if module is head:
             object.__setattr__(module, "_head_mode", used)
             module._set_copy(copy)

@@ -352,6 +352,60 @@ def resolve(spec: str) -> Path:
     )
 
 
+def _snapshot(repo: Path) -> Path | None:
+    """The snapshot a hub cache repo folder serves: refs/main's commit, else its newest."""
+    snapshots = repo / "snapshots"
+    try:
+        ref = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        ref = ""
+    if ref and (snapshots / ref).is_dir():
+        return snapshots / ref
+    found = (
+        sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    )
+    return found[-1] if found else None
+
+
+def hub_cached() -> dict[str, Path]:
+    """Every model in the Hugging Face cache (`hub_cache()`) that mlx-lm could load, by repo id:
+    its snapshot holds a config.json and safetensors weights. Read from the folders alone (no
+    network, nothing downloaded)."""
+    cache, out = hub_cache(), {}
+    try:
+        repos = sorted(cache.iterdir())
+    except OSError:
+        return out
+    for repo in repos:
+        if not repo.name.startswith("models--") or "--" not in repo.name[8:]:
+            continue
+        repo_id = repo.name[8:].replace("--", "/", 1)
+        if not is_repo_id(repo_id):
+            continue
+        snap = _snapshot(repo)
+        if snap is not None and is_complete(snap):
+            out[repo_id] = snap
+    return out
+
+
+def local_dir(spec: str, cached: dict[str, Path] | None = None) -> Path | None:
+    """The directory `resolve(spec)` gives when it is there already: nothing to build, convert
+    or download (a GGUF's conversion is keyed by its content, so it is never known here); None
+    when resolving has work to do, or would fail. `cached`: `hub_cached()`'s answer, when the
+    caller has it (a repo id is looked up there instead of scanning the cache again)."""
+    if spec in ZOO:
+        out = models_dir() / spec
+        return out if is_complete(out) else None
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return None
+    if path.is_dir():
+        return path if (path / "config.json").is_file() else None
+    if is_repo_id(spec):
+        return (cached if cached is not None else hub_cached()).get(spec)
+    return None
+
+
 def listing() -> list[dict]:
     return [
         {
@@ -371,6 +425,7 @@ def load(
     decode_kernel: bool = True,
     decode_head: str = "auto",
     lazy: bool = False,
+    pace: Callable[..., object] | None = None,
 ):
     """(model, tokenizer) for a model spec, cast to the compute dtype (see runtime.resolve_dtype).
 
@@ -380,7 +435,14 @@ def load(
     `decode_kernel`: route decode-step products through mlxlab's CPU kernel
     (models/fastdecode.py); False keeps mlx-lm's code path for every product. `decode_head`:
     what the LM head and the other linears read at decode (`fastdecode.use_head_dtype`): auto
-    (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate)."""
+    (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate).
+
+    `pace(fn)`: runs each slice of MLX work `fn` and returns its result (the weights evaluated
+    in pieces of about `PACE_BYTES`, each decode copy); `pace()` marks a slice of other work (the
+    tokenizer). Only the lazy model is built where `load` is called, nothing is evaluated there:
+    a server loading a model beside others generating builds it on its loader thread (on the
+    engine thread's MLX stream) and runs each slice on its engine thread between two decode
+    steps, giving generation its share (serve/engine/pacer.py). The result is the same."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -393,15 +455,18 @@ def load(
             f"{spec} is a {ZOO[spec].kind} model, not a chat/text model: "
             f"serve it beside one with `serve {flag}={spec}`"
         )
-    model, tokenizer = mlx_lm_load(str(resolve(spec)), lazy=lazy)
-    model.set_dtype(target)
-    if not lazy:
-        mx.eval(model.parameters())
+    if pace is None:
+        model, tokenizer = mlx_lm_load(str(resolve(spec)), lazy=lazy)
+        model.set_dtype(target)
+        if not lazy:
+            mx.eval(model.parameters())
+    else:
+        model, tokenizer = _load_paced(resolve(spec), target, pace)
     if decode_kernel:
         from mlxlab.models.fastdecode import accelerate, use_head_dtype
 
         accelerate(model)
-        used = use_head_dtype(model, decode_head)
+        used = use_head_dtype(model, decode_head, pace=pace)
         if decode_head == "bfloat16" and used == "exact":
             log.warning(
                 "mlxlab: decode_head=bfloat16 needs the CPU decode kernel (float32 on the CPU); "
@@ -409,3 +474,40 @@ def load(
             )
         log.debug("mlxlab: the LM head reads %s at decode", used)
     return model, tokenizer
+
+
+PACE_BYTES = 32 << 20
+"""The weights one slice of a paced load reads and casts (`load(pace=...)`)."""
+
+
+def _load_paced(path: Path, target, pace: Callable[..., object]):
+    """mlx-lm's `load` in slices: the model built here on lazy weights and cast, its arrays
+    evaluated about PACE_BYTES at a time through `pace(fn)`; then the tokenizer (`pace()`)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(path, lazy=True)
+    model.set_dtype(target)
+    evaluate([v for _, v in tree_flatten(model.parameters())], pace)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    pace()
+    return model, tokenizer
+
+
+def evaluate(arrays: list, pace: Callable[..., object] | None = None) -> None:
+    """Evaluate `arrays`: at once, or with `pace` (see `load`) in slices of about PACE_BYTES,
+    each one run by `pace(fn)`."""
+    import mlx.core as mx
+
+    if pace is None:
+        mx.eval(arrays)
+        return
+    part, size = [], 0
+    for v in arrays:
+        part.append(v)
+        size += v.nbytes
+        if size >= PACE_BYTES:
+            pace(lambda part=part: mx.eval(part))
+            part, size = [], 0
+    if part:
+        pace(lambda part=part: mx.eval(part))

@@ -83,6 +83,8 @@ def ready_line(cfg: ServeConfig, gateway: Gateway) -> str:
         f" | {'batch ' + str(cfg.batch) if gateway.batch else 'serial'}"
         f"{' | kv ' + loaded.kv.mode if loaded.kv.enabled else ''}"
         f" | adapter root {loaded.adapters.root}"
+        f"{' | models ' + ', '.join(cfg.models) if cfg.models else ''}"
+        f"{' | models from the HF cache' if cfg.models_from_cache else ''}"
     )
 
 
@@ -263,6 +265,7 @@ def run(cfg: ServeConfig) -> None:
 
 
 def main(argv: list[str]) -> None:
-    # `adapters.NAME=PATH` adds a key to a dict that starts empty; Hydra wants `+` for that.
-    argv = ["+" + a if a.startswith("adapters.") and "=" in a else a for a in argv]
+    # `adapters.NAME=PATH` and `models.NAME=SPEC` add a key to a dict that starts empty; Hydra
+    # wants `+` for that.
+    argv = ["+" + a if a.startswith(("adapters.", "models.")) and "=" in a else a for a in argv]
     run_hydra("serve", argv, run)

@@ -30,7 +30,21 @@ class ServeConfig:
     """`python -m mlxlab serve`: OpenAI-compatible HTTP API over one model."""
 
     model: str = DEFAULT_MODEL
-    """Zoo name, mlx-lm model directory, or .gguf file."""
+    """The default model: zoo name, mlx-lm model directory, .gguf file or Hugging Face repo id;
+    it answers requests that name it or no model."""
+    models: dict[str, str] = field(default_factory=dict)
+    """Further models a request's `model` may name, name -> spec (as `model`):
+    `models.small=tiny-llama models.qwen=Qwen/Qwen3-0.6B`. Loaded when first asked for, kept
+    under memory_budget_gb (the least recently used idle one is unloaded to make room). With
+    any set, a request naming an unknown model gets 404 model_not_found."""
+    models_from_cache: bool = False
+    """Every model in the local Hugging Face cache may also be named, by its repo id."""
+    model_idle_s: float = 0.0
+    """Unload a model other than the default after this many seconds without a request; 0: never."""
+    load_share: float = 1.0
+    """While other models generate, the share of the time a model's load may take (0 < x <= 1;
+    its weights are evaluated in slices between decode steps; below 1, it waits after each,
+    engine/pacer.py)."""
     dtype: str = "auto"
     """Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
     decode_head: str = "auto"
@@ -208,6 +222,21 @@ class ServeConfig:
             raise UserError(f"prompt_cache_gb must be >= 0, got {self.prompt_cache_gb}")
         if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
             raise UserError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
+        for name, spec in (self.models or {}).items():
+            if not str(name).strip() or not str(spec or "").strip():
+                raise UserError(
+                    f"serve.models.{name}={spec!r}: give each model a name and a spec "
+                    "(models.small=tiny-llama)"
+                )
+            if str(name) == self.model and str(spec) != self.model:
+                raise UserError(
+                    f"serve.models.{name}={spec!r}: {name!r} is the default model's name "
+                    f"(model={self.model}); give this model another name"
+                )
+        if self.model_idle_s < 0:
+            raise UserError(f"model_idle_s must be >= 0, got {self.model_idle_s}")
+        if not 0 < self.load_share <= 1:
+            raise UserError(f"load_share must be in (0, 1], got {self.load_share}")
         if self.batch < 1 or self.prefill_batch < 1:
             raise UserError(
                 f"batch and prefill_batch must be >= 1, got {self.batch} and {self.prefill_batch}"
@@ -268,6 +297,10 @@ class ServeConfig:
             stt_language=self.stt_language,
             embeddings_model=self.embeddings_model,
             max_queue=self.max_queue,
+            models={str(k): str(v) for k, v in (self.models or {}).items()},
+            models_from_cache=self.models_from_cache,
+            model_idle_s=self.model_idle_s,
+            load_share=self.load_share,
             decode=self.decode(),
         )
 

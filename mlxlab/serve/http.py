@@ -50,6 +50,14 @@ OptInt = Annotated[int | None, BeforeValidator(_integral)]
 JSON schema as `ge`/`le`, which JSON Schema does not know, instead of minimum/maximum.)"""
 
 
+ERROR_TYPES = {404: "not_found_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    """The error `type` of a status the engine or a model chose (a 4xx otherwise: a bad request)."""
+    return ERROR_TYPES.get(status, "invalid_request_error")
+
+
 class APIError(Exception):
     """An error to answer: HTTP status, message, and OpenAI-style type/param/code (each protocol's
     shape picks what it shows)."""

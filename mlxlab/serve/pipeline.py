@@ -5,7 +5,9 @@
 - `Ask` is one generation request normalized at the edge of its protocol (chat messages in the
   chat-template form, or a completion prompt; the sampling fields the client gave; stops, tools,
   limits; the adapter spec already parsed). Nothing below re-parses a request.
-- `prepare` runs the protocol's body -> Ask and `make_job` on the render thread (never on the
+- `prepare` runs the protocol's body -> Ask, takes a lease on the model the request names
+  (`model_choice.lease_for`: loading it first when it is not loaded, engine/models.py; an
+  unknown one is a 404 `model_not_found`), then `make_job` on the render thread (never on the
   event loop): it checks the per-request ceilings (messages, tools, top_logprobs), then the
   tools' parameter schemas (`check_request`), renders the prompt, resolves sampling
   defaults (request > serve flag > the model's generation_config.json > fallback), applies memory
@@ -33,7 +35,6 @@ from fastapi.responses import StreamingResponse
 
 from mlxlab.serve import vision
 from mlxlab.serve.config import ServeConfig
-from mlxlab.serve.engine.adapters import adapter_error_code
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.engine.jobs import (
     AdapterSpec,
@@ -49,7 +50,9 @@ from mlxlab.serve.engine.jobs import (
     parse_adapter_spec,
 )
 from mlxlab.serve.engine.loaded import Loaded
-from mlxlab.serve.http import SSE_HEADERS, APIError
+from mlxlab.serve.engine.models import Lease
+from mlxlab.serve.http import SSE_HEADERS, APIError, error_type
+from mlxlab.serve.model_choice import check_adapters, lease_for, ready_loaded
 from mlxlab.serve.structured import Shape, check_tool_schema, grammar_for
 
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -175,18 +178,6 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 
 
 # --- Ask -> Job ----------------------------------------------------------------------------------
-
-
-def ready_loaded(gateway: Gateway) -> Loaded:
-    if gateway.state != "ready":
-        raise APIError(
-            503,
-            gateway.error or f"the model is {gateway.state}; try again shortly",
-            type="service_unavailable",
-            code="not_ready",
-            headers={"Retry-After": "5"},
-        )
-    return gateway.loaded
 
 
 def template_refusal(e: Exception, messages: list[dict], origins: list[str] | None) -> APIError:
@@ -360,12 +351,23 @@ async def off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_RENDER, functools.partial(fn, *args))
 
 
-async def prepare(gateway: Gateway, cfg: ServeConfig, build: Callable[[], Ask]) -> Job:
-    """`build()` (the protocol's body -> Ask) then `make_job`, both on the render thread: what
-    every router calls, so nothing that grows with the request runs on the event loop."""
+async def prepare(
+    gateway: Gateway, cfg: ServeConfig, build: Callable[[], Ask], model: str | None = None
+) -> Job:
+    """`build()` (the protocol's body -> Ask), a lease on the model the request names (`model`:
+    its `model` field), then `make_job`, on the render thread: what every router calls, so
+    nothing that grows with the request runs on the event loop. The job holds the lease; the
+    engine releases it when the job leaves (or `run`, when it is never queued)."""
     ask = await off_loop(build)
-    await vision.fetch_images(cfg, gateway.loaded, ask)  # image URLs, when allowed (async)
-    return await off_loop(lambda: make_job(gateway, cfg, ask))
+    lease = await lease_for(gateway, model)
+    try:
+        await vision.fetch_images(cfg, lease.loaded, ask)  # image URLs, when allowed (async)
+        job = await off_loop(lambda: make_job(gateway, cfg, ask, lease))
+    except BaseException:
+        lease.release()
+        raise
+    job.lease = lease
+    return job
 
 
 def check_request(cfg: ServeConfig, ask: Ask) -> None:
@@ -420,16 +422,17 @@ def check_length(loaded: Loaded, ask: Ask) -> None:
         )
 
 
-def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
-    """The engine job for `ask`; a 4xx APIError for anything that cannot run, before queueing."""
+def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask, lease: Lease | None = None) -> Job:
+    """The engine job for `ask` on the model `lease` holds (the default without one); a 4xx
+    APIError for anything that cannot run, before queueing."""
     check_request(cfg, ask)
-    loaded = ready_loaded(gateway)
+    loaded = lease.loaded if lease is not None else ready_loaded(gateway)
     check_length(loaded, ask)
     checkpoint, reasoning = 0, False
     seen = vision.plan(cfg, loaded, ask)  # images: checked, numbered, through the processor
-    if seen is not None and seen.inputs is not None:
+    images = seen is not None and seen.inputs is not None
+    if images:
         prompt, reasoning = seen.prompt, seen.reasoning
-        limit = vision.completion_limit(loaded, cfg, len(prompt), ask.max_tokens, seen.image_bytes)
     elif ask.messages is not None:
         messages = seen.messages if seen is not None else ask.messages
         prompt, checkpoint, reasoning = render_chat(
@@ -437,16 +440,22 @@ def make_job(gateway: Gateway, cfg: ServeConfig, ask: Ask) -> Job:
         )
     else:
         prompt = render_text(loaded, ask.prompt)
-    if seen is None or seen.inputs is None:
-        limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+    # The admission check and the KV reservation together, under the models' lock: no load is
+    # planned between them (so none evicts or crowds out what this request was admitted with).
+    with gateway.models.lock:
+        if images:
+            limit = vision.completion_limit(
+                loaded, cfg, len(prompt), ask.max_tokens, seen.image_bytes
+            )
+        else:
+            limit = completion_limit(loaded, cfg, len(prompt), ask.max_tokens)
+        if lease is not None:
+            lease.reserve(len(prompt) + limit)
+    if not images:
         seen = vision.text_job(loaded, ask, prompt, seen)  # a VLM only mlx-vlm runs
     sampling = resolve_sampling(ask.sampling, cfg, loaded)
     grammar = grammar_for(ask.shape, ask.tools, loaded, reasoning)
-    try:
-        loaded.adapters.check(ask.adapter)
-    except KeyError as e:
-        code = adapter_error_code(e)
-        raise APIError(400, str(e).strip("'\""), param="adapter", code=code) from None
+    check_adapters(gateway, loaded, ask.adapter)
     return Job(
         prompt=prompt,
         max_tokens=limit,
@@ -496,17 +505,19 @@ async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
     job.sink = sink
     try:
         gateway.submit(job)
-    except QueueFull as e:
-        raise APIError(
-            503,
-            f"server busy: {e}",
-            type="service_unavailable",
-            code="queue_full",
-            headers={"Retry-After": "2"},
-        ) from None
-    except ShuttingDown as e:
-        raise failed_error(shutting_down(str(e))) from None
-    except NotReady as e:
+    except (QueueFull, NotReady) as e:
+        if job.lease is not None:  # never queued: the engine will not release it
+            job.lease.release()
+        if isinstance(e, QueueFull):
+            raise APIError(
+                503,
+                f"server busy: {e}",
+                type="service_unavailable",
+                code="queue_full",
+                headers={"Retry-After": "2"},
+            ) from None
+        if isinstance(e, ShuttingDown):
+            raise failed_error(shutting_down(str(e))) from None
         raise APIError(
             503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
         ) from None
@@ -592,9 +603,10 @@ def shutting_down(reason: str) -> Failed:
 
 def failed_error(ev: Failed) -> APIError:
     """The APIError a failed job answers (each protocol's shape maps it): its status and code."""
-    kind = {500: "server_error", 503: "service_unavailable"}.get(ev.status, "invalid_request_error")
     headers = {"Retry-After": "10"} if ev.status == 503 else {}
-    return APIError(ev.status, ev.message, type=kind, code=ev.code, headers=headers)
+    return APIError(
+        ev.status, ev.message, type=error_type(ev.status), code=ev.code, headers=headers
+    )
 
 
 class Collector(Encoder):

@@ -4,8 +4,9 @@ for /v1/embeddings). What their routes share:
 
 - `speech(request)` / `embedder(request)`: the loaded model, or a 400 saying how to serve one;
 - `on_engine(request, fn)`: `fn` run on the engine thread between generations (the thread
-  that owns MLX: the chat model, these models and every MLX call share it, so no two MLX users
-  ever run at once), with the queue's bound (503 + Retry-After beyond `serve.max_queue`
+  that runs every model: the chat models, these models and every forward pass share it, so no
+  two models ever run at once; only a model loading for serve `models.` reads its weights on
+  the loader thread meanwhile, engine/loader.py), with the queue's bound (503 + Retry-After beyond `serve.max_queue`
   such calls waiting) and its not-ready/shutting-down answers;
 - `decode_audio(...)`: audio decoding (PyAV, not MLX) on its own thread, off the event loop
   and off the render thread, so a long file does not hold up prompt rendering.
@@ -25,7 +26,7 @@ from fastapi import Request
 from mlxlab.audio.decode import Audio, AudioError, decode
 from mlxlab.serve.engine.jobs import NotReady
 from mlxlab.serve.http import APIError
-from mlxlab.serve.pipeline import ready_loaded
+from mlxlab.serve.model_choice import ready_loaded
 
 _DECODER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxlab-audio-decode")
 

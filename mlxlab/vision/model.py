@@ -86,11 +86,11 @@ class VisionModel:
     """mlx-vlm's model and processor for `model_dir`, its language weights shared with the
     mlx-lm `text_model` (see the module docstring)."""
 
-    def __init__(self, model_dir, dtype: str, text_model=None):
-        import mlx.core as mx
+    def __init__(self, model_dir, dtype: str, text_model=None, pace=None):
         from mlx.utils import tree_flatten, tree_unflatten
         from mlx_vlm.utils import load_image_processor, load_model, load_processor
 
+        from mlxlab.models.zoo import evaluate
         from mlxlab.runtime import resolve_dtype
 
         path = Path(model_dir)
@@ -109,7 +109,7 @@ class VisionModel:
             if mine is not None and mine.shape == value.shape and mine.dtype == value.dtype:
                 shared.append((name, mine))
         self.model.language_model.update(tree_unflatten(shared))
-        mx.eval(self.model.parameters())
+        evaluate([v for _, v in tree_flatten(self.model.parameters())], pace)
 
         def nbytes(pairs, skip=()) -> int:  # each array once (a tied head is the embedding)
             seen = {id(v): v.nbytes for _, v in pairs if id(v) not in skip}
@@ -139,7 +139,8 @@ class VisionModel:
             None,
         )
         try:
-            self.bytes_per_image, self.reference_tokens = self._measure()
+            measured = pace(self._measure) if pace is not None else self._measure()
+            self.bytes_per_image, self.reference_tokens = measured
         except Exception as e:  # noqa: BLE001 - a family whose processor wants more than this
             log.warning(
                 "mlxlab: could not measure the vision tower's memory on a reference image (%s); "
@@ -353,17 +354,24 @@ def needs_mlx_vlm(spec: str) -> bool:
     return config is not None and not mlx_lm_has(config.get("model_type"))
 
 
-def load(spec: str, dtype: str = "auto", decode_head: str = "auto", text_model: bool | None = None):
+def load(
+    spec: str,
+    dtype: str = "auto",
+    decode_head: str = "auto",
+    text_model: bool | None = None,
+    pace=None,
+):
     """(model, tokenizer, VisionModel or None) for any model spec (see the module docstring).
     `text_model`: for a VLM, whether mlx-lm runs its text requests (default: when mlx-lm has the
-    family); False serves it through mlx-vlm alone."""
+    family); False serves it through mlx-vlm alone. `pace`: as `zoo.load`'s (every evaluation,
+    the vision tower's and its measurement included, runs through it)."""
     from mlxlab.models.zoo import load as load_text
     from mlxlab.models.zoo import resolve
 
     model_dir = resolve(spec)
     config = vision_config(model_dir)
     if config is None:
-        return (*load_text(str(model_dir), dtype, decode_head=decode_head), None)
+        return (*load_text(str(model_dir), dtype, decode_head=decode_head, pace=pace), None)
     try:
         from mlx_vlm.utils import get_model_and_args
     except ImportError as e:  # pragma: no cover - mlx-vlm is a dependency
@@ -377,15 +385,15 @@ def load(spec: str, dtype: str = "auto", decode_head: str = "auto", text_model: 
     if text_model is None:
         text_model = mlx_lm_has(config.get("model_type"))
     if not text_model:
-        return _load_alone(model_dir, dtype, config)
+        return _load_alone(model_dir, dtype, config, pace)
     try:
-        model, tokenizer = load_text(str(model_dir), dtype, decode_head=decode_head)
+        model, tokenizer = load_text(str(model_dir), dtype, decode_head=decode_head, pace=pace)
     except ValueError as e:
         raise UserError(
             f"{model_dir}: mlx-lm cannot load the language model of this "
             f"{config.get('model_type')} model ({e})"
         ) from None
-    vision = VisionModel(model_dir, dtype, model)
+    vision = VisionModel(model_dir, dtype, model, pace)
     if not getattr(tokenizer, "chat_template", None) and vision.chat_template:
         # mlx-community conversions keep the template in the processor's chat_template.json
         tokenizer._tokenizer.chat_template = vision.chat_template
@@ -403,12 +411,12 @@ def load(spec: str, dtype: str = "auto", decode_head: str = "auto", text_model: 
     return model, tokenizer, vision
 
 
-def _load_alone(model_dir, dtype: str, config: dict):
+def _load_alone(model_dir, dtype: str, config: dict, pace=None):
     """A VLM served by mlx-vlm alone: its model, mlx-lm's tokenizer wrapper over the same
     tokenizer files (streaming detokenizer, end tokens), a TextView for the engine."""
     from mlx_lm.utils import load_tokenizer
 
-    vision = VisionModel(model_dir, dtype)
+    vision = VisionModel(model_dir, dtype, pace=pace)
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
     eos = [eos] if isinstance(eos, int) else eos
     tokenizer = load_tokenizer(Path(model_dir), eos_token_ids=eos)

@@ -6,6 +6,7 @@ answer in the OpenAI shape. The routes that change the server's state (mount, un
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -17,8 +18,8 @@ from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
 from mlxlab.serve.http import APIError, protocol_route
 from mlxlab.serve.metrics import CONTENT_TYPE
+from mlxlab.serve.model_choice import model_error, ready_loaded
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
-from mlxlab.serve.pipeline import ready_loaded
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
@@ -46,40 +47,51 @@ async def health(request: Request):
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
-def model_card(request: Request) -> dict:
-    gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    loaded = gateway.loaded
-    return {
-        "id": cfg.model,
+CARD_FIELDS = ("default", "state", "loaded", "size_bytes", "context_length", "vision")
+"""What a chat model's /v1/models entry says beside OpenAI's fields (engine/models.py)."""
+
+
+def model_card(request: Request, info: dict) -> dict:
+    """A chat model's /v1/models entry from `Models.describe`: whether it is loaded, its size
+    (weights' bytes; from its files when unloaded), its context length (the admission ceiling
+    when loaded, the model's own otherwise)."""
+    gateway = request.app.state.gateway
+    card = {
+        "id": info["id"],
         "object": "model",
         "created": int(gateway.started_at),
         "owned_by": "mlxlab",
-        "context_length": loaded.admission.max_safe_context if loaded else None,
-        "vision": (loaded.vision is not None) if loaded else None,  # takes image input
-        **sidecars.chat_card(request),
+        **{k: info.get(k) for k in CARD_FIELDS},
     }
+    if info["default"]:
+        card.update(sidecars.chat_card(request))
+    return card
+
+
+async def chat_cards(request: Request) -> list[dict]:
+    """Every chat model's entry (reading unloaded models' files: off the event loop)."""
+    gateway = request.app.state.gateway
+    if gateway.state != "ready":  # the default model is loading (or failed): its id alone
+        info = {"id": request.app.state.cfg.model, "default": True, "loaded": False}
+        return [model_card(request, {**info, "state": gateway.state})]
+    listing = await asyncio.get_running_loop().run_in_executor(None, gateway.models.listing)
+    return [model_card(request, info) for info in listing]
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [model_card(request), *sidecars.cards(request)]}
+    return {"object": "list", "data": [*(await chat_cards(request)), *sidecars.cards(request)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
-    served = request.app.state.cfg.model
     beside = next((c for c in sidecars.cards(request) if c["id"] == model_id), None)
     if beside is not None:
         return beside
-    if model_id != served:
-        raise APIError(
-            404,
-            f"model {model_id!r} is not served here (serving {served!r})",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
-    return model_card(request)
+    card = next((c for c in await chat_cards(request) if c["id"] == model_id), None)
+    if card is None:
+        raise model_error(request.app.state.gateway.models.not_found(model_id))
+    return card
 
 
 @router.get("/openapi.json", include_in_schema=False)
@@ -125,6 +137,7 @@ async def stats(request: Request):
         "speculative": g.speculation_stats(),
         "kv_quant": loaded.kv.stats() if loaded else None,
         "vision": loaded.vision.stats() if loaded and loaded.vision else None,
+        "models": g.models.stats(),
     }
 
 

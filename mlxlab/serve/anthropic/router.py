@@ -6,7 +6,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from mlxlab.serve import pipeline, vision
+from mlxlab.serve import model_choice, pipeline, vision
 from mlxlab.serve.anthropic import encode
 from mlxlab.serve.anthropic.protocol import (
     AnthropicError,
@@ -27,12 +27,14 @@ router = APIRouter(route_class=protocol_route(error_shape, AnthropicError))
 @router.post("/v1/messages", responses=STREAMED)
 async def messages(body: MessagesRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    job = await pipeline.prepare(gateway, cfg, lambda: to_ask(body))
+    job = await pipeline.prepare(gateway, cfg, lambda: to_ask(body), body.model)
     job.id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return await pipeline.stream(gateway, job, encode.MessageStream(job.id, cfg.model, job))
+        return await pipeline.stream(
+            gateway, job, encode.MessageStream(job.id, job.lease.asked, job)
+        )
     got = await pipeline.collect(gateway, job, request.receive)
-    return encode.message_body(job.id, cfg.model, got)
+    return encode.message_body(job.id, job.lease.asked, got)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -50,9 +52,8 @@ async def count_tokens(body: CountRequest, request: Request):
             origins=origins,
         )
 
-    def count(ask: pipeline.Ask) -> int:
+    def count(ask: pipeline.Ask, loaded) -> int:
         pipeline.check_request(cfg, ask)
-        loaded = pipeline.ready_loaded(gateway)
         shape = shape_of(body)
         seen = vision.plan(cfg, loaded, ask)  # with images: the processor's tokens
         if seen is not None and seen.inputs is not None:
@@ -67,5 +68,9 @@ async def count_tokens(body: CountRequest, request: Request):
         return len(prompt)
 
     ask = await pipeline.off_loop(build)
-    await vision.fetch_images(cfg, gateway.loaded, ask)
-    return {"input_tokens": await pipeline.off_loop(count, ask)}
+    lease = await model_choice.lease_for(gateway, body.model)  # the tokens of the model it names
+    try:
+        await vision.fetch_images(cfg, lease.loaded, ask)
+        return {"input_tokens": await pipeline.off_loop(count, ask, lease.loaded)}
+    finally:
+        lease.release()

@@ -1,23 +1,31 @@
-"""The front of the engine: one worker thread owns the model; requests reach it through the
+"""The front of the engine: one worker thread runs the models; requests reach it through the
 gateway's bounded queue and a lane.
 
     HTTP handlers --Job--> Gateway (bounded queue, admission already passed) --> lane --> events
                                                                                  (thread-safe sink)
 
-The worker thread loads the model (`Loaded`), then runs jobs on the serial lane (`serial.py`: one
-at a time, with the prompt cache) or, with `serve.batch=N`, on the batched lane (`batch.py`: rows
-join and leave between decode steps). `Gateway.lane_for` picks per job; both lanes run on this one
-thread, so they never use the model at the same time. Admin tasks (adapter mount/unmount) are
-queued with `call` and run between jobs.
+The worker thread loads the default model (`Loaded`), then runs jobs on its model's serial lane
+(`serial.py`: one at a time, with the prompt cache) or, with `serve.batch=N`, its batched lane
+(`batch.py`: rows join and leave between decode steps). Each loaded model has its own lanes
+(`lanes`, by model name; a job names its model through its lease): `Gateway.lane_for` picks per
+job; every lane runs on this one thread, so no two use a model at the same time; the batched
+lanes of several models step in turn, one decode step each. Admin tasks (adapter mount/unmount)
+are queued with `call` and run between jobs; the loader thread's tasks (engine/loader.py: each
+slice of a load's MLX work, attaching a model it loaded, detaching one it evicts) with
+`between`, run between decode steps, a serial job's included: MLX evaluates on this thread only.
+The other models (serve `models.NAME=`) are engine/models.py's and engine/loader.py's.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from mlxlab.decode.speculative import Counts
 from mlxlab.serve.engine.batch import BatchLane, batchable
@@ -31,11 +39,38 @@ from mlxlab.serve.engine.jobs import (
     ShuttingDown,
 )
 from mlxlab.serve.engine.loaded import Loaded
+from mlxlab.serve.engine.loader import Loader
+from mlxlab.serve.engine.models import Entry, Models
 from mlxlab.serve.engine.rows import heal_random_state
 from mlxlab.serve.engine.serial import SerialLane
 from mlxlab.serve.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lanes:
+    """One loaded model's lanes."""
+
+    loaded: Loaded
+    serial: SerialLane
+    batch: BatchLane | None
+
+
+_WAKE = object()  # put on the queue with each `between` task: an idle engine wakes to run it
+
+
+class _Between:
+    """A task the engine thread runs as soon as it sees it, between two decode steps."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn, self.future = fn, Future()
+
+    def __call__(self) -> None:
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            self.future.set_exception(e)
 
 
 class Gateway:
@@ -71,15 +106,72 @@ class Gateway:
         )
         self.served_serial = 0
         self.speculation = Counts()  # drafted and accepted tokens of finished jobs, both lanes
+        self.models = Models(cfg)  # the models requests may name (engine/models.py)
+        self.lanes: dict[str, Lanes] = {}  # each loaded model's, by name (the engine thread's)
+        self.cache = None  # the prompt cache every model shares: the default model's
+        # this thread's MLX stream: the loader builds its lazy models on it (MLX's streams are per
+        # thread: an array must be made on a stream of the thread that evaluates it)
+        self.stream = None
+        self.loader = Loader(self)
+        self._between: queue.Queue = queue.Queue()  # the loader's tasks (`between`)
+        # a load's slices of MLX work run here, between decode steps (engine/pacer.py)
+        self.models.pacer.run = lambda fn: self.between(fn).result()
         self._thread = threading.Thread(target=self._work, name="mlxlab-engine", daemon=True)
 
     def start(self) -> Gateway:
         self._thread.start()
         return self
 
+    def lanes_of(self, job: Job) -> Lanes:
+        """The lanes of the model the job's lease holds (the default model's without a lease)."""
+        lease = job.lease
+        return self.lanes[lease.name if lease is not None else self.models.default.name]
+
     def lane_for(self, job: Job) -> str:
-        """ "batch" when a batched lane runs and the job can join it, else "serial"."""
-        return "batch" if self.batch is not None and batchable(job) else "serial"
+        """ "batch" when its model has a batched lane and the job can join it, else "serial"."""
+        return "batch" if self.lanes_of(job).batch is not None and batchable(job) else "serial"
+
+    def between(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread between two decode steps (the loader thread's tasks);
+        a future of its result."""
+        task = _Between(fn)
+        if self.state in ("failed", "stopped"):
+            task.future.set_exception(RuntimeError(f"the engine is {self.state}"))
+        else:
+            self._between.put(task)
+            self._queue.put(_WAKE)
+        return task.future
+
+    def attach(self, e: Entry, loaded: Loaded) -> None:
+        """On the engine thread: start `loaded` (admission measured, counting the other models'
+        weights) and give it lanes under `e`'s name."""
+        loaded.start()
+        loaded.admission.bind(lambda: self.models.others(e))
+        self.lanes[e.name] = self._lanes_for(loaded)
+
+    def detach(self, e: Entry, reason: str) -> None:
+        """On the engine thread: drop `e`'s lanes (it has no work in flight) and its model
+        (`Models.unloaded`, `reason`: lru or idle), then free their memory: nothing references
+        the model any more when the arrays are collected and MLX's cache cleared."""
+        import mlx.core as mx
+
+        self.lanes.pop(e.name, None)
+        self.models.unloaded(e, reason)
+        gc.collect()
+        mx.clear_cache()
+
+    def _lanes_for(self, loaded: Loaded) -> Lanes:
+        cfg = loaded.cfg
+        batch = None
+        if cfg.decode.batch > 1 and not loaded.kv.enabled:
+            batch = BatchLane(loaded, cfg, self._finish)
+        elif cfg.decode.batch > 1:
+            log.warning(
+                "mlxlab serve: kv_quant is on, so every request to %s runs on the serial lane "
+                "(quantized KV caches cannot be batched)",
+                loaded.model_id,
+            )
+        return Lanes(loaded, SerialLane(loaded, cfg, self._run_between), batch)
 
     @property
     def pending(self) -> int:
@@ -91,7 +183,11 @@ class Gateway:
         if self.state != "ready":
             raise NotReady(self.error or f"the engine is {self.state}")
         with self._lock:
-            rows = self.cfg.decode.batch if self.batch is not None else 1
+            # what the loaded models can run at once: each one's batch rows, or its serial lane
+            rows = sum(
+                x.loaded.cfg.decode.batch if x.batch is not None else 1
+                for x in list(self.lanes.values())
+            )
             if self._pending >= self.cfg.max_queue + rows - 1:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(
@@ -138,54 +234,99 @@ class Gateway:
     def stop(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
+        self.loader.stop(timeout)
+
+    def _start_default(self) -> None:
+        import mlx.core as mx
+
+        self.stream = mx.default_stream(mx.default_device())
+        began = time.monotonic()
+        self.loaded = self._loader(self.cfg)
+        default = self.models.default
+        self.loaded.admission.bind(lambda: self.models.others(default))
+        self.cache = self.loaded.cache
+        lanes = self._lanes_for(self.loaded)
+        self.serial, self.batch = lanes.serial, lanes.batch
+        self.lanes[default.name] = lanes
+        self.models.loaded(default, self.loaded, time.monotonic() - began)
+
+    def _take(self):
+        """The next item, waiting for one; the pacer hears that the engine is idle meanwhile."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self.models.pacer.busy(False)
+        item = self._queue.get()
+        self.models.pacer.busy(True)
+        return item
 
     def _work(self) -> None:
         try:
-            self.loaded = self._loader(self.cfg)
-            self.serial = SerialLane(self.loaded, self.cfg)
-            if self.cfg.decode.batch > 1 and not self.loaded.kv.enabled:
-                self.batch = BatchLane(self.loaded, self.cfg, self._finish)
-            elif self.cfg.decode.batch > 1:
-                log.warning(
-                    "mlxlab serve: kv_quant is on, so every request runs on the serial lane "
-                    "(quantized KV caches cannot be batched)"
-                )
+            self._start_default()
             self.state = "ready"
         except BaseException as e:  # noqa: BLE001 - reported through /health
             self.state, self.error = "failed", f"failed to load: {e}"
             self.ready.set()
             return
+        self.loader.start()
         self.ready.set()
-        held = []  # an item that must wait for the batch to drain (serial job, admin task, stop)
+        held = []  # an item that must wait for the batches to drain (serial job, admin task, stop)
         while True:
-            batch = self.batch
-            if batch is not None and batch.active:
+            self._run_between()
+            batches = [x.batch for x in self.lanes.values() if x.batch is not None]
+            batches = [b for b in batches if b.active]
+            if batches:
                 while not held:  # take what has arrived, without waiting
                     try:
                         item = self._queue.get_nowait()
                     except queue.Empty:
                         break
+                    if item is _WAKE:
+                        continue
                     if isinstance(item, Job) and self.lane_for(item) == "batch":
                         self._add_row(item)
                     else:
                         held.append(item)
-                try:
-                    batch.step()
-                except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine carries on
-                    log.exception("mlxlab serve: a batched forward pass failed")
-                    heal_random_state()
-                    batch.fail_all(f"generation failed: {e}")
+                for batch in batches:  # the models take turns: a decode step each
+                    try:
+                        batch.step()
+                    except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine carries on
+                        log.exception("mlxlab serve: a batched forward pass failed")
+                        heal_random_state()
+                        batch.fail_all(f"generation failed: {e}")
                 continue
-            item = held.pop() if held else self._queue.get()
+            item = held.pop() if held else self._take()
+            if item is _WAKE:
+                continue
             if item is None:
                 self.state = "stopped"
+                self._refuse_between()
                 return
-            if not isinstance(item, Job):  # an admin task (adapter mount/unmount)
+            if not isinstance(item, Job):  # an admin task (adapter mount/unmount), a loader's
                 item()
             elif self.lane_for(item) == "batch":
                 self._add_row(item)
             else:
                 self._run_serial(item)
+
+    def _run_between(self) -> None:
+        """Run the loader's tasks that have arrived (before the next decode step or job)."""
+        while True:
+            try:
+                task = self._between.get_nowait()
+            except queue.Empty:
+                return
+            task()
+
+    def _refuse_between(self) -> None:
+        """The engine stopped: the loader's tasks still queued fail, so it never waits forever."""
+        while True:
+            try:
+                task = self._between.get_nowait()
+            except queue.Empty:
+                return
+            task.future.set_exception(RuntimeError("the engine is stopped"))
 
     def _cancelled_before_start(self, job: Job) -> bool:
         if job.cancelled.is_set():
@@ -198,7 +339,7 @@ class Gateway:
         if self._cancelled_before_start(job):
             return
         try:
-            self.batch.add(job)
+            self.lanes_of(job).batch.add(job)
         except JobError as e:
             self._finish(job, None, Failed(str(e), 400, e.code))
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
@@ -215,7 +356,7 @@ class Gateway:
         # right after that answer must already count it
         self.served_serial += 1
         try:
-            done = self.serial.run(job)
+            done = self.lanes_of(job).serial.run(job)
         except JobError as e:
             error = Failed(str(e), 400, e.code)
         except Exception as e:  # noqa: BLE001 - one request failed, the engine carries on
@@ -262,6 +403,10 @@ class Gateway:
         with self._lock:
             self._pending -= 1
             self._jobs.pop(id(job), None)
+        if job.lease is not None:  # the model may be evicted once its last job has left
+            tokens = (done.prompt_tokens, done.completion_tokens) if done is not None else (0, 0)
+            self.models.finished(job.lease.name, *tokens)
+            job.lease.release()
         for observe in self.observers:
             try:
                 observe(job, done if error is None else None)
@@ -292,7 +437,8 @@ class Gateway:
         }
 
     def stats(self) -> dict:
-        running = int(self.running is not None) + (self.batch.running if self.batch else 0)
+        batches = [x.batch for x in list(self.lanes.values()) if x.batch is not None]
+        running = int(self.running is not None) + sum(b.running for b in batches)
         out = {
             "state": self.state,
             "queued": max(self._pending - running, 0),

@@ -97,6 +97,9 @@ class Job:
     # Log once when the answer is still generating after this many seconds (serve.read_timeout_s:
     # a client with a timeout of that order is giving up); 0: never.
     slow_s: float = 0.0
+    # The request's hold on its model (engine/models.py `Lease`): the lanes it runs on; the
+    # engine releases it when the job leaves. None: the default model's lanes.
+    lease: object | None = None
 
     def abort(self, reason: str) -> None:
         """Stop the job before its next token for a reason of the server's: its client gets

@@ -1,6 +1,8 @@
-"""What the engine thread loads once: the model and tokenizer, and what is derived from them
-(stop and hidden tokens, tool and reasoning markup, admission, KV quantization, prompt cache,
-generation defaults, adapters mounted at start)."""
+"""A loaded model: the model and tokenizer, and what is derived from them (stop and hidden
+tokens, tool and reasoning markup, admission, KV quantization, generation defaults, its adapters;
+the default model's speech and embedding models beside it). The default model is loaded by the
+engine thread at start; the others by the loader thread when a request first names them
+(engine/loader.py)."""
 
 from __future__ import annotations
 
@@ -22,15 +24,37 @@ log = logging.getLogger(__name__)
 
 
 class Loaded:
-    def __init__(self, cfg: EngineSettings):
-        import mlx.core as mx
+    """One loaded model. Built in two steps: the constructor reads the files (the weights, in
+    slices when `pace` is given, so it can run on the loader thread beside generation:
+    engine/pacer.py), `start` (on the engine thread) measures admission and mounts adapters;
+    the constructor runs `start` too unless `deferred` (the loader thread's models).
 
-        self.model_dir = resolve(cfg.model)
+    `cache`: the server's prompt cache (one for every model: entries are namespaced by
+    `cache_id` and adapter); `name`: the id requests use (default: the spec); `model_dir`: the
+    resolved directory, when the caller resolved it; `vocab`: build the grammar engine's
+    vocabulary while loading, in a thread `start` joins (the default model: no request pays for
+    it); an on-demand model's is built by the loader thread (`grammar_vocab`) before it serves."""
+
+    def __init__(
+        self,
+        cfg: EngineSettings,
+        cache: PromptCache | None = None,
+        name: str | None = None,
+        model_dir: Path | None = None,
+        pace=None,
+        vocab: bool = True,
+        deferred: bool = False,
+    ):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir) if model_dir is not None else resolve(cfg.model)
         # `vision`: mlx-vlm's model beside mlx-lm's when the directory is a VLM, else None.
         self.model, self.tokenizer, self.vision = load_model(
-            str(self.model_dir), cfg.dtype, decode_head=cfg.decode_head
+            str(self.model_dir), cfg.dtype, decode_head=cfg.decode_head, pace=pace
         )
-        self.model_id = cfg.model
+        self.model_id = name or cfg.model
+        # Prompt-cache entries are this model's while its files are unchanged (a reload of the
+        # same files finds its entries again).
+        self.cache_id = (self.model_id, files_key(self.model_dir))
         self.eos = set(self.tokenizer.eos_token_ids)
         # The width of the logits (embedding rows; may exceed the tokenizer's vocabulary).
         self.n_vocab = int(
@@ -39,46 +63,60 @@ class Loaded:
         # The grammar engine's view of the vocabulary, for structured output: slow to build on a big
         # vocabulary (~4 s for Gemma 3's), so it is built alongside the rest of loading and the
         # server is ready only when it is (no request pays for it, nor shares the CPU with it).
-        vocab = threading.Thread(
-            target=self._grammar_vocab, name="mlxlab-grammar-vocab", daemon=True
-        )
-        vocab.start()
+        self._vocab = None
+        if vocab:
+            self._vocab = threading.Thread(
+                target=self.grammar_vocab, name="mlxlab-grammar-vocab", daemon=True
+            )
+            self._vocab.start()
         self.tool = tool_syntax(self.tokenizer)
         self.think = think_markers(self.tokenizer)
         self.hidden = hidden_token_ids(self.tokenizer, self.tool, self.think)
         self.token_chars = longest_token_chars(self.tokenizer)
-        budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb else None
         self.kv = kv_quant.parse(cfg.kv_quant, self.model, self.model_dir)
         if self.vision is not None and self.vision.alone and self.kv.enabled:
             log.warning("mlxlab serve: kv_quant does not apply to a model mlx-vlm runs alone")
+        self.cache = cache if cache is not None else PromptCache(int(cfg.prompt_cache_gb * 1e9))
+        self.generation_config = read_generation_config(self.model_dir)
+        self.admission = None
+        self.adapters: Adapters | None = None
+        self.draft = None
+        self.speech = self.embedder = None
+        if not deferred:
+            self.start()
+
+    def start(self) -> None:
+        """The engine thread's part: admission measured (a one-token forward), the allocator
+        capped, the draft model, the adapters of `cfg.adapters` mounted, the speech and
+        embedding models (the default model's)."""
+        import mlx.core as mx
+
+        cfg = self.cfg
         extra = self.vision.extra_bytes if self.vision is not None else 0  # the vision tower
         self.admission = admission.measure(
-            self.model, budget, cfg.decode.prefill_step, self.kv, extra
+            self.model, cfg.memory_budget_gb, cfg.decode.prefill_step, self.kv, extra
         )
         mx.set_memory_limit(self.admission.budget_bytes)
-        self.cache = PromptCache(int(cfg.prompt_cache_gb * 1e9))
         # speculative=draft_model's drafts (decode/speculative.py): loaded before the adapters
         # are mounted, so a draft made of the model's own layers shares their wrappers
-        self.draft = None
         if cfg.draft_model:
             from mlxlab.decode.speculative import load_draft
 
             self.draft = load_draft(cfg.draft_model, self.model, self.tokenizer, cfg.dtype)
             log.info("mlxlab serve: speculative drafts from %s", cfg.draft_model)
-        self.generation_config = read_generation_config(self.model_dir)
         self.adapters = Adapters(self.model, cfg.adapter_root)
         for adapter_id, path in (cfg.adapters or {}).items():
             m = self.adapters.mount(adapter_id, path)
             log.info(
-                "mlxlab serve: mounted adapter %r from %s (rank %d, %d modules)",
+                "mlxlab serve: mounted adapter %r from %s on %s (rank %d, %d modules)",
                 adapter_id,
                 m.path,
+                self.model_id,
                 m.rank,
                 len(m.modules),
             )
         # The models served beside the chat one (serve/sidecars.py), loaded here so that they
         # too are only ever run by this thread.
-        self.speech = self.embedder = None
         if cfg.stt_model:
             from mlxlab.audio.speech import Speech, language_code
 
@@ -90,9 +128,11 @@ class Loaded:
 
             self.embedder = Embedder(cfg.embeddings_model)
             log.info("mlxlab serve: embedding model %s", self.embedder.name)
-        vocab.join()
+        if self._vocab is not None:
+            self._vocab.join()
 
-    def _grammar_vocab(self) -> None:
+    def grammar_vocab(self) -> None:
+        """Build the grammar engine's vocabulary (memoized by `grammar.vocab_for`)."""
         try:
             grammar.vocab_for(self.tokenizer, self.n_vocab)
         except Exception as e:  # noqa: BLE001 - structured output then fails per request, with this message
@@ -138,3 +178,16 @@ def read_generation_config(model_dir) -> dict:
         for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)
     }
+
+
+def files_key(model_dir: Path) -> tuple:
+    """The identity of a model directory's files: the path and each weight and config file's
+    size and modification time (a model whose files changed is another model to the cache)."""
+    parts = [str(Path(model_dir).resolve())]
+    for f in sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]:
+        try:
+            st = f.stat()
+            parts.append((f.name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            pass
+    return tuple(parts)

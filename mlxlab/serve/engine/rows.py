@@ -27,9 +27,10 @@ def claim_adapters(m: Loaded, job: Job) -> AdapterSpec:
     return job.adapter
 
 
-def cache_namespace(m: Loaded, ids: AdapterSpec) -> tuple[str, str]:
-    """Prompt-cache entries are kept apart per (model, adapter spec)."""
-    return (m.model_id, spec_name(ids))
+def cache_namespace(m: Loaded, ids: AdapterSpec) -> tuple:
+    """Prompt-cache entries are kept apart per (model, adapter spec): the model by its name and
+    files (`Loaded.cache_id`: one prompt cache serves every model of the server)."""
+    return (m.cache_id, spec_name(ids))
 
 
 def heal_random_state() -> bool:

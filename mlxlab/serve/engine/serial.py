@@ -15,8 +15,11 @@ from mlxlab.serve.engine.vision import run as run_vision
 
 
 class SerialLane:
-    def __init__(self, loaded: Loaded, cfg: EngineSettings):
-        self.m, self.cfg = loaded, cfg
+    """`between`: run before each token is handed out (the gateway's tasks between decode steps:
+    a load's slices, so a long serial job does not hold them up)."""
+
+    def __init__(self, loaded: Loaded, cfg: EngineSettings, between=None):
+        self.m, self.cfg, self.between = loaded, cfg, between
 
     def run(self, job: Job) -> Done:
         if job.vision is not None:  # images: mlx-vlm's model, no prompt cache (engine/vision.py)
@@ -43,10 +46,17 @@ class SerialLane:
             out.speculation = row.speculation
             closed.append(out.close(finish))
 
+        feed = out.feed
+        if self.between is not None:
+
+            def feed(token, logprobs):
+                self.between()
+                return out.feed(token, logprobs)
+
         row = Row(
             list(job.prompt),
             job.max_tokens,
-            out.feed,
+            feed,
             done,
             sampler=sampler,
             processors=processors,

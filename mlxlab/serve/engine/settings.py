@@ -12,7 +12,7 @@ from mlxlab.decode.settings import DecodeSettings
 @dataclass
 class EngineSettings:
     model: str
-    """Zoo name, mlx-lm model directory, or .gguf file."""
+    """The default model: zoo name, mlx-lm model directory, .gguf file or repo id."""
     dtype: str = "auto"
     decode_head: str = "auto"
     memory_budget_gb: float | None = None
@@ -29,4 +29,12 @@ class EngineSettings:
     """The draft model of speculative=draft_model (a model spec, or self:N)."""
     max_queue: int = 16
     """Jobs waiting for the engine beyond which new ones are refused (QueueFull)."""
+    models: dict[str, str] = field(default_factory=dict)
+    """Further models requests may name, name -> spec (engine/models.py)."""
+    models_from_cache: bool = False
+    """Every model of the Hugging Face cache may be named by its repo id."""
+    model_idle_s: float = 0.0
+    """Unload a model other than the default after this long without a request; 0: never."""
+    load_share: float = 1.0
+    """The share of the time a load may take while other models generate (engine/pacer.py)."""
     decode: DecodeSettings = field(default_factory=DecodeSettings)

@@ -28,9 +28,9 @@ COMPLETION_EXAMPLE = {"prompt": "Once upon a time", "max_tokens": 8}
 async def chat(body: ChatRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     heard = await audio.transcribe_parts(request, body)  # input_audio parts -> their transcripts
-    job = await pipeline.prepare(gateway, cfg, body.to_ask)
+    job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
     job.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    head = {"id": job.id, "created": int(time.time()), "model": cfg.model}
+    head = {"id": job.id, "created": int(time.time()), "model": job.lease.asked}
     if body.stream:
         stream = audio.chat_stream(head, body.include_usage(), heard)
         return await pipeline.stream(gateway, job, stream)
@@ -41,13 +41,13 @@ async def chat(body: ChatRequest, request: Request):
 @router.post("/v1/completions", responses=STREAMED, openapi_extra=_example(COMPLETION_EXAMPLE))
 async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    job = await pipeline.prepare(gateway, cfg, body.to_ask)
+    job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
     job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
     head = {
         "id": job.id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": cfg.model,
+        "model": job.lease.asked,
     }
     if body.stream:
         return await pipeline.stream(

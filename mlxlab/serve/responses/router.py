@@ -93,9 +93,9 @@ async def create(body: ResponsesRequest, request: Request):
             code="store_entry_too_large",
         )
     job = await pipeline.prepare(
-        gateway, cfg, lambda: to_ask(body, messages, instructions, origins)
+        gateway, cfg, lambda: to_ask(body, messages, instructions, origins), body.model
     )
-    draft = Draft(body, cfg.model, instructions, int(time.time()))
+    draft = Draft(body, job.lease.asked, instructions, int(time.time()))
 
     def on_final(resp: dict, done: Done, text: str) -> None:
         if body.store:

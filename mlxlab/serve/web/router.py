@@ -33,8 +33,8 @@ from fastapi.responses import RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from mlxlab.serve.http import APIError, protocol_route
+from mlxlab.serve.model_choice import ready_loaded
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
-from mlxlab.serve.pipeline import ready_loaded
 from mlxlab.train import runs
 
 pages_router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))

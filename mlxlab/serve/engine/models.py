@@ -1,0 +1,477 @@
+"""The models a request may ask for, which of them are loaded, and the memory they share.
+
+    serve model=A models.b=SPEC models.c=SPEC [models_from_cache=true] memory_budget_gb=...
+
+- Names: the default model (`model=`: its id is its spec, as echoed before) answers a request
+  that names it or nothing; `models.NAME=SPEC` adds NAME (a SPEC equal to the default's makes
+  NAME another name for it); `models_from_cache=true` adds every model of the Hugging Face cache
+  by its repo id (`zoo.hub_cached`). With none of those (one model) any name reaches the
+  default, as it always has; otherwise an unknown name is a `ModelError` 404 `model_not_found`.
+- States: unloaded -> queued -> loading -> loaded -> evicting -> unloaded; failed (the error is
+  kept; the next request after `RETRY_FAILED_S` tries again). The default model loads at start
+  and is pinned: never evicted or unloaded.
+- Leases: a request holds one from before its prompt is rendered until its job leaves the
+  engine (`Lease.release`), so a model with work in flight is never evicted; a lease also
+  records the KV its request needs (`Lease.reserve`).
+- Memory: `memory_budget_gb` is the server's. Every loaded (or loading) model's weights count
+  against it (`others`, which each model's `Admission` reads), so each model's context ceiling
+  is what is left beside the others. A load is planned (`plan_load`) from the model's weight
+  bytes read from its files (engine/catalog.py): least recently used idle models are evicted
+  until the new one fits beside the rest and the KV of every request in flight; a model that can
+  never fit beside the pinned default is a 400 `model_too_large`, one that cannot fit now
+  because the others are busy a 503 `insufficient_memory` (Retry-After).
+
+The loading itself is engine/loader.py's; the lanes of each loaded model are the gateway's.
+Everything here is guarded by one lock (`Models.lock`): requests (the render thread, the event
+loop), the loader thread and the engine thread all come here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from mlxlab.models import zoo
+from mlxlab.serve.engine.admission import RESERVE_BYTES, budget_bytes
+from mlxlab.serve.engine.catalog import Facts, facts
+from mlxlab.serve.engine.pacer import Pacer
+from mlxlab.serve.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+HUB_TTL_S = 10.0
+"""How long a scan of the Hugging Face cache (models_from_cache) is reused."""
+
+RETRY_FAILED_S = 10.0
+"""A model that failed to load answers its error for this long, then the next request retries."""
+
+HOLDING = ("loading", "loaded", "evicting")
+"""States whose weights count against the budget."""
+
+
+class ModelError(Exception):
+    """A request's model cannot serve it: `status` and `code` for its protocol's error shape."""
+
+    def __init__(self, message: str, status: int, code: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.code, self.retry_after = status, code, retry_after
+
+
+@dataclass
+class Entry:
+    """One model a request may name."""
+
+    name: str
+    spec: str
+    pinned: bool = False
+    state: str = "unloaded"
+    loaded: object | None = None  # engine.loaded.Loaded while loaded
+    error: str | None = None
+    failed_at: float = 0.0
+    reserved: int = 0  # bytes counted against the budget: the estimate while loading, then measured
+    last_used: float = field(default_factory=time.monotonic)
+    leases: set = field(default_factory=set)
+    # (future, name asked) of requests waiting for its load
+    waiters: list = field(default_factory=list)
+    facts: Facts | None = None  # from its files, when unloaded (memoized)
+    # counters (since start)
+    loads: int = 0
+    load_seconds: float = 0.0
+    last_load_seconds: float | None = None
+    evictions: int = 0  # to make room for another model
+    idle_unloads: int = 0
+    failures: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.leases)
+
+
+class Lease:
+    """A request's hold on a loaded model (see the module docstring). `name`: the model's (its
+    lanes'); `asked`: the name the request used for it, which its answer echoes (an alias's
+    own; the model's when the one model answers any name)."""
+
+    def __init__(self, models: Models, entry: Entry, asked: str | None = None):
+        self.models, self.entry = models, entry
+        self.asked = asked or entry.name
+        self.loaded = entry.loaded
+        self.need_bytes = 0
+        self.open = True
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def reserve(self, tokens: int) -> None:
+        """Record the KV bytes of its request (prompt + max_tokens = `tokens`); call it with
+        `models.lock` held, together with the admission check it passed."""
+        self.need_bytes = self.loaded.admission.per_row_bytes(tokens)
+
+    def release(self) -> None:
+        """Done with the model (idempotent)."""
+        with self.models.lock:
+            if not self.open:
+                return
+            self.open = False
+            self.entry.leases.discard(self)
+            self.entry.last_used = time.monotonic()
+
+
+class Models:
+    def __init__(self, cfg: EngineSettings):
+        self.cfg = cfg
+        self.lock = threading.RLock()
+        self.budget_bytes = budget_bytes(cfg.memory_budget_gb)
+        self.pacer = Pacer(cfg.load_share)
+        self.loads: queue.Queue = queue.Queue()  # entries to load, for the loader thread
+        self.default = Entry(cfg.model, cfg.model, pinned=True)
+        self.entries: dict[str, Entry] = {self.default.name: self.default}
+        self.aliases: dict[str, str] = {}
+        for name, spec in (cfg.models or {}).items():
+            if name == self.default.name:  # its own name for itself (another spec: a config error)
+                continue
+            if spec == cfg.model:
+                self.aliases[name] = self.default.name
+                continue
+            self.entries[name] = Entry(name, spec)
+        self.strict = bool(cfg.models or cfg.models_from_cache)
+        self._hub: tuple[float, dict] | None = None  # (when, zoo.hub_cached()): `hub`
+        self._facts: dict[str, Facts] = {}  # by model directory: `facts_of`
+
+    # --- names ------------------------------------------------------------------------------
+
+    def hub(self) -> dict:
+        """The Hugging Face cache's models (`zoo.hub_cached`) with models_from_cache, else none:
+        the folders are scanned at most once every HUB_TTL_S, never under the lock."""
+        if not self.cfg.models_from_cache:
+            return {}
+        scanned = self._hub
+        now = time.monotonic()
+        if scanned is None or now - scanned[0] >= HUB_TTL_S:
+            scanned = self._hub = (now, zoo.hub_cached())
+        return scanned[1]
+
+    def find(self, name: str | None) -> Entry:
+        """The entry a request's `model` names (see the module docstring); ModelError 404."""
+        # before the lock: a scan at most every HUB_TTL_S (`not_found` reads it too)
+        cached = self.hub()
+        with self.lock:
+            if not name or name == self.default.name:
+                return self.default
+            name = self.aliases.get(name, name)
+            if name in self.entries:
+                return self.entries[name]
+            if name in cached:
+                self.entries[name] = Entry(name, name)
+                return self.entries[name]
+            if not self.strict:
+                return self.default
+            raise self.not_found(name)
+
+    def not_found(self, name: str) -> ModelError:
+        """The 404 of a name no model answers to (here and GET /v1/models/{id})."""
+        known = ", ".join(self.names()[:20])
+        more = " (and the Hugging Face cache's models)" if self.cfg.models_from_cache else ""
+        return ModelError(
+            f"model {name!r} is not served here (models: {known}{more})", 404, "model_not_found"
+        )
+
+    def names(self) -> list[str]:
+        """Every name a request may use now, the default first."""
+        with self.lock:
+            out = list(self.entries) + list(self.aliases)
+        out += [r for r in self.hub() if r not in out]
+        return out
+
+    def owner_of(self, adapter_id: str) -> Entry | None:
+        """The loaded model adapter `adapter_id` is mounted on, if any."""
+        with self.lock:
+            for e in self.entries.values():
+                reg = getattr(e.loaded, "adapters", None)
+                if e.state == "loaded" and reg is not None and adapter_id in reg.mounted:
+                    return e
+        return None
+
+    # --- leases -----------------------------------------------------------------------------
+
+    def acquire(self, name: str | None) -> Future:
+        """A future of a Lease on the model `name` names, loading it first if it is not loaded
+        (ModelError at once for an unknown name or a recent failure; the future's exception
+        for a load that fails or cannot fit)."""
+        fut: Future = Future()
+        e = self.find(name)  # outside the lock: it may scan the Hugging Face cache
+        with self.lock:
+            asked = name if name in self.aliases else e.name
+            if e.state == "loaded":
+                fut.set_result(self._lease(e, asked))
+                return fut
+            if e.state == "failed" and time.monotonic() - e.failed_at < RETRY_FAILED_S:
+                raise self.failure(e)
+            e.waiters.append((fut, asked))
+            if e.state in ("unloaded", "failed"):
+                self._queue(e)
+        return fut
+
+    def _lease(self, e: Entry, asked: str | None = None) -> Lease:
+        lease = Lease(self, e, asked)
+        e.leases.add(lease)
+        e.last_used = time.monotonic()
+        return lease
+
+    def _queue(self, e: Entry) -> None:
+        e.state = "queued"
+        self.loads.put(e)
+
+    @staticmethod
+    def failure(e: Entry) -> ModelError:
+        return ModelError(f"model {e.name!r} failed to load: {e.error}", 500, "model_load_failed")
+
+    # --- memory -----------------------------------------------------------------------------
+
+    def others(self, e: Entry) -> int:
+        """Bytes the other models' weights hold (loaded, loading or being evicted)."""
+        with self.lock:
+            return sum(
+                x.reserved for x in self.entries.values() if x is not e and x.state in HOLDING
+            )
+
+    def plan_load(self, e: Entry, weight_bytes: int) -> list[Entry]:
+        """The models to evict so that `e` (its weights `weight_bytes`) fits, marked evicting,
+        with `e`'s bytes reserved; ModelError when it cannot fit (see the module docstring)."""
+        with self.lock:
+            pinned = sum(x.reserved for x in self.entries.values() if x.pinned and x is not e)
+            budget = self.budget_bytes
+            gb = 1e9
+            if weight_bytes + pinned + RESERVE_BYTES > budget:
+                beside = f" beside the default model's {pinned / gb:.2f} GB" if pinned else ""
+                raise ModelError(
+                    f"model {e.name!r} needs {weight_bytes / gb:.2f} GB for its weights, which "
+                    f"cannot fit the memory budget of {budget / gb:.2f} GB{beside} (and "
+                    f"{RESERVE_BYTES / gb:.2f} GB kept in reserve); raise serve.memory_budget_gb",
+                    400,
+                    "model_too_large",
+                )
+            resident = self.others(e)
+            # the KV of every request in flight: batched rows hold theirs at the same time
+            need = sum(lease.need_bytes for x in self.entries.values() for lease in x.leases)
+            idle = sorted(
+                (
+                    x
+                    for x in self.entries.values()
+                    if x.state == "loaded" and not x.pinned and not x.busy and x is not e
+                ),
+                key=lambda x: x.last_used,
+            )
+            victims = []
+            while resident + weight_bytes + RESERVE_BYTES + need > budget:
+                if not idle:
+                    busy = [x.name for x in self.entries.values() if x.state in HOLDING and x.busy]
+                    raise ModelError(
+                        f"model {e.name!r} ({weight_bytes / gb:.2f} GB) cannot be loaded now: "
+                        f"the memory budget of {budget / gb:.2f} GB is held by models with "
+                        f"requests in flight ({', '.join(busy) or 'none'}); retry shortly",
+                        503,
+                        "insufficient_memory",
+                        retry_after=5,
+                    )
+                v = idle.pop(0)
+                victims.append(v)
+                resident -= v.reserved
+            for v in victims:
+                v.state = "evicting"
+            e.state, e.reserved = "loading", weight_bytes
+            return victims
+
+    def idle_victims(self) -> list[Entry]:
+        """Loaded models idle for `model_idle_s` or longer, marked evicting."""
+        if not self.cfg.model_idle_s:
+            return []
+        now = time.monotonic()
+        with self.lock:
+            out = [
+                x
+                for x in self.entries.values()
+                if x.state == "loaded"
+                and not x.pinned
+                and not x.busy
+                and now - x.last_used >= self.cfg.model_idle_s
+            ]
+            for x in out:
+                x.state = "evicting"
+            return out
+
+    # --- state changes (the loader and engine threads) ----------------------------------------
+
+    def loaded(self, e: Entry, loaded, seconds: float | None) -> None:
+        """`e` is loaded (`seconds`: how long it took; None at start for the default): its
+        waiters get their leases."""
+        with self.lock:
+            e.loaded, e.state, e.error, e.facts = loaded, "loaded", None, None
+            e.reserved = loaded.admission.weights_bytes
+            e.last_used = time.monotonic()
+            if seconds is not None:
+                e.loads += 1
+                e.load_seconds += seconds
+                e.last_load_seconds = seconds
+            waiters, e.waiters = e.waiters, []
+            for fut, asked in waiters:
+                self._hand(fut, self._lease(e, asked))
+
+    def _hand(self, fut: Future, lease: Lease) -> None:
+        """Give a waiter its lease; one whose request has gone releases it at once."""
+        if not fut.set_running_or_notify_cancel():
+            lease.release()
+            return
+        fut.set_result(lease)
+
+    def failed(self, e: Entry, error: Exception) -> None:
+        """`e`'s load failed or was refused: its waiters get the error. A refusal for memory
+        (`ModelError`) leaves it unloaded; any other failure is kept as its error."""
+        with self.lock:
+            e.loaded, e.reserved = None, 0
+            if isinstance(error, ModelError):
+                e.state, out = "unloaded", error
+            else:
+                e.state, e.error, e.failed_at = "failed", str(error), time.monotonic()
+                e.failures += 1
+                out = self.failure(e)
+            waiters, e.waiters = e.waiters, []
+            for fut, _ in waiters:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(out)
+
+    def unloaded(self, e: Entry, reason: str) -> None:
+        """`e` was evicted (`reason`: "lru" or "idle"); requests that came meanwhile reload it."""
+        with self.lock:
+            e.loaded, e.reserved, e.facts = None, 0, None
+            if reason == "idle":
+                e.idle_unloads += 1
+            else:
+                e.evictions += 1
+            e.state = "unloaded"
+            if e.waiters:
+                self._queue(e)
+
+    def finished(self, name: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A job of model `name` left the engine (its counters)."""
+        with self.lock:
+            e = self.entries.get(name)
+            if e is not None:
+                e.requests += 1
+                e.prompt_tokens += prompt_tokens
+                e.completion_tokens += completion_tokens
+
+    # --- what each model is ------------------------------------------------------------------
+
+    def settings_for(self, e: Entry) -> EngineSettings:
+        """The engine settings a model other than the default loads with: the server's, without
+        the speech and embedding models (the default's), no adapters at start (`serve
+        adapters.` are the default model's), KV quantization only
+        when uniform (a kv_config plan is the default model's), and speculative drafts only from
+        its own layers (`self:N`; a named draft model shares the default's tokenizer)."""
+        cfg = self.cfg
+        draft = cfg.draft_model if (cfg.draft_model or "").startswith("self:") else None
+        decode = cfg.decode
+        if decode.speculative == "draft_model" and draft is None:
+            decode = dataclasses.replace(decode, speculative="off")
+        kv = cfg.kv_quant if str(cfg.kv_quant).strip().lower() in ("4", "8") else "off"
+        return dataclasses.replace(
+            cfg,
+            model=e.spec,
+            kv_quant=kv,
+            adapters={},
+            stt_model=None,
+            embeddings_model=None,
+            draft_model=draft,
+            decode=decode,
+        )
+
+    def facts_of(self, e: Entry) -> Facts:
+        """What its files say (loaded or not), memoized until it loads or unloads, and by the
+        model's directory (a cache model listed but never asked for has no lasting entry)."""
+        if e.facts is None:
+            path = zoo.local_dir(e.spec, self.hub() if self.cfg.models_from_cache else None)
+            if path is None:
+                return facts(None)
+            key = str(path)
+            if key not in self._facts:
+                self._facts[key] = facts(path, self.cfg.dtype, self.cfg.decode_head)
+            e.facts = self._facts[key]
+        return e.facts
+
+    def describe(self, e: Entry) -> dict:
+        """Its state and counters, for /v1/models, /stats and /metrics."""
+        with self.lock:
+            loaded = e.loaded if e.state == "loaded" else None
+            info = {
+                "id": e.name,
+                "spec": e.spec,
+                "default": e is self.default,
+                "state": e.state,
+                "loaded": loaded is not None,
+                "pinned": e.pinned,
+                "in_flight": len(e.leases),
+                "error": e.error,
+                "loads": e.loads,
+                "load_seconds": round(e.load_seconds, 3),
+                "last_load_seconds": (
+                    round(e.last_load_seconds, 3) if e.last_load_seconds is not None else None
+                ),
+                "evictions": e.evictions,
+                "idle_unloads": e.idle_unloads,
+                "failures": e.failures,
+                "requests": e.requests,
+                "prompt_tokens": e.prompt_tokens,
+                "completion_tokens": e.completion_tokens,
+            }
+        if loaded is not None:
+            info["adapters"] = sorted(loaded.adapters.mounted)
+            adm = loaded.admission
+            info["size_bytes"] = adm.weights_bytes
+            info["context_length"] = adm.max_safe_context
+            info["vision"] = loaded.vision is not None
+        else:
+            f = self.facts_of(e)
+            info["size_bytes"] = f.weight_bytes
+            info["context_length"] = f.context_length
+            info["vision"] = f.vision
+        return info
+
+    def listing(self) -> list[dict]:
+        """`describe` of every name a request may use, the default first (an alias as its
+        model, under its own id; a cache model not yet asked for as unloaded)."""
+        with self.lock:
+            entries = dict(self.entries)
+            aliases = dict(self.aliases)
+        out = []
+        for name in self.names():
+            if name in aliases:
+                out.append({**self.describe(entries[aliases[name]]), "id": name})
+            else:
+                out.append(self.describe(entries.get(name) or Entry(name, name)))
+        return out
+
+    def stats(self) -> dict:
+        with self.lock:
+            entries = list(self.entries.values())
+            aliases = dict(self.aliases)
+            resident = sum(x.reserved for x in entries if x.state in HOLDING)
+        return {
+            "budget_bytes": self.budget_bytes,
+            "weights_bytes": resident,
+            "reserve_bytes": RESERVE_BYTES,
+            "load_share": self.cfg.load_share,
+            "load_waited_s": round(self.pacer.waited_s, 3),
+            "idle_s": self.cfg.model_idle_s,
+            "aliases": aliases,
+            "models": [self.describe(x) for x in entries],
+        }
