@@ -40,7 +40,7 @@ def base(request, real_model_dir) -> Path:
     return zoo.quantize("gemma3-270m", bits=4, group_size=64)
 
 
-def _lora_model(path, seed=0):
+def _lora_model(path, seed=0, b_scale=0.02):
     import mlx.core as mx
 
     from mlxlab.config import LoraConfig
@@ -51,7 +51,7 @@ def _lora_model(path, seed=0):
     lora.apply(model, lora.plan(model, LoraConfig(targets=["q", "v", "down"], rank=4)), seed=seed)
     mx.random.seed(seed)
     for _, m in lora.lora_modules(model):  # B off zero: gradients reach A too
-        m.lora_b = 0.02 * mx.random.normal(m.lora_b.shape)
+        m.lora_b = b_scale * mx.random.normal(m.lora_b.shape)
     return model, tok
 
 
@@ -89,15 +89,14 @@ def test_loss_goes_down_on_a_fixed_batch_and_mlx_lm_loads_the_adapter(base, tmp_
     from mlxlab.train import backward as bw
     from mlxlab.train import trainer
 
-    if base.name.endswith("q4g64"):
-        # failed on the merged tree (2026-12-06, not yet diagnosed: the 4-bit base at lr 2e-3);
-        # the q4 gradients and resume tests still run. Open in the closing note of that day.
-        pytest.skip("4-bit variant of this check fails on the merged tree; being diagnosed")
-    model, tok = _lora_model(base, seed=1)
+    # A small B and a modest rate: at B ~ 0.02 (scale 20) the adapter starts the loss at ~15 and
+    # Adam at lr 2e-3 oscillates on the 4-bit base (14.7, 10.7, 13.9, 10.3, 15.6); here both bases
+    # go down steadily (the 4-bit one: 6.0, 2.4, 0.5, 0.06, 0.15).
+    model, tok = _lora_model(base, seed=1, b_scale=0.005)
     ids = tok.encode(PARAGRAPH)
     batch = B.collate([Example(ids[:40], 16), Example(ids[5:45], 20)])
     grad_fn = bw.segmented_backward(model, bw.plan_by_size(len(model.layers), 6))
-    optimizer = trainer.make_optimizer(OptimConfig(lr=2e-3, schedule="constant"), 5)
+    optimizer = trainer.make_optimizer(OptimConfig(lr=2.5e-4, schedule="constant"), 5)
     losses = [trainer.train_step(model, optimizer, grad_fn, [batch], 1.0, s)[0] for s in range(5)]
     assert losses[-1] < losses[0] - 0.3 and all(np.isfinite(losses)), losses
 
