@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from mlxlab.serve import pipeline
+from mlxlab.serve import ask, pipeline
 from mlxlab.serve.config import ServeConfig
 from mlxlab.serve.engine.jobs import Delta, Done, Job, QueueFull, Sampling
 from tests.helpers.serve import SYSTEM, make_client, sse_events, streamed_content
@@ -430,10 +430,10 @@ def test_a_request_without_max_tokens_gets_the_server_default_and_a_long_one_is_
     logged once, saying so."""
     client, gateway = server
     cfg = client.app.state.cfg
-    job = pipeline.make_job(gateway, cfg, pipeline.Ask(prompt="def f(x):"))
+    job = pipeline.make_job(gateway, cfg, ask.Ask(prompt="def f(x):"))
     assert job.default_limit and job.max_tokens == cfg.max_tokens == 1024
     assert job.slow_s == cfg.read_timeout_s
-    given = pipeline.make_job(gateway, cfg, pipeline.Ask(prompt="def f(x):", max_tokens=7))
+    given = pipeline.make_job(gateway, cfg, ask.Ask(prompt="def f(x):", max_tokens=7))
     assert not given.default_limit and given.max_tokens == 7
     # the same job, as if its client's timeout were tiny: the warning comes once, mid-answer
     got, finished = [], threading.Event()
@@ -457,8 +457,8 @@ def test_sampling_precedence(server):
     old = dict(loaded.generation_config)
     try:
         loaded.generation_config.update({"temperature": 0.6, "top_k": 64, "top_p": 0.95})
-        s = pipeline.resolve_sampling(
-            pipeline.SamplingAsk.of(req), ServeConfig(model="tiny-gemma3", top_p=0.5), loaded
+        s = ask.resolve_sampling(
+            ask.SamplingAsk.of(req), ServeConfig(model="tiny-gemma3", top_p=0.5), loaded
         )
         assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.6, 0.5, 5, 0.0)
     finally:

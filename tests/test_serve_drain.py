@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from mlxlab.serve import pipeline
+from mlxlab.serve import answer
 from tests.helpers.serve import start_server
 
 pytestmark = pytest.mark.slow  # a real server and slow clients: ~15 s
@@ -69,14 +69,14 @@ def test_drain_waits_for_every_answer_to_reach_its_slow_client(tiny_dir, monkeyp
     generation ended (an event loop under load): the drain outlasts uvicorn's 5 s grace period,
     which the engine's queue alone (empty long before) would not."""
     tiny_dir("gemma3")
-    collect = pipeline.collect
+    collect = answer.collect
 
     async def late_collect(*args, **kwargs):
         got = await collect(*args, **kwargs)
         await asyncio.sleep(6)
         return got
 
-    monkeypatch.setattr(pipeline, "collect", late_collect)
+    monkeypatch.setattr(answer, "collect", late_collect)
     port, gateway, server, thread = start_server(drain_timeout_s=90)
     try:
         # Large answers (20 top logprobs per token), no early end of sequence.

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mlxlab.serve import pipeline
+from mlxlab.serve import answer
 from mlxlab.serve.anthropic.encode import MessageStream, message_body
 from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job
 from mlxlab.serve.http import APIError
@@ -55,7 +55,7 @@ def test_chat_stream_chunks():
         Delta("content", "", LP),
         done("tool_calls", [CALL]),
     ]
-    out = data_lines(pipeline.encode(ChatStream(HEAD, include_usage=True), events))
+    out = data_lines(answer.encode(ChatStream(HEAD, include_usage=True), events))
     assert out[-1] == "[DONE]"
     chunks = out[:-1]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" for c in chunks)
@@ -85,7 +85,7 @@ def test_chat_stream_chunks():
 
 def test_chat_stream_failure_and_no_usage():
     out = data_lines(
-        pipeline.encode(
+        answer.encode(
             ChatStream(HEAD, include_usage=False), [Delta("content", "a"), Failed("boom")]
         )
     )
@@ -96,8 +96,8 @@ def test_chat_stream_failure_and_no_usage():
 
 
 def test_collector_and_bodies():
-    got = pipeline.Collector()
-    pipeline.encode(
+    got = answer.Collector()
+    answer.encode(
         got,
         [
             Delta("reasoning", "r"),
@@ -119,15 +119,13 @@ def test_collector_and_bodies():
     ] == {"content": LP}
     assert completion_body({"id": "c"}, got)["choices"][0]["logprobs"]["tokens"] == ["Hi"]
     with pytest.raises(APIError) as e:
-        pipeline.encode(pipeline.Collector(), [Failed("boom")])
+        answer.encode(answer.Collector(), [Failed("boom")])
     assert e.value.status == 500
 
 
 def test_completion_stream_chunks():
     out = data_lines(
-        pipeline.encode(
-            CompletionStream({"id": "cmpl-1"}, True), [Delta("content", "x", LP), done()]
-        )
+        answer.encode(CompletionStream({"id": "cmpl-1"}, True), [Delta("content", "x", LP), done()])
     )
     assert out[0]["choices"][0]["text"] == "x" and out[0]["choices"][0]["logprobs"][
         "token_logprobs"
@@ -144,7 +142,7 @@ def test_anthropic_stream_grammar():
         done("tool_calls", [CALL]),
     ]
     out = named(
-        pipeline.encode(MessageStream("msg_1", "m", Job([0] * 7, 1, None, cached_tokens=5)), events)
+        answer.encode(MessageStream("msg_1", "m", Job([0] * 7, 1, None, cached_tokens=5)), events)
     )
     names = [n for n, _ in out]
     assert names == [
@@ -198,18 +196,18 @@ def test_anthropic_stream_grammar():
 
 def test_anthropic_stop_sequence_failure_and_body():
     stopped = named(
-        pipeline.encode(
+        answer.encode(
             MessageStream("m", "m", Job([0], 1, None)), [Delta("content", "a"), done(stop="\n\n")]
         )
     )
     assert stopped[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}
-    failed = named(pipeline.encode(MessageStream("m", "m", Job([0], 1, None)), [Failed("boom")]))
+    failed = named(answer.encode(MessageStream("m", "m", Job([0], 1, None)), [Failed("boom")]))
     assert failed[-1] == (
         "error",
         {"type": "error", "error": {"type": "api_error", "message": "boom"}},
     )
-    got = pipeline.Collector()
-    pipeline.encode(got, [done("tool_calls", [CALL])])
+    got = answer.Collector()
+    answer.encode(got, [done("tool_calls", [CALL])])
     body = message_body("msg_1", "m", got)
     assert body["content"] == [
         {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Paris"}}
@@ -225,7 +223,7 @@ def test_responses_stream_sequence_and_items():
     finals = []
     enc = ResponseStream(draft(), lambda resp, d, text: finals.append((resp, text)))
     events = [Delta("reasoning", "hm"), Delta("content", "Hi"), done("length", [CALL])]
-    out = named(pipeline.encode(enc, events))
+    out = named(answer.encode(enc, events))
     assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
     names = [n for n, _ in out]
     assert names == [
@@ -273,22 +271,22 @@ def test_responses_logprobs_are_the_answer_texts_own():
         Delta("content", "", one[5]),  # the answer ends inside a character
         done("tool_calls", [CALL]),
     ]
-    out = named(pipeline.encode(ResponseStream(draft(), lambda *a: None), events))
+    out = named(answer.encode(ResponseStream(draft(), lambda *a: None), events))
     deltas = [d["logprobs"] for n, d in out if n == "response.output_text.delta"]
     assert deltas == [[lp[2], lp[3]], [lp[5]]]
     (text_done,) = [d for n, d in out if n == "response.output_text.done"]
     assert text_done["logprobs"] == [lp[2], lp[3], lp[5]] and text_done["text"] == "Hi"
     final = out[-1][1]["response"]
     assert final["output"][1]["content"][0]["logprobs"] == text_done["logprobs"]
-    got = pipeline.Collector()
-    pipeline.encode(got, events)
+    got = answer.Collector()
+    answer.encode(got, events)
     assert got.content_logprobs == text_done["logprobs"] and got.logprobs == lp
     body = draft().final(got.finished, got.reasoning, got.content, got.content_logprobs)
     assert body["output"][1]["content"][0] == final["output"][1]["content"][0]
 
 
 def test_responses_empty_answer_is_a_message():
-    out = named(pipeline.encode(ResponseStream(draft(), lambda *a: None), [done("stop")]))
+    out = named(answer.encode(ResponseStream(draft(), lambda *a: None), [done("stop")]))
     assert [n for n, _ in out][2:] == [
         "response.output_item.added",
         "response.content_part.added",
@@ -308,6 +306,6 @@ def test_pump_streams_what_encode_returns():
             for ev in events:
                 yield ev
 
-        return [c async for c in pipeline.pump(source(), ChatStream(HEAD, True))]
+        return [c async for c in answer.pump(source(), ChatStream(HEAD, True))]
 
-    assert asyncio.run(drain()) == pipeline.encode(ChatStream(HEAD, True), events)
+    assert asyncio.run(drain()) == answer.encode(ChatStream(HEAD, True), events)

@@ -346,7 +346,7 @@ def test_reasoning_is_shown_apart_from_the_answer(tab):
     """No tiny model has a thinking template, so this one stream comes from the server's own
     OpenAI encoder fed engine events (what a thinking model's request streams), routed to the
     page in place of the server's answer."""
-    from mlxlab.serve import pipeline
+    from mlxlab.serve import answer
     from mlxlab.serve.engine.jobs import Delta, Done
     from mlxlab.serve.openai.encode import ChatStream
 
@@ -358,7 +358,7 @@ def test_reasoning_is_shown_apart_from_the_answer(tab):
         Done("stop", prompt_tokens=12, completion_tokens=9, cached_tokens=4),
     ]
     head = {"id": "chatcmpl-1", "created": 1, "model": "tiny-gemma3"}
-    sse = "".join(pipeline.encode(ChatStream(head, include_usage=True), events))
+    sse = "".join(answer.encode(ChatStream(head, include_usage=True), events))
     t = tab()
     t.page.route(
         "**/v1/chat/completions",

@@ -377,7 +377,7 @@ def ceiling(admission, extra_bytes: int) -> int:
 
 
 def completion_limit(loaded, cfg: ServeConfig, prompt_len: int, requested, image_bytes: int) -> int:
-    """max_tokens for an image job: as pipeline.completion_limit, the vision tower's bytes added."""
+    """max_tokens for an image job: as ask.completion_limit, the vision tower's bytes added."""
     adm = loaded.admission
     top = ceiling(adm, image_bytes)
     if requested is None and top - prompt_len >= 1:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
+from mlxlab.serve.answer import Collector, Encoder, failed_error
 from mlxlab.serve.anthropic.protocol import error_shape
 from mlxlab.serve.engine.jobs import Delta, Done, Failed, Job
-from mlxlab.serve.pipeline import Collector, Encoder, failed_error
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -47,7 +47,7 @@ def stop_reason(done: Done) -> str:
 
 
 class MessageStream(Encoder):
-    """`job`: read when the stream starts, which `pipeline.stream` does after the job's first
+    """`job`: read when the stream starts, which `answer.stream` does after the job's first
     event, so the lane has already looked the prompt up in the cache (`job.cached_tokens`) and
     message_start's usage is the final one's input side."""
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxlab.serve import vision
+from mlxlab.serve.ask import Ask, SamplingAsk, adapter_spec, text_of
 from mlxlab.serve.http import APIError, Int, OptInt
-from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, text_of
 from mlxlab.serve.structured import Shape, named
 
 ERROR_TYPES = {

@@ -6,7 +6,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from mlxlab.serve import model_choice, pipeline, vision
+from mlxlab.serve import answer, model_choice, pipeline, vision
 from mlxlab.serve.anthropic import encode
 from mlxlab.serve.anthropic.protocol import (
     AnthropicError,
@@ -18,6 +18,7 @@ from mlxlab.serve.anthropic.protocol import (
     to_ask,
     to_chat,
 )
+from mlxlab.serve.ask import Ask, render_chat
 from mlxlab.serve.http import STREAMED, protocol_route
 from mlxlab.serve.structured import grammar_for
 
@@ -30,10 +31,8 @@ async def messages(body: MessagesRequest, request: Request):
     job = await pipeline.prepare(gateway, cfg, lambda: to_ask(body), body.model)
     job.id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return await pipeline.stream(
-            gateway, job, encode.MessageStream(job.id, job.lease.asked, job)
-        )
-    got = await pipeline.collect(gateway, job, request.receive)
+        return await answer.stream(gateway, job, encode.MessageStream(job.id, job.lease.asked, job))
+    got = await answer.collect(gateway, job, request.receive)
     return encode.message_body(job.id, job.lease.asked, got)
 
 
@@ -41,10 +40,10 @@ async def messages(body: MessagesRequest, request: Request):
 async def count_tokens(body: CountRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
 
-    def build() -> pipeline.Ask:
+    def build() -> Ask:
         chat, tools, origins, schemas = to_chat(body)
         kwargs = template_kwargs(body)
-        return pipeline.Ask(
+        return Ask(
             messages=chat,
             tools=tools,
             tool_schemas=schemas,
@@ -52,7 +51,7 @@ async def count_tokens(body: CountRequest, request: Request):
             origins=origins,
         )
 
-    def count(ask: pipeline.Ask, loaded) -> int:
+    def count(ask: Ask, loaded) -> int:
         pipeline.check_request(cfg, ask)
         shape = shape_of(body)
         seen = vision.plan(cfg, loaded, ask)  # with images: the processor's tokens
@@ -60,7 +59,7 @@ async def count_tokens(body: CountRequest, request: Request):
             prompt, reasoning = seen.prompt, seen.reasoning
         else:
             messages = seen.messages if seen is not None else ask.messages
-            prompt, _, reasoning = pipeline.render_chat(
+            prompt, _, reasoning = render_chat(
                 loaded, messages, ask.tools, ask.template_kwargs, ask.origins
             )
         if shape.constrained:  # refused as /v1/messages refuses it

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 
+from mlxlab.serve.answer import Collector, Encoder, failed_error
 from mlxlab.serve.engine.jobs import Delta, Done, Failed
 from mlxlab.serve.openai.protocol import error_shape
-from mlxlab.serve.pipeline import Collector, Encoder, failed_error
 
 
 def sse(obj) -> str:

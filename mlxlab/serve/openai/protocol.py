@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from mlxlab.audio.decode import FORMATS
+from mlxlab.serve.ask import Ask, SamplingAsk, adapter_spec, normalize_messages
 from mlxlab.serve.http import APIError, Int, OptInt
-from mlxlab.serve.pipeline import Ask, SamplingAsk, adapter_spec, normalize_messages
 from mlxlab.serve.structured import Shape, named
 
 

@@ -7,7 +7,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from mlxlab.serve import pipeline
+from mlxlab.serve import answer, pipeline
 from mlxlab.serve.http import STREAMED, protocol_route
 from mlxlab.serve.openai import audio, encode
 from mlxlab.serve.openai.protocol import ChatRequest, CompletionRequest, OpenAIError, error_shape
@@ -33,8 +33,8 @@ async def chat(body: ChatRequest, request: Request):
     head = {"id": job.id, "created": int(time.time()), "model": job.lease.asked}
     if body.stream:
         stream = audio.chat_stream(head, body.include_usage(), heard)
-        return await pipeline.stream(gateway, job, stream)
-    got = await pipeline.collect(gateway, job, request.receive)
+        return await answer.stream(gateway, job, stream)
+    got = await answer.collect(gateway, job, request.receive)
     return audio.with_usage(encode.chat_body(head, got, body.logprobs), heard)
 
 
@@ -50,8 +50,8 @@ async def completions(body: CompletionRequest, request: Request):
         "model": job.lease.asked,
     }
     if body.stream:
-        return await pipeline.stream(
+        return await answer.stream(
             gateway, job, encode.CompletionStream(head, body.include_usage())
         )
-    got = await pipeline.collect(gateway, job, request.receive)
+    got = await answer.collect(gateway, job, request.receive)
     return encode.completion_body(head, got)

@@ -14,8 +14,8 @@ import json
 import uuid
 from collections.abc import Callable
 
+from mlxlab.serve.answer import Encoder
 from mlxlab.serve.engine.jobs import Delta, Done, Failed
-from mlxlab.serve.pipeline import Encoder
 
 
 class Draft:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 
-from mlxlab.serve import pipeline, vision
+from mlxlab.serve import answer, pipeline, vision
 from mlxlab.serve.engine.jobs import Done
 from mlxlab.serve.http import STREAMED, APIError, protocol_route
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
@@ -102,8 +102,8 @@ async def create(body: ResponsesRequest, request: Request):
             remember(store, resp, messages, instructions, done, text)
 
     if body.stream:
-        return await pipeline.stream(gateway, job, ResponseStream(draft, on_final))
-    got = await pipeline.collect(gateway, job, request.receive)
+        return await answer.stream(gateway, job, ResponseStream(draft, on_final))
+    got = await answer.collect(gateway, job, request.receive)
     resp = draft.final(got.finished, got.reasoning, got.content, got.content_logprobs)
     on_final(resp, got.finished, got.content)
     return resp
