@@ -67,7 +67,7 @@ def _rendezvous(programs) -> bool:
 
 
 def test_pipeline_order_never_deadlocks_where_plain_1f1b_does():
-    from mlxlab.train.pipeline import schedule
+    from mlxlab.train.pipeline_plan import schedule
 
     for n in range(2, 7):
         for micro in range(1, 9):
@@ -88,7 +88,7 @@ def test_pipeline_order_never_deadlocks_where_plain_1f1b_does():
 
 
 def test_segments_are_placed_in_balanced_runs():
-    from mlxlab.train.pipeline import assign_stages
+    from mlxlab.train.pipeline_plan import assign_stages
 
     assert assign_stages([4, 4, 4, 4, 2], 2) == [(0, 1), (2, 4)]  # 8 + 10 layers
     assert assign_stages([4, 4, 4, 4, 2], 2, tail=6) == [(0, 2), (3, 4)]  # 12 | 6 + the head
@@ -149,7 +149,7 @@ def test_the_watchdog_stops_a_wait_past_its_deadline(capsys):
 def test_headers_carry_shapes_and_dtypes():
     import mlx.core as mx
 
-    from mlxlab.train.pipeline import decode, encode
+    from mlxlab.train.world import decode, encode
 
     arrays = [mx.zeros((2, 3, 4)), mx.zeros((5,), mx.bfloat16), mx.zeros((), mx.int32)]
     assert decode(encode(arrays)) == [(a.shape, a.dtype) for a in arrays]

@@ -2,24 +2,22 @@
 
 `backward.mode=segmented backward.pipeline=true` under `mlx.launch -n K`: the plan's segments
 (backward.segment_size layers each) are cut into K runs of consecutive segments, balanced by
-their FLOPs with the loss head counted on the last run (on Gemma's 262k vocabulary the head of
-a step costs about as much as six layers of gemma3-270m), and rank k holds only its run's layers, weights and LoRA arrays both (the model
-is loaded lazily and the other layers' arrays replaced by empty ones before anything reads
-them), plus the embedding on rank 0 and the final norm and loss head on rank K-1 (a tied head is
-the embedding again). A model too large for one machine's memory trains across several.
+their FLOPs with the loss head counted on the last run (pipeline_plan.py), and rank k holds only
+its run's layers, weights and LoRA arrays both (the model is loaded lazily and the other layers'
+arrays replaced by empty ones before anything reads them), plus the embedding on rank 0 and the
+final norm and loss head on rank K-1 (a tied head is the embedding again). A model too large for
+one machine's memory trains across several.
 
 A step's micro-batches (its `grad_accum` batches of `batch_size`) flow through the ranks:
 rank k runs the forward of its segments (train/backward.py `Segments`, the code the
 single-process segmented backward runs) and sends the boundary (the hidden state, Gemma 4's
 donor K/V streams whose sharers sit on later ranks, Gemma 4's per-layer inputs of later
-layers) to rank k+1 with `mx.distributed.send`; the last rank runs its segments' vjps with the
-loss head and the cotangents travel back the same way, each rank adding its sharers'
-cotangents to a donor stream's before passing it on. The order is one-forward-one-backward
-(1F1B: rank k starts K-1-k micro-batches before its first backward), with every rank receiving
-its next input before it sends a cotangent back: sends and receives are blocking, and
-`schedule()` is the order proved deadlock-free for any K and M by the rendezvous simulation in
-tests/test_distributed.py. With balanced ranks the idle share (the bubble) is (K-1)/(M+K-1); each
-rank measures its own (the time it waits in transfers, `bubble` in the step records).
+layers) to rank k+1 with `mx.distributed.send` (a header of shapes and dtypes first:
+world.py's `encode`); the last rank runs its segments' vjps with the loss head and the
+cotangents travel back the same way, each rank adding its sharers' cotangents to a donor
+stream's before passing it on. The order is one-forward-one-backward, receiving before sending
+a cotangent back (`pipeline_plan.schedule`, deadlock-free with blocking transfers); each rank
+measures the time it waits in transfers (`bubble` in the step records).
 
 Exactness: every number is computed by the same functions from the same inputs as in one
 process running the segmented backward with the same grad_accum, so the loss, the metrics
@@ -44,146 +42,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxlab.errors import UserError
-from mlxlab.train.world import World
+from mlxlab.train.pipeline_plan import assign_stages, schedule, segment_costs
+from mlxlab.train.world import HEADER, World, decode, encode, share
 
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-# --- placement and order ----------------------------------------------------------------------
-
-
-def assign_stages(costs: list[float], k: int, tail: float = 0.0) -> list[tuple[int, int]]:
-    """Cut segments (their costs: layer counts, or FLOPs) into `k` runs of consecutive segments
-    whose largest cost is the smallest possible, the last run also paying `tail` (the loss
-    head); (first, last) segment index of each run. Ties: the earlier runs take more."""
-    n = len(costs)
-    if k > n:
-        raise UserError(
-            f"backward.pipeline on {k} ranks needs at least {k} segments; the plan has {n} "
-            "(lower backward.segment_size)"
-        )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    best: dict = {}
-
-    def solve(start: int, parts: int):
-        """(largest run, cuts) for segments start..n-1 in `parts` runs."""
-        if (start, parts) in best:
-            return best[(start, parts)]
-        if parts == 1:
-            out = (prefix[n] - prefix[start] + tail, [(start, n - 1)])
-        else:
-            out = None
-            for end in range(n - parts, start - 1, -1):  # the longest first run first
-                rest = solve(end + 1, parts - 1)
-                cost = max(prefix[end + 1] - prefix[start], rest[0])
-                if out is None or cost < out[0]:
-                    out = (cost, [(start, end), *rest[1]])
-        best[(start, parts)] = out
-        return out
-
-    return solve(0, k)[1]
-
-
-def segment_costs(shapes, plan, length: float, trained: float, head_chunk: int = 0):
-    """(FLOPs of each segment, FLOPs of the loss head) of one sequence of `length` tokens with
-    `trained` response positions in a pipelined step (train/flops.py's counts): a segment's
-    layers run forward, then again inside its vjp with their backward (the last segment only
-    inside its vjp); the head runs forward and backward (and again with head_chunk)."""
-    from mlxlab.train.flops import layer_flops
-
-    lengths = [max(int(round(length)), 1)]
-    costs = []
-    for s, seg in enumerate(plan.segments):
-        passes = 3 if s == len(plan.segments) - 1 else 4  # (forward) + recompute + ~2x backward
-        costs.append(sum(passes * layer_flops(shapes, i, lengths) for i in seg))
-    head = 2 * shapes.hidden * shapes.vocab * trained
-    return costs, head * (3 if head_chunk else 2)
-
-
-def schedule(k: int, n_stages: int, micro: int) -> list[tuple[str, int]]:
-    """Rank k's program for one step of `micro` micro-batches: 1F1B (K-1-k forwards before the
-    first backward, then one of each), where ops are `recv_f`, `F`, `send_f`, `recv_b`, `B`,
-    `send_b` with a micro-batch index. On the last rank `F` is forward and backward together (the
-    last segment runs once, inside its vjp) and `B` has no work. Wherever a rank would send a
-    cotangent and then wait for its next input, it receives first: with blocking transfers the
-    plain 1F1B order deadlocks (both neighbours sending), this one never does."""
-    last = k == n_stages - 1
-    warm = min(n_stages - 1 - k, micro)
-
-    def fwd(m):
-        return [*([("recv_f", m)] if k > 0 else []), ("F", m), *([] if last else [("send_f", m)])]
-
-    def bwd(m):
-        return [*([] if last else [("recv_b", m)]), ("B", m), *([("send_b", m)] if k > 0 else [])]
-
-    ops: list[tuple[str, int]] = []
-    for m in range(warm):
-        ops += fwd(m)
-    for i in range(micro - warm):
-        ops += fwd(warm + i) + bwd(i)
-    for m in range(micro - warm, micro):
-        ops += bwd(m)
-    changed = True
-    while changed:  # receive the next input before sending a cotangent back
-        changed = False
-        for a in range(len(ops) - 1):
-            if ops[a][0] == "send_b" and ops[a + 1][0] == "recv_f":
-                ops[a], ops[a + 1] = ops[a + 1], ops[a]
-                changed = True
-    return ops
-
-
-# --- array headers (shapes travel ahead of arrays) --------------------------------------------
-
-DTYPES = [
-    mx.bool_,
-    mx.uint8,
-    mx.uint16,
-    mx.uint32,
-    mx.uint64,
-    mx.int8,
-    mx.int16,
-    mx.int32,
-    mx.int64,
-    mx.float16,
-    mx.float32,
-    mx.float64,
-    mx.bfloat16,
-]
-HEADER = 6  # per array: dtype code, ndim, up to 4 dims
-
-
-def encode(arrays: list[mx.array]) -> mx.array:
-    rows = []
-    for a in arrays:
-        if a.ndim > HEADER - 2:
-            raise ValueError(f"cannot send a {a.ndim}-d array")
-        dims = list(a.shape) + [0] * (HEADER - 2 - a.ndim)
-        rows += [DTYPES.index(a.dtype), a.ndim, *dims]
-    return mx.array(rows, mx.int64)
-
-
-def decode(header: mx.array) -> list[tuple[tuple, object]]:
-    values = header.tolist()
-    out = []
-    for i in range(0, len(values), HEADER):
-        code, ndim, *dims = values[i : i + HEADER]
-        out.append((tuple(dims[:ndim]), DTYPES[code]))
-    return out
-
-
-def share(world: World, arrays: list[mx.array] | None, count: int, root: int, what: str):
-    """Rank `root`'s `count` arrays, bit for bit, on every rank (the others pass None): their
-    shapes first, then the arrays."""
-    header = encode(arrays) if world.rank == root else mx.zeros((count * HEADER,), mx.int64)
-    shapes = decode(world.broadcast_arrays([header], what, root)[0])
-    if world.rank != root:
-        arrays = [mx.zeros(shape, dtype) for shape, dtype in shapes]
-    return world.broadcast_arrays(arrays, what, root)
 
 
 # --- the pipeline -----------------------------------------------------------------------------

@@ -12,6 +12,10 @@ neither does the ring's start-up while a peer has not connected. Every blocking 
 under a watchdog thread with a deadline (`dist.timeout_s`); past it, the process prints one line
 saying what it waited for and exits 1 (os._exit: the waiting C++ call cannot be interrupted).
 Its peers then see the connection drop and stop too, each with its own one-line reason.
+
+Arrays whose shapes a receiver does not know travel behind a header of their dtypes and shapes
+(`encode` / `decode`); `share` sends a rank's arrays to every rank that way (the segment
+pipeline's boundaries and gathered checkpoints, train/pipeline.py).
 """
 
 from __future__ import annotations
@@ -308,3 +312,52 @@ class World:
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+# --- array headers (shapes travel ahead of arrays) --------------------------------------------
+
+DTYPES = [
+    mx.bool_,
+    mx.uint8,
+    mx.uint16,
+    mx.uint32,
+    mx.uint64,
+    mx.int8,
+    mx.int16,
+    mx.int32,
+    mx.int64,
+    mx.float16,
+    mx.float32,
+    mx.float64,
+    mx.bfloat16,
+]
+HEADER = 6  # per array: dtype code, ndim, up to 4 dims
+
+
+def encode(arrays: list[mx.array]) -> mx.array:
+    rows = []
+    for a in arrays:
+        if a.ndim > HEADER - 2:
+            raise ValueError(f"cannot send a {a.ndim}-d array")
+        dims = list(a.shape) + [0] * (HEADER - 2 - a.ndim)
+        rows += [DTYPES.index(a.dtype), a.ndim, *dims]
+    return mx.array(rows, mx.int64)
+
+
+def decode(header: mx.array) -> list[tuple[tuple, object]]:
+    values = header.tolist()
+    out = []
+    for i in range(0, len(values), HEADER):
+        code, ndim, *dims = values[i : i + HEADER]
+        out.append((tuple(dims[:ndim]), DTYPES[code]))
+    return out
+
+
+def share(world: World, arrays: list[mx.array] | None, count: int, root: int, what: str):
+    """Rank `root`'s `count` arrays, bit for bit, on every rank (the others pass None): their
+    shapes first, then the arrays."""
+    header = encode(arrays) if world.rank == root else mx.zeros((count * HEADER,), mx.int64)
+    shapes = decode(world.broadcast_arrays([header], what, root)[0])
+    if world.rank != root:
+        arrays = [mx.zeros(shape, dtype) for shape, dtype in shapes]
+    return world.broadcast_arrays(arrays, what, root)
