@@ -504,6 +504,7 @@ def test_an_evicted_model_drops_runtime_mounts_and_remounts_its_model_adapters(
         r = client.post("/v1/adapters", json={"id": "again", "path": "l", "model": "small"})
         assert r.status_code == 200, r.text
         assert text_of(ask_adapter(client, "small", "again")) == with_l[0]
+        assert text_of(ask_adapter(client, "small", "l+again"))  # a stack, as on the default
         complete(client, "qwen", PROMPTS[1])  # evicts small
         assert stats_of(client, "small")["state"] == "unloaded"
         assert client.get("/v1/adapters").json()["adapters"] == []
