@@ -2,7 +2,9 @@
 tiny models of three families answer alternately and in parallel with the texts they give served
 alone; an unknown model is a 404 on every protocol; eviction under a small budget and reload; idle
 unload; a load that fails leaves the others serving; a model too large is refused; an adapter on
-another model's request is a 400 naming both; /v1/models, /stats and /metrics per model."""
+another model's request is a 400 naming both; adapters mounted on a model other than the default
+(POST /v1/adapters `model`, serve model_adapters.) answer as on that model served alone, and go
+with its eviction; /v1/models, /stats and /metrics per model."""
 
 from __future__ import annotations
 
@@ -383,6 +385,138 @@ def test_adapter_of_another_model_is_refused_naming_both(tiny_dir, tmp_path):
         gateway.stop()
 
 
+def ask_adapter(client, model, adapter, prompt=PROMPTS[0], max_tokens=8):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "adapter": adapter}
+    return client.post("/v1/completions", json={**body, "model": model})
+
+
+def text_of(r) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def llama_adapter(tiny_dir, tmp_path_factory):
+    """An adapter root holding a tiny-llama adapter (l) and a tiny-gemma3 one (g), and the
+    texts tiny-llama gives for PROMPTS with l, served as the default model."""
+    root = tmp_path_factory.mktemp("adapters")
+    make_adapter(tiny_dir("llama"), root / "l", seed=3)
+    make_adapter(tiny_dir("gemma3"), root / "g", seed=4)
+    client, gateway = make_client(
+        model="tiny-llama", adapter_root=str(root), adapters={"l": str(root / "l")}, batch=4
+    )
+    try:
+        texts = [text_of(ask_adapter(client, "tiny-llama", "l", p)) for p in PROMPTS]
+    finally:
+        gateway.stop()
+    return root, texts
+
+
+def test_an_adapter_mounted_on_another_model_answers_as_on_that_model_alone(llama_adapter, alone):
+    """POST /v1/adapters with `model` loads that model and mounts the adapter on it: its texts
+    are those of a server where that model is the default with that adapter, per row beside
+    the base; the adapter belongs to that model alone (a 400 naming both elsewhere), an
+    adapter not mounted on it is a 400 naming it, a mismatched base is refused naming both."""
+    root, with_l = llama_adapter
+    client, gateway = make_client(models=SMALL, adapter_root=str(root), batch=4)
+    try:
+        r = client.post("/v1/adapters", json={"id": "l", "path": "l", "model": "small"})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "small" and r.json()["id"] == "l"
+        assert stats_of(client, "small")["state"] == "loaded"
+        listed = client.get("/v1/adapters").json()["adapters"]
+        assert [(a["id"], a["model"]) for a in listed] == [("l", "small")]
+        assert client.get("/v1/adapters", params={"model": "tiny-gemma3"}).json() == {
+            "adapters": []
+        }
+        assert stats_of(client, "small")["adapters"] == ["l"]
+        # per row in one batch: the adapter's rows and the base's together
+        got, errors = {}, []
+
+        def ask(i, adapter):
+            try:
+                got[i, adapter] = text_of(ask_adapter(client, "small", adapter, PROMPTS[i]))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        work = [(i, a) for i in range(len(PROMPTS)) for a in ("l", "none")]
+        threads = [threading.Thread(target=ask, args=w) for w in work]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        for i in range(len(PROMPTS)):
+            assert got[i, "l"] == with_l[i], i
+            assert got[i, "none"] == alone["small"][i], i
+        # the default model does not have it
+        r = ask_adapter(client, "tiny-gemma3", "l")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_model_mismatch"
+        assert "'small'" in r.json()["error"]["message"]
+        assert "'tiny-gemma3'" in r.json()["error"]["message"]
+        # an adapter not mounted on small: a 400 naming small and its adapters
+        r = ask_adapter(client, "small", "nope")
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "unknown_adapter", r.text
+        assert "'small'" in err["message"] and "mounted: l" in err["message"]
+        # an adapter of another base: refused naming both
+        r = client.post("/v1/adapters", json={"id": "g", "path": "g", "model": "small"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "adapter_model_mismatch", r.text
+        assert "'g'" in err["message"] and "'small'" in err["message"]
+        # it mounts on its own base, the default, under the same id as small's adapter
+        r = client.post("/v1/adapters", json={"id": "l", "path": "g"})
+        assert r.status_code == 200 and r.json()["model"] == "tiny-gemma3", r.text
+        assert text_of(ask_adapter(client, "tiny-gemma3", "l", max_tokens=2))
+        assert client.delete("/v1/adapters/l").json()["model"] == "tiny-gemma3"
+        # DELETE names the model; without it, the default's (a 404 saying where it is)
+        r = client.delete("/v1/adapters/l")
+        assert r.status_code == 404 and "?model=small" in r.json()["error"]["message"]
+        assert client.delete("/v1/adapters/l", params={"model": "qwen"}).status_code == 404
+        assert stats_of(client, "qwen")["state"] == "unloaded"  # not loaded for a DELETE
+        assert client.delete("/v1/adapters/l", params={"model": "nothing"}).status_code == 404
+        r = client.delete("/v1/adapters/l", params={"model": "small"})
+        assert r.status_code == 200 and r.json()["model"] == "small"
+        assert client.get("/v1/adapters").json()["adapters"] == []
+        r = client.post("/v1/adapters", json={"id": "x", "path": "l", "model": "nothing"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    finally:
+        gateway.stop()
+
+
+def test_an_evicted_model_drops_runtime_mounts_and_remounts_its_model_adapters(
+    tiny_dir, llama_adapter
+):
+    """`model_adapters.small.l=PATH` mounts on every load of small; a runtime mount goes with
+    the eviction (the reloaded model has only its configured adapters)."""
+    root, with_l = llama_adapter
+    w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
+    budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
+    client, gateway = make_client(
+        models=SMALL,
+        model_adapters={"small": {"l": str(root / "l")}},
+        adapter_root=str(root),
+        memory_budget_gb=budget / 1e9,
+        prefill_step=16,
+    )
+    try:
+        assert text_of(ask_adapter(client, "small", "l")) == with_l[0]
+        r = client.post("/v1/adapters", json={"id": "again", "path": "l", "model": "small"})
+        assert r.status_code == 200, r.text
+        assert text_of(ask_adapter(client, "small", "again")) == with_l[0]
+        assert text_of(ask_adapter(client, "small", "l+again"))  # a stack, as on the default
+        complete(client, "qwen", PROMPTS[1])  # evicts small
+        assert stats_of(client, "small")["state"] == "unloaded"
+        assert client.get("/v1/adapters").json()["adapters"] == []
+        r = ask_adapter(client, "small", "again")  # reloads small: without the runtime mount
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_adapter", r.text
+        assert text_of(ask_adapter(client, "small", "l", PROMPTS[1])) == with_l[1]
+        listed = client.get("/v1/adapters", params={"model": "small"}).json()["adapters"]
+        assert [a["id"] for a in listed] == ["l"]
+    finally:
+        gateway.stop()
+
+
 def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alone):
     """models_from_cache=true: a model in the local cache is listed (unloaded, its size read
     from its files) and answers by its repo id; a repo id not in the cache is a 404."""
@@ -508,6 +642,9 @@ def test_the_pacer_runs_slices_through_run_and_waits_only_while_the_engine_gener
         ({"model_idle_s": -1}, "model_idle_s"),
         ({"load_share": 0}, "load_share"),
         ({"load_share": 1.5}, "load_share"),
+        ({"model_adapters": {"nope": {"a": "x"}}}, "model_adapters.nope"),
+        ({"model_adapters": {"tiny-gemma3": {"a": "x"}}}, "adapters.ID=PATH"),
+        ({"models": {"small": "tiny-llama"}, "model_adapters": {"small": {"a": ""}}}, "an id"),
     ],
 )
 def test_bad_model_settings_are_refused(bad, words):

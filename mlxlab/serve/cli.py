@@ -265,7 +265,8 @@ def run(cfg: ServeConfig) -> None:
 
 
 def main(argv: list[str]) -> None:
-    # `adapters.NAME=PATH` and `models.NAME=SPEC` add a key to a dict that starts empty; Hydra
-    # wants `+` for that.
-    argv = ["+" + a if a.startswith(("adapters.", "models.")) and "=" in a else a for a in argv]
+    # `adapters.NAME=PATH`, `models.NAME=SPEC` and `model_adapters.MODEL.ID=PATH` add a key to a
+    # dict that starts empty; Hydra wants `+` for that.
+    added = ("adapters.", "models.", "model_adapters.")
+    argv = ["+" + a if a.startswith(added) and "=" in a else a for a in argv]
     run_hydra("serve", argv, run)

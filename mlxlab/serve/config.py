@@ -37,6 +37,10 @@ class ServeConfig:
     `models.small=tiny-llama models.qwen=Qwen/Qwen3-0.6B`. Loaded when first asked for, kept
     under memory_budget_gb (the least recently used idle one is unloaded to make room). With
     any set, a request naming an unknown model gets 404 model_not_found."""
+    model_adapters: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Adapters mounted on a model of `models` each time it loads, name -> (id -> adapter
+    directory or training run directory): `model_adapters.small.chat=outputs/<run>` (the
+    default model's are `adapters.`)."""
     models_from_cache: bool = False
     """Every model in the local Hugging Face cache may also be named, by its repo id."""
     model_idle_s: float = 0.0
@@ -233,6 +237,26 @@ class ServeConfig:
                     f"serve.models.{name}={spec!r}: {name!r} is the default model's name "
                     f"(model={self.model}); give this model another name"
                 )
+        for name, adapters in (self.model_adapters or {}).items():
+            spec = (self.models or {}).get(name)
+            if spec is None or str(spec) == self.model:
+                whose = (
+                    "the default model's"
+                    if str(name) == self.model or spec
+                    else "not a served model's"
+                )
+                raise UserError(
+                    f"serve.model_adapters.{name}: {name!r} is {whose} name; model_adapters "
+                    "names a model of serve.models (the default model's adapters are "
+                    "adapters.ID=PATH)"
+                )
+            if not hasattr(adapters, "items") or not all(
+                str(k).strip() and str(v or "").strip() for k, v in adapters.items()
+            ):
+                raise UserError(
+                    f"serve.model_adapters.{name}={adapters!r}: give each adapter an id and a "
+                    f"path (model_adapters.{name}.chat=outputs/<run>)"
+                )
         if self.model_idle_s < 0:
             raise UserError(f"model_idle_s must be >= 0, got {self.model_idle_s}")
         if not 0 < self.load_share <= 1:
@@ -298,6 +322,10 @@ class ServeConfig:
             embeddings_model=self.embeddings_model,
             max_queue=self.max_queue,
             models={str(k): str(v) for k, v in (self.models or {}).items()},
+            model_adapters={
+                str(m): {str(k): str(v) for k, v in a.items()}
+                for m, a in (self.model_adapters or {}).items()
+            },
             models_from_cache=self.models_from_cache,
             model_idle_s=self.model_idle_s,
             load_share=self.load_share,

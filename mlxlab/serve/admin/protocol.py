@@ -15,6 +15,8 @@ class MountRequest(BaseModel):
         json_schema_extra={"not": {"enum": ["none", "base"]}},  # what requests say for no adapter
     )
     path: str = Field(min_length=1, pattern=r"^[^\x00]+$")  # no NUL: no file name has one
+    # the served model to mount it on (loaded first if it is not); None: the default model
+    model: str | None = Field(default=None, min_length=1)
 
 
 class Health(BaseModel):

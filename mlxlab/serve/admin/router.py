@@ -1,6 +1,7 @@
 """Status and admin routes: `GET /health` (503 while loading or draining), `GET /v1/models[/{id}]`,
 `GET /stats`, `GET /metrics` (Prometheus), `GET /openapi.json` (`serve.openapi`), and the adapter
-API (`GET/POST /v1/adapters`, `DELETE /v1/adapters/{id}`, `GET /v1/adapters/available`). Errors
+API (`GET/POST /v1/adapters`, `DELETE /v1/adapters/{id}`, `GET /v1/adapters/available`; each
+adapter is mounted on one served model: `model` in the body, `?model=` on DELETE). Errors
 answer in the OpenAI shape. The routes that change the server's state (mount, unmount) are on
 `admin_router`, which `serve.admin_key` guards."""
 
@@ -16,9 +17,10 @@ from mlxlab.errors import UserError
 from mlxlab.serve import sidecars
 from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
+from mlxlab.serve.engine.models import ModelError
 from mlxlab.serve.http import APIError, protocol_route
 from mlxlab.serve.metrics import CONTENT_TYPE
-from mlxlab.serve.model_choice import model_error, ready_loaded
+from mlxlab.serve.model_choice import lease_for, model_error, ready_loaded
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
@@ -141,20 +143,44 @@ async def stats(request: Request):
     }
 
 
-def registry(request: Request, mutating: bool = False) -> Adapters:
-    if mutating and not request.app.state.cfg.allow_adapter_mount:
+def check_mutable(request: Request) -> None:
+    if not request.app.state.cfg.allow_adapter_mount:
         raise APIError(
             403,
             "runtime adapter mounting is switched off (serve.allow_adapter_mount=false)",
             type="permission_error",
             code="mount_disabled",
         )
+
+
+def registry(request: Request) -> Adapters:
+    """The default model's registry (the adapter root is the server's, shared by every model)."""
     return ready_loaded(request.app.state.gateway).adapters
 
 
+BASE_MISMATCH = ("does not fit", "another base model", "wrong base model")
+"""What `lora.io.read_plan` says of an adapter trained on another base."""
+
+
 @router.get("/v1/adapters")
-async def listing(request: Request):
-    return {"adapters": [m.card() for m in registry(request).mounted.values()]}
+async def listing(request: Request, model: str | None = None):
+    """Every loaded model's adapters (`model`: one model's), each card naming its model."""
+    gateway = request.app.state.gateway
+    ready_loaded(gateway)
+    loaded = gateway.models.loaded_models()
+    if model is not None:
+        try:
+            name = gateway.models.find(model).name
+        except ModelError as e:
+            raise model_error(e) from None
+        loaded = [(n, m) for n, m in loaded if n == name]
+    return {
+        "adapters": [
+            {**a.card(), "model": name}
+            for name, m in loaded
+            for a in list(m.adapters.mounted.values())
+        ]
+    }
 
 
 @router.get("/v1/adapters/available")
@@ -165,42 +191,74 @@ async def available(request: Request):
 
 @admin_router.post("/v1/adapters")
 async def mount(body: MountRequest, request: Request):
-    reg = registry(request, mutating=True)
+    """Mount on `body.model` (default: the default model), loading it first if it is not."""
+    check_mutable(request)
+    gateway = request.app.state.gateway
+    lease = await lease_for(gateway, body.model)  # held while mounting: it cannot be evicted
     try:
-        path = reg.confine(body.path)
-    except PermissionError as e:
-        raise APIError(
-            403, str(e), type="permission_error", param="path", code="outside_adapter_root"
-        ) from None
-    try:
-        found = path.exists()
-    except OSError:  # e.g. a name too long for the file system: nothing can be there
-        found = False
-    if not found:  # what it names is not there: a 404, as for any missing resource
-        raise APIError(
-            404,
-            f"no adapter directory {body.path!r} under the adapter root {reg.root}",
-            type="not_found_error",
-            param="path",
-            code="adapter_path_not_found",
-        )
-    try:
-        mounted = await request.app.state.gateway.call(lambda: reg.mount(body.id, path))
-    except UserError as e:
-        raise APIError(400, str(e), param="path", code="invalid_adapter") from None
-    return mounted.card()
+        reg = lease.loaded.adapters
+        try:
+            path = reg.confine(body.path)
+        except PermissionError as e:
+            raise APIError(
+                403, str(e), type="permission_error", param="path", code="outside_adapter_root"
+            ) from None
+        try:
+            found = path.exists()
+        except OSError:  # e.g. a name too long for the file system: nothing can be there
+            found = False
+        if not found:  # what it names is not there: a 404, as for any missing resource
+            raise APIError(
+                404,
+                f"no adapter directory {body.path!r} under the adapter root {reg.root}",
+                type="not_found_error",
+                param="path",
+                code="adapter_path_not_found",
+            )
+        try:
+            mounted = await gateway.call(lambda: reg.mount(body.id, path))
+        except UserError as e:
+            msg = str(e)
+            wrong_base = any(w in msg for w in BASE_MISMATCH)
+            raise APIError(
+                400,
+                f"adapter {body.id!r} cannot be mounted on model {lease.name!r}: {msg}",
+                param="path",
+                code="adapter_model_mismatch" if wrong_base else "invalid_adapter",
+            ) from None
+        return {**mounted.card(), "model": lease.name}
+    finally:
+        lease.release()
 
 
 @admin_router.delete("/v1/adapters/{adapter_id}")
-async def unmount(adapter_id: str, request: Request):
-    reg = registry(request, mutating=True)
+async def unmount(adapter_id: str, request: Request, model: str | None = None):
+    """Unmount from `model` (default: the default model); a model that is not loaded has no
+    adapters mounted (nothing is loaded for this)."""
+    check_mutable(request)
+    gateway = request.app.state.gateway
+    ready_loaded(gateway)
     try:
-        await request.app.state.gateway.call(lambda: reg.unmount(adapter_id))
+        lease = gateway.models.lease_if_loaded(model)
+    except ModelError as e:
+        raise model_error(e) from None
+    name = lease.name if lease is not None else gateway.models.find(model).name
+    try:
+        if lease is None:
+            raise KeyError(adapter_id)
+        await gateway.call(lambda: lease.loaded.adapters.unmount(adapter_id))
     except KeyError:
+        owner = gateway.models.owner_of(adapter_id)
+        hint = ""
+        if owner is not None and owner.name != name:
+            hint = f" (it is mounted on model {owner.name!r}: add ?model={owner.name})"
         raise APIError(
             404,
-            f"no adapter {adapter_id!r} is mounted",
+            f"no adapter {adapter_id!r} is mounted on model {name!r}{hint}",
             type="not_found_error",
             code="adapter_not_found",
         ) from None
-    return {"id": adapter_id, "object": "adapter.deleted", "deleted": True}
+    finally:
+        if lease is not None:
+            lease.release()
+    return {"id": adapter_id, "object": "adapter.deleted", "deleted": True, "model": name}

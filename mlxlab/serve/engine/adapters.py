@@ -90,11 +90,14 @@ def resolve_root(root: str | Path | None) -> Path:
 
 
 class Adapters:
-    """The registry; its methods that touch the model run on the engine thread. `root`:
-    `serve.adapter_root` (None: the default `resolve_root` picks)."""
+    """The registry of one served model (each loaded model has its own; an adapter belongs to
+    the base it was trained on); its methods that touch the model run on the engine thread.
+    `root`: `serve.adapter_root` (None: the default `resolve_root` picks); `name`: the model's,
+    for the messages."""
 
-    def __init__(self, model, root: str | Path | None):
+    def __init__(self, model, root: str | Path | None, name: str | None = None):
         self.model = model
+        self.name = name
         self.root = resolve_root(root)
         self.selection = multi.Selection()
         self.mounted: dict[str, Mounted] = {}
@@ -173,8 +176,9 @@ class Adapters:
         unknown = [i for i in ids if i not in self.mounted]
         if unknown:
             have = ", ".join(sorted(self.mounted)) or "none"
+            on = f" on model {self.name!r}" if self.name else ""
             raise KeyError(
-                f"adapter {', '.join(map(repr, unknown))} is not mounted (mounted: {have})"
+                f"adapter {', '.join(map(repr, unknown))} is not mounted{on} (mounted: {have})"
             )
         dora = [i for i in ids if self.mounted[i].kind == "dora"]
         if dora and len(ids) > 1:  # it rescales the whole output: not a delta to stack

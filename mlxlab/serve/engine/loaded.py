@@ -104,7 +104,7 @@ class Loaded:
 
             self.draft = load_draft(cfg.draft_model, self.model, self.tokenizer, cfg.dtype)
             log.info("mlxlab serve: speculative drafts from %s", cfg.draft_model)
-        self.adapters = Adapters(self.model, cfg.adapter_root)
+        self.adapters = Adapters(self.model, cfg.adapter_root, self.model_id)
         for adapter_id, path in (cfg.adapters or {}).items():
             m = self.adapters.mount(adapter_id, path)
             log.info(

@@ -201,6 +201,20 @@ class Models:
                     return e
         return None
 
+    def loaded_models(self) -> list[tuple[str, object]]:
+        """(name, engine.loaded.Loaded) of each loaded model, the default first (GET
+        /v1/adapters lists their adapters)."""
+        with self.lock:
+            return [(e.name, e.loaded) for e in self.entries.values() if e.state == "loaded"]
+
+    def lease_if_loaded(self, name: str | None) -> Lease | None:
+        """A lease on the model `name` names if it is loaded now, else None (no load is
+        queued: DELETE /v1/adapters on a model that is not loaded has nothing to unmount);
+        ModelError 404 for an unknown name."""
+        e = self.find(name)
+        with self.lock:
+            return self._lease(e) if e.state == "loaded" else None
+
     # --- leases -----------------------------------------------------------------------------
 
     def acquire(self, name: str | None) -> Future:
@@ -374,8 +388,9 @@ class Models:
 
     def settings_for(self, e: Entry) -> EngineSettings:
         """The engine settings a model other than the default loads with: the server's, without
-        the speech and embedding models (the default's), no adapters at start (`serve
-        adapters.` are the default model's), KV quantization only
+        the speech and embedding models (the default's), its own adapters at start (`serve
+        model_adapters.NAME.ID=PATH`; `serve adapters.` are the default model's), mounted at
+        every load (runtime mounts go with an eviction), KV quantization only
         when uniform (a kv_config plan is the default model's), and speculative drafts only from
         its own layers (`self:N`; a named draft model shares the default's tokenizer)."""
         cfg = self.cfg
@@ -388,7 +403,7 @@ class Models:
             cfg,
             model=e.spec,
             kv_quant=kv,
-            adapters={},
+            adapters=dict((cfg.model_adapters or {}).get(e.name) or {}),
             stt_model=None,
             embeddings_model=None,
             draft_model=draft,

@@ -31,6 +31,8 @@ class EngineSettings:
     """Jobs waiting for the engine beyond which new ones are refused (QueueFull)."""
     models: dict[str, str] = field(default_factory=dict)
     """Further models requests may name, name -> spec (engine/models.py)."""
+    model_adapters: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Adapters mounted on each load of a model of `models`, name -> (id -> directory)."""
     models_from_cache: bool = False
     """Every model of the Hugging Face cache may be named by its repo id."""
     model_idle_s: float = 0.0

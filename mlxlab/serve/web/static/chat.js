@@ -572,13 +572,15 @@ function renderAnswer(index, side) {
 async function refreshAdapters() {
   const list = $("adapter-options");
   try {
-    const [models, adapters] = await Promise.all([apiJSON("/v1/models"), apiJSON("/v1/adapters")]);
+    const models = await apiJSON("/v1/models");
     const select = $("model");
     const ids = models.data.map((m) => m.id);
     if (select.options.length !== ids.length || [...select.options].some((o, i) => o.value !== ids[i])) {
       select.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id)));
     }
     model = select.value || ids[0] || null;
+    // each model has its own adapters: the selected one's
+    const adapters = await apiJSON("/v1/adapters" + (model ? "?model=" + encodeURIComponent(model) : ""));
     const mounted = adapters.adapters.map((a) => a.id);
     const options = ["none", ...mounted];
     for (let i = 0; i < Math.min(mounted.length, 4); i++) {
@@ -630,7 +632,10 @@ function start() {
     $("tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
     saveSettings();
   });
-  $("model").addEventListener("change", () => (model = $("model").value));
+  $("model").addEventListener("change", () => {
+    model = $("model").value;
+    refreshAdapters();
+  });
   document.addEventListener("mlxlab:key", refreshAdapters);
   health($("status"));
   refreshAdapters();
