@@ -129,6 +129,29 @@ def test_prompt_cache_is_namespaced_per_adapter(served):
         client.delete("/v1/adapters/ns")
 
 
+def test_an_id_mounted_again_does_not_reuse_the_old_weights_cache(served):
+    """The prompt cache outlives an unmount: an id mounted again from another directory must
+    not reuse KV prefixes computed with the weights it named before."""
+    client, _ = served
+    msgs = [{"role": "system", "content": "You answer in one line. " * 8}, *PROMPT]
+    client.post("/v1/adapters", json={"id": "cold", "path": "b"})
+    client.post("/v1/adapters", json={"id": "re", "path": "a"})
+    try:
+        cold = reply(client, "cold", messages=msgs)  # B's answer, nothing cached under "cold"
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        reply(client, "re", messages=msgs)
+        warm = reply(client, "re", messages=msgs)
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert client.delete("/v1/adapters/re").status_code == 200
+        assert client.post("/v1/adapters", json={"id": "re", "path": "b"}).status_code == 200
+        again = reply(client, "re", messages=msgs)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert text(again) == text(cold) != text(warm)
+    finally:
+        client.delete("/v1/adapters/re")
+        client.delete("/v1/adapters/cold")
+
+
 def test_validation_is_all_or_nothing_and_paths_are_confined(served, root, tmp_path):
     client, gateway = served
     wrong = client.post("/v1/adapters", json={"id": "x", "path": "llama"})

@@ -10,6 +10,7 @@ or by default a directory of mlxlab's) after resolving symlinks.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,10 @@ class Mounted:
     requests: int = 0
     meta: dict = field(default_factory=dict)
     kind: str = "lora"  # lora | dora
+    # This mount's token, unique in the process (`MOUNT_TOKENS`): the prompt cache keys on it,
+    # so an id mounted again (another directory, or after its model's eviction) never reuses
+    # KV computed with the weights it named before.
+    token: int = 0
 
     def card(self) -> dict:
         return {
@@ -56,6 +61,8 @@ class Mounted:
             "requests": self.requests,
         }
 
+
+MOUNT_TOKENS = itertools.count(1)  # one per mount, across every model's registry
 
 RUNS_DIR = "outputs"  # where `train` writes its runs, under the working directory
 
@@ -159,6 +166,7 @@ class Adapters:
             modules,
             sorted(plan.layers),
             kind=plan.kind,
+            token=next(MOUNT_TOKENS),
         )
         self.mounted[adapter_id] = m
         self.mounts += 1

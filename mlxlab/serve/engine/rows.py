@@ -29,8 +29,11 @@ def claim_adapters(m: Loaded, job: Job) -> AdapterSpec:
 
 def cache_namespace(m: Loaded, ids: AdapterSpec) -> tuple:
     """Prompt-cache entries are kept apart per (model, adapter spec): the model by its name and
-    files (`Loaded.cache_id`: one prompt cache serves every model of the server)."""
-    return (m.cache_id, spec_name(ids))
+    files (`Loaded.cache_id`: one prompt cache serves every model of the server), each adapter
+    by its mount token (`Mounted.token`: the cache outlives an unmount and an eviction, and an
+    id mounted again may name other weights). Call after `claim_adapters` (all mounted)."""
+    tokens = tuple(m.adapters.mounted[i].token for i in ids)
+    return (m.cache_id, spec_name(ids), tokens)
 
 
 def heal_random_state() -> bool:
