@@ -151,8 +151,11 @@ def test_every_problem_is_reported_at_once(tiny_dir, tmp_path):
     assert not lora.lora_modules(fresh)  # nothing attached
 
     wrong_base, _ = load(str(tiny_dir("gemma3")))  # 6 layers, other widths
-    with pytest.raises(UserError, match="does not fit the model"):
+    with pytest.raises(lora_io.BaseMismatch, match="does not fit the model"):
         lora_io.load(wrong_base, tmp_path / "a")
+    with pytest.raises(UserError) as err:  # wrong shapes on its own base: not another base's
+        lora_io.load(fresh, tmp_path / "a")
+    assert not isinstance(err.value, lora_io.BaseMismatch)
 
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "adapter_config.json").write_text("{not json")

@@ -160,6 +160,28 @@ def test_validation_is_all_or_nothing_and_paths_are_confined(served, root, tmp_p
         "does not fit" in wrong.json()["error"]["message"]
         or "another base model" in wrong.json()["error"]["message"]
     )
+    assert wrong.json()["error"]["code"] == "adapter_model_mismatch"
+    # A corrupt adapter of the right base "does not fit" too, but is not another base's.
+    import shutil
+
+    corrupt = root / "corrupt"
+    shutil.copytree(root / "a", corrupt, dirs_exist_ok=True)
+    weights = mx.load(str(corrupt / lora_io.WEIGHTS))
+    weights[next(iter(weights))] = mx.zeros((3, 3))
+    mx.save_safetensors(str(corrupt / lora_io.WEIGHTS), weights)
+    r = client.post("/v1/adapters", json={"id": "x", "path": "corrupt"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_adapter", r.text
+    assert "does not fit" in err["message"] and "shape (3, 3)" in err["message"]
+    # More layers than the model has: another base.
+    deep = root / "deep"
+    shutil.copytree(root / "a", deep, dirs_exist_ok=True)
+    config = json.loads((deep / lora_io.CONFIG).read_text())
+    (deep / lora_io.CONFIG).write_text(json.dumps({**config, "num_layers": 99}))
+    r = client.post("/v1/adapters", json={"id": "x", "path": "deep"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "adapter_model_mismatch", r.text
+    assert "num_layers=99" in err["message"]
     broken = root / "broken"
     broken.mkdir(exist_ok=True)
     (broken / "adapter_config.json").write_text("{not json")

@@ -133,16 +133,24 @@ def kind_of(path: str | Path) -> str:
         return "lora"
 
 
+class BaseMismatch(UserError):
+    """`read_plan`: the adapter was trained on another base model (its recorded base
+    fingerprint differs from the model's, or its num_layers exceeds the model's layers); the
+    message lists every problem found."""
+
+
 def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, mx.array]]:
     """Read and check an adapter against `model` without touching the model.
 
     Every problem (missing files, bad JSON, unknown or missing tensors, wrong shapes) is
-    collected and raised as one UserError.
+    collected and raised as one UserError: a `BaseMismatch` when one of them says the adapter
+    was trained on another base model.
     """
     path = resolve_dir(path)
     if not path.is_dir():
         raise UserError(f"adapter path {path} is not a directory")
     problems: list[str] = []
+    other_base = False  # a problem that says another base model: BaseMismatch
     config = _read_json(path / CONFIG, problems)
     meta = _read_json(path / META, []) if (path / META).exists() else {}
     weights: dict[str, mx.array] = {}
@@ -169,8 +177,9 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
         num_layers = 0
     elif num_layers > n:
         problems.append(f"num_layers={num_layers} but the model has {n} layers (wrong base model?)")
+        other_base = True
     if problems:
-        raise UserError(f"adapter {path}: " + "; ".join(problems))
+        raise (BaseMismatch if other_base else UserError)(f"adapter {path}: " + "; ".join(problems))
 
     trained_on, this = meta.get("base") or {}, base_fingerprint(model)
     mismatch = [
@@ -180,6 +189,7 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
     ]
     if mismatch:
         problems.append("trained on another base model (" + ", ".join(mismatch) + ")")
+        other_base = True
     layers = tuple(meta.get("layers") or range(n - min(num_layers, n), n))
     keys = params.get("keys")
     if kind == "full":  # the tensors name the layers and modules trained
@@ -192,7 +202,9 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
         if not weights:
             problems.append(f"{WEIGHTS} holds no tensors")
         if problems:
-            raise UserError(f"adapter {path}: " + "; ".join(problems))
+            raise (BaseMismatch if other_base else UserError)(
+                f"adapter {path}: " + "; ".join(problems)
+            )
     elif keys is None:  # mlx-lm's default: every linear in the adapted layers
         keys = sorted({k for i in layers for k in lora_apply.layer_keys(model.layers[i])})
     plan = lora_apply.LoraPlan(
@@ -210,7 +222,9 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
         elif tuple(w.shape) != expected[name]:
             problems.append(f"{name}: shape {tuple(w.shape)}, model expects {expected[name]}")
     if problems:
-        raise UserError(f"adapter {path} does not fit the model:\n  " + "\n  ".join(problems))
+        raise (BaseMismatch if other_base else UserError)(
+            f"adapter {path} does not fit the model:\n  " + "\n  ".join(problems)
+        )
     return plan, weights
 
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlxlab.errors import UserError
+from mlxlab.lora import io as lora_io
 from mlxlab.serve import sidecars
 from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
@@ -158,10 +159,6 @@ def registry(request: Request) -> Adapters:
     return ready_loaded(request.app.state.gateway).adapters
 
 
-BASE_MISMATCH = ("does not fit", "another base model", "wrong base model")
-"""What `lora.io.read_plan` says of an adapter trained on another base."""
-
-
 @router.get("/v1/adapters")
 async def listing(request: Request, model: str | None = None):
     """Every loaded model's adapters (`model`: one model's), each card naming its model."""
@@ -217,14 +214,14 @@ async def mount(body: MountRequest, request: Request):
             )
         try:
             mounted = await gateway.call(lambda: reg.mount(body.id, path))
-        except UserError as e:
-            msg = str(e)
-            wrong_base = any(w in msg for w in BASE_MISMATCH)
+        except UserError as e:  # lora_io.BaseMismatch: trained on another base model
             raise APIError(
                 400,
-                f"adapter {body.id!r} cannot be mounted on model {lease.name!r}: {msg}",
+                f"adapter {body.id!r} cannot be mounted on model {lease.name!r}: {e}",
                 param="path",
-                code="adapter_model_mismatch" if wrong_base else "invalid_adapter",
+                code="adapter_model_mismatch"
+                if isinstance(e, lora_io.BaseMismatch)
+                else "invalid_adapter",
             ) from None
         return {**mounted.card(), "model": lease.name}
     finally:
