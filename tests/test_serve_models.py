@@ -398,18 +398,24 @@ def text_of(r) -> str:
 @pytest.fixture(scope="module")
 def llama_adapter(tiny_dir, tmp_path_factory):
     """An adapter root holding a tiny-llama adapter (l) and a tiny-gemma3 one (g), and the
-    texts tiny-llama gives for PROMPTS with l, served as the default model."""
+    texts tiny-llama gives for PROMPTS with l, served as the default model, and its text for
+    PROMPTS[0] with the stack l+again (again: l mounted a second time)."""
     root = tmp_path_factory.mktemp("adapters")
     make_adapter(tiny_dir("llama"), root / "l", seed=3)
     make_adapter(tiny_dir("gemma3"), root / "g", seed=4)
     client, gateway = make_client(
-        model="tiny-llama", adapter_root=str(root), adapters={"l": str(root / "l")}, batch=4
+        model="tiny-llama",
+        adapter_root=str(root),
+        adapters={"l": str(root / "l"), "again": str(root / "l")},
+        batch=4,
     )
     try:
         texts = [text_of(ask_adapter(client, "tiny-llama", "l", p)) for p in PROMPTS]
+        stacked = text_of(ask_adapter(client, "tiny-llama", "l+again"))
     finally:
         gateway.stop()
-    return root, texts
+    assert stacked != texts[0]  # the stack is not l alone
+    return root, texts, stacked
 
 
 def test_an_adapter_mounted_on_another_model_answers_as_on_that_model_alone(llama_adapter, alone):
@@ -417,7 +423,7 @@ def test_an_adapter_mounted_on_another_model_answers_as_on_that_model_alone(llam
     are those of a server where that model is the default with that adapter, per row beside
     the base; the adapter belongs to that model alone (a 400 naming both elsewhere), an
     adapter not mounted on it is a 400 naming it, a mismatched base is refused naming both."""
-    root, with_l = llama_adapter
+    root, with_l, _ = llama_adapter
     client, gateway = make_client(models=SMALL, adapter_root=str(root), batch=4)
     try:
         r = client.post("/v1/adapters", json={"id": "l", "path": "l", "model": "small"})
@@ -489,7 +495,7 @@ def test_an_evicted_model_drops_runtime_mounts_and_remounts_its_model_adapters(
 ):
     """`model_adapters.small.l=PATH` mounts on every load of small; a runtime mount goes with
     the eviction (the reloaded model has only its configured adapters)."""
-    root, with_l = llama_adapter
+    root, with_l, stacked = llama_adapter
     w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
     budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
     client, gateway = make_client(
@@ -504,7 +510,8 @@ def test_an_evicted_model_drops_runtime_mounts_and_remounts_its_model_adapters(
         r = client.post("/v1/adapters", json={"id": "again", "path": "l", "model": "small"})
         assert r.status_code == 200, r.text
         assert text_of(ask_adapter(client, "small", "again")) == with_l[0]
-        assert text_of(ask_adapter(client, "small", "l+again"))  # a stack, as on the default
+        # a stack, as on a server where small's model is the default
+        assert text_of(ask_adapter(client, "small", "l+again")) == stacked
         complete(client, "qwen", PROMPTS[1])  # evicts small
         assert stats_of(client, "small")["state"] == "unloaded"
         assert client.get("/v1/adapters").json()["adapters"] == []
@@ -642,8 +649,11 @@ def test_the_pacer_runs_slices_through_run_and_waits_only_while_the_engine_gener
         ({"model_idle_s": -1}, "model_idle_s"),
         ({"load_share": 0}, "load_share"),
         ({"load_share": 1.5}, "load_share"),
-        ({"model_adapters": {"nope": {"a": "x"}}}, "model_adapters.nope"),
-        ({"model_adapters": {"tiny-gemma3": {"a": "x"}}}, "adapters.ID=PATH"),
+        ({"model_adapters": {"nope": {"a": "x"}}}, "'nope' is not a served model's name"),
+        (
+            {"model": "tiny-gemma3", "model_adapters": {"tiny-gemma3": {"a": "x"}}},
+            "'tiny-gemma3' is the default model's name",
+        ),
         ({"models": {"small": "tiny-llama"}, "model_adapters": {"small": {"a": ""}}}, "an id"),
     ],
 )
