@@ -101,7 +101,8 @@ def test_metrics_after_a_few_requests(served):
     assert ttft_inf == 4
 
     assert value(m, "mlxlab_adapters_mounted") == 1 and value(m, "mlxlab_adapter_mounts_total") == 1
-    assert value(m, "mlxlab_adapter_requests_total", adapter="a") == 1
+    assert value(m, "mlxlab_adapter_requests_total", model="tiny-gemma3", adapter="a") == 1
+    assert value(m, "mlxlab_model_adapters_mounted", model="tiny-gemma3") == 1
     assert client.delete("/v1/adapters/a").status_code == 200
     m = scrape(client)
     assert (

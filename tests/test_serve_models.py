@@ -455,6 +455,21 @@ def test_an_adapter_mounted_on_another_model_answers_as_on_that_model_alone(llam
         for i in range(len(PROMPTS)):
             assert got[i, "l"] == with_l[i], i
             assert got[i, "none"] == alone["small"][i], i
+        # /stats and /metrics count small's adapter under small (the default has none)
+        by_model = client.get("/stats").json()["adapters_by_model"]
+        assert {m["id"]: m["requests"] for m in by_model["small"]["mounted"]} == {"l": len(PROMPTS)}
+        assert by_model["tiny-gemma3"]["mounted"] == []
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(client.get("/metrics").text)
+            for s in f.samples
+        }
+        per = ("mlxlab_adapter_requests_total", (("adapter", "l"), ("model", "small")))
+        assert samples[per] == len(PROMPTS)
+        assert samples["mlxlab_model_adapters_mounted", (("model", "small"),)] == 1
+        assert samples["mlxlab_model_adapters_mounted", (("model", "tiny-gemma3"),)] == 0
         # the default model does not have it
         r = ask_adapter(client, "tiny-gemma3", "l")
         assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_model_mismatch"

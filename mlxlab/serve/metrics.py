@@ -131,7 +131,7 @@ class Live:
         yield from self._models(g.models.stats())
         if loaded is not None:
             yield from self._cache(loaded.cache.stats())
-            yield from self._adapters(loaded.adapters)
+            yield from self._adapters(loaded.adapters, g.models.loaded_models())
         s = self.store.stats()
         yield gauge(
             "mlxlab_response_store_entries", "Responses kept for previous_response_id", s["entries"]
@@ -204,7 +204,9 @@ class Live:
         yield gauge("mlxlab_prompt_cache_max_bytes", "The prompt cache's byte cap", s["max_bytes"])
 
     @staticmethod
-    def _adapters(reg):
+    def _adapters(reg, loaded_models):
+        """The default model's registry (`reg`: mounted now, mounts, unmounts), then per loaded
+        model (`loaded_models`: (name, Loaded)) its mounted count and each adapter's jobs."""
         yield gauge("mlxlab_adapters_mounted", "LoRA adapters mounted now", len(reg.mounted))
         yield counter(
             "mlxlab_adapter_mounts", "Adapter mounts (at start and at runtime)", reg.mounts
@@ -212,12 +214,21 @@ class Live:
         yield counter("mlxlab_adapter_unmounts", "Adapter unmounts", reg.unmounts)
         per = CounterMetricFamily(
             "mlxlab_adapter_requests",
-            "Jobs run with each mounted adapter (alone or stacked)",
-            labels=["adapter"],
+            "Jobs run with each mounted adapter (alone or stacked), by model",
+            labels=["model", "adapter"],
         )
-        for m in list(reg.mounted.values()):
-            per.add_metric([m.id], m.requests)
+        mounted = GaugeMetricFamily(
+            "mlxlab_model_adapters_mounted",
+            "LoRA adapters mounted now on the model",
+            labels=["model"],
+        )
+        for name, loaded in loaded_models:
+            cards = list(loaded.adapters.mounted.values())
+            mounted.add_metric([name], len(cards))
+            for m in cards:
+                per.add_metric([name, m.id], m.requests)
         yield per
+        yield mounted
 
 
 def gauge(name: str, doc: str, value) -> GaugeMetricFamily:

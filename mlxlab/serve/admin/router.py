@@ -135,7 +135,10 @@ async def stats(request: Request):
         "admission": loaded.admission.stats() if loaded else None,
         "queue": g.stats(),
         "response_store": state.response_store.stats(),
-        "adapters": loaded.adapters.stats() if loaded else None,
+        "adapters": loaded.adapters.stats() if loaded else None,  # the default model's
+        "adapters_by_model": {
+            name: m.adapters.stats() for name, m in g.models.loaded_models()
+        },  # each loaded model's
         "batch": g.batch_stats(),
         "speculative": g.speculation_stats(),
         "kv_quant": loaded.kv.stats() if loaded else None,
