@@ -443,9 +443,9 @@ def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
     import mlx.core as mx
 
     limit = mx.set_memory_limit(int(2e9))
-    mx.set_memory_limit(limit)  # restored below: a 1.5 GB budget caps the allocator for the process
+    mx.set_memory_limit(limit)  # restored below: a 2 GB budget caps the allocator for the process
     off = Loaded(
-        ServeConfig(model=str(real_model_dir), memory_budget_gb=1.5, prompt_cache_gb=0).engine()
+        ServeConfig(model=str(real_model_dir), memory_budget_gb=2.0, prompt_cache_gb=0).engine()
     )
     plan = tmp_path / "kv_config.json"
     plan.write_text(
@@ -458,7 +458,7 @@ def test_kv_quant_on_gemma3_270m(real_model_dir, tmp_path):
     )
     cfg = ServeConfig(
         model=str(real_model_dir),
-        memory_budget_gb=1.5,
+        memory_budget_gb=2.0,
         prompt_cache_gb=0,
         kv_quant=str(plan),
         batch=4,
