@@ -310,22 +310,22 @@ class Gateway:
             else:
                 self._run_serial(item)
 
-    def _run_between(self) -> None:
-        """Run the loader's tasks that have arrived (before the next decode step or job)."""
+    def _queued_between(self):
+        """The loader's tasks queued now, taken one at a time."""
         while True:
             try:
-                task = self._between.get_nowait()
+                yield self._between.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_between(self) -> None:
+        """Run the loader's tasks that have arrived (before the next decode step or job)."""
+        for task in self._queued_between():
             task()
 
     def _refuse_between(self) -> None:
         """The engine stopped: the loader's tasks still queued fail, so it never waits forever."""
-        while True:
-            try:
-                task = self._between.get_nowait()
-            except queue.Empty:
-                return
+        for task in self._queued_between():
             task.future.set_exception(RuntimeError("the engine is stopped"))
 
     def _cancelled_before_start(self, job: Job) -> bool:
