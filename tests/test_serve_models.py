@@ -81,23 +81,30 @@ def test_models_answer_alternately_as_served_alone(served, alone):
     assert r.json()["choices"][0]["text"] == alone["tiny-gemma3"][0]
 
 
-def test_models_answer_in_parallel_as_served_alone(served, alone):
-    client, _ = served
-    work = [(name, i) for name in ("tiny-gemma3", "small", "qwen") for i in range(len(PROMPTS))]
+def all_at_once(fn, work: list[tuple]) -> dict:
+    """`fn(*w)` for every `w` in `work`, each on its own thread, all at once: {w: result}; any
+    exception fails the test."""
     got, errors = {}, []
 
-    def ask(name, i):
+    def one(w):
         try:
-            got[name, i] = complete(client, name, PROMPTS[i], max_tokens=8)
+            got[w] = fn(*w)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=ask, args=w) for w in work]
+    threads = [threading.Thread(target=one, args=(w,)) for w in work]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not errors, errors
+    return got
+
+
+def test_models_answer_in_parallel_as_served_alone(served, alone):
+    client, _ = served
+    work = [(name, i) for name in ("tiny-gemma3", "small", "qwen") for i in range(len(PROMPTS))]
+    got = all_at_once(lambda name, i: complete(client, name, PROMPTS[i], max_tokens=8), work)
     for name, i in work:
         assert got[name, i] == alone[name][i], (name, i)
 
@@ -437,21 +444,8 @@ def test_an_adapter_mounted_on_another_model_answers_as_on_that_model_alone(llam
         }
         assert stats_of(client, "small")["adapters"] == ["l"]
         # per row in one batch: the adapter's rows and the base's together
-        got, errors = {}, []
-
-        def ask(i, adapter):
-            try:
-                got[i, adapter] = text_of(ask_adapter(client, "small", adapter, PROMPTS[i]))
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
         work = [(i, a) for i in range(len(PROMPTS)) for a in ("l", "none")]
-        threads = [threading.Thread(target=ask, args=w) for w in work]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        got = all_at_once(lambda i, a: text_of(ask_adapter(client, "small", a, PROMPTS[i])), work)
         for i in range(len(PROMPTS)):
             assert got[i, "l"] == with_l[i], i
             assert got[i, "none"] == alone["small"][i], i
