@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, start  # noqa: E402
+from bench_serve import events, free_port, start  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 
@@ -48,18 +48,12 @@ def stream(url: str, model: str, max_tokens: int, on_token=None) -> dict:
     }
     t0 = time.perf_counter()
     times = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            r.read()
-            raise SystemExit(f"{model}: HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for ch in json.loads(line[6:]).get("choices") or []:
-                if (ch.get("delta") or {}).get("content"):
-                    times.append(time.perf_counter())
-                    if on_token is not None:
-                        on_token(len(times))
+    for ev in events(url, "/v1/chat/completions", body, 900):
+        for ch in ev.get("choices") or []:
+            if (ch.get("delta") or {}).get("content"):
+                times.append(time.perf_counter())
+                if on_token is not None:
+                    on_token(len(times))
     return {"ttft": times[0] - t0 if times else None, "times": times}
 
 

@@ -66,6 +66,18 @@ def start(cmd: list[str], port: int, cwd: Path = REPO) -> subprocess.Popen:
     raise SystemExit("server did not become ready")
 
 
+def events(url: str, path: str, body: dict, timeout: float):
+    """The JSON events of one streamed POST (`data: ...` lines, `[DONE]` left out); a status
+    other than 200 ends the benchmark with the server's answer."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
     """First-content time, last-content time, completion tokens and text of one streamed chat."""
     body = {
@@ -78,24 +90,16 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     pieces, usage, chunks = [], None, 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            r.read()
-            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev.get("choices") or []:
-                text = (ch.get("delta") or {}).get("content")
-                if text:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    chunks += 1
-                    pieces.append(text)
+    for ev in events(url, "/v1/chat/completions", body, 600):
+        usage = ev.get("usage") or usage
+        for ch in ev.get("choices") or []:
+            text = (ch.get("delta") or {}).get("content")
+            if text:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+                pieces.append(text)
     tokens = (usage or {}).get("completion_tokens") or chunks
     return {
         "ttft": (first or time.perf_counter()) - t0,

@@ -46,7 +46,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_serve import free_port, start  # noqa: E402
+from bench_serve import events, free_port, start  # noqa: E402
 
 PASSAGE = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -97,20 +97,13 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     usage, pieces = None, []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1200) as r:
-        if r.status_code != 200:
-            r.read()
-            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            usage = ev.get("usage") or usage
-            for ch in ev.get("choices") or []:
-                if ch.get("text"):
-                    last = time.perf_counter()
-                    first = first or last
-                    pieces.append(ch["text"])
+    for ev in events(url, "/v1/completions", body, 1200):
+        usage = ev.get("usage") or usage
+        for ch in ev.get("choices") or []:
+            if ch.get("text"):
+                last = time.perf_counter()
+                first = first or last
+                pieces.append(ch["text"])
     end = time.perf_counter()
     tokens = (usage or {}).get("completion_tokens", 0)
     span = (last or end) - (first or t0)
