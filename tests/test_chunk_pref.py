@@ -70,6 +70,21 @@ def test_config_errors(tmp_path):
         cp.ChunkPrefTask(ChunkPrefConfig()).train_config(TrainConfig())
 
 
+def test_the_data_settings_are_read_from_a_build_json_with_a_sources_report():
+    """A build.json holds the sharegpt source's report under the `sharegpt` setting's name:
+    the windows' settings are read from it all the same."""
+    build = {
+        "sharegpt": {"file": "x.json", "steps": {}},
+        "train": 100,
+        "window_chars": 3600,
+        "window_overlap": 2,
+        "window_messages": 4,
+    }
+    cfg = pref._data_config(build)
+    assert (cfg.window_chars, cfg.window_overlap, cfg.window_messages) == (3600, 2, 4)
+    assert pref._data_config({"window_chars": 3000}).window_messages == 1000  # before the cap
+
+
 @pytest.mark.slow  # end to end: an SFT task run, then DPO on top of it (pairs, training, eval)
 @pytest.mark.parametrize("turns", [False, True])
 def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):

@@ -73,13 +73,18 @@ def sft_dir(cfg: ChunkPrefConfig) -> Path:
     return path
 
 
+WINDOW_KEYS = ("window_chars", "window_overlap", "window_messages")
+"""The settings windows.py `training_windows` reads."""
+
+
 def _data_config(build: dict):
-    """The SFT run's data settings from its build.json (a dataset built before windows were
-    capped, `window_messages` 0, read as it was built: whole conversations within window_chars)."""
+    """The SFT run's window settings from its build.json, the rest defaults (a build.json also
+    holds its sources' report under a setting's name: `sharegpt`). A dataset built before
+    windows were capped, `window_messages` 0, is read as it was built: whole conversations
+    within window_chars."""
     from mlxlab.schema import from_dict
 
-    names = {f.name for f in dataclasses.fields(ChunkDataConfig)}
-    settings = {k: v for k, v in build.items() if k in names}
+    settings = {k: build[k] for k in WINDOW_KEYS if k in build}
     if not settings.get("window_messages"):
         settings["window_messages"] = 1000
     return from_dict(ChunkDataConfig, settings)
