@@ -66,8 +66,39 @@ def test_config_errors(tmp_path):
         ChunkPrefConfig(multi_share=2)
     from mlxlab.config import TrainConfig
 
-    with pytest.raises(UserError, match="objective=dpo or objective=orpo"):
+    with pytest.raises(UserError, match="objective=dpo, objective=orpo or objective=grpo"):
         cp.ChunkPrefTask(ChunkPrefConfig()).train_config(TrainConfig())
+
+
+def test_grpo_trains_from_the_sft_adapter_and_warns_without_a_chunk_reward(tmp_path, caplog):
+    import dataclasses
+
+    from mlxlab.config import GRPOConfig, TrainConfig
+
+    sft = tmp_path / "sft"
+    (sft / "adapter").mkdir(parents=True)
+    (sft / "data").mkdir()
+    (sft / "data" / "train.cases.json").write_text("[]")
+    (sft / "data" / "build.json").write_text("{}")
+    task = cp.ChunkPrefTask(ChunkPrefConfig(sft=str(sft)))
+    grpo = TrainConfig(objective="grpo")
+    with caplog.at_level("WARNING"):
+        assert task.train_config(grpo).lora.init == str(sft)
+    assert "without a chunk reward" in caplog.text
+    caplog.clear()
+    chunk = GRPOConfig(rewards=["mlxlab.tasks.chunk.reward:chunk_reward"])
+    with caplog.at_level("WARNING"):
+        task.train_config(dataclasses.replace(grpo, grpo=chunk))
+    assert "without a chunk reward" not in caplog.text
+    # every split the evaluation may read comes along with the training windows
+    (sft / "data" / "dev.cases.json").write_text("[]")
+    (tmp_path / "copy").mkdir()
+    task._copy_sft_data(tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == [
+        "build.json",
+        "dev.cases.json",
+        "train.cases.json",
+    ]
 
 
 def test_the_data_settings_are_read_from_a_build_json_with_a_sources_report():
@@ -85,31 +116,29 @@ def test_the_data_settings_are_read_from_a_build_json_with_a_sources_report():
     assert pref._data_config({"window_chars": 3000}).window_messages == 1000  # before the cap
 
 
-@pytest.mark.slow  # end to end: an SFT task run, then DPO on top of it (pairs, training, eval)
-@pytest.mark.parametrize("turns", [False, True])
-def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
-    from pathlib import Path
+COMMON = [
+    "model=tiny-gemma3",
+    "task.eval.max_tokens=6",
+    "task.eval.max_prompt_tokens=8192",
+    "data.max_seq_length=8192",  # the tiny tokenizer takes ~1.4 characters a token
+    "lora.rank=4",
+    "iters=2",
+    "val_every=0",
+    "wandb=disabled",
+]
 
+
+def _sft_run(tmp_path):
+    """A finished chunk SFT task run of tiny-gemma3 (8 training conversations of two topics)."""
     from mlxlab.cli import compose
     from mlxlab.train import cli
 
-    tiny_dir("gemma3")
-    common = [
-        "model=tiny-gemma3",
-        "task.eval.max_tokens=6",
-        "task.eval.max_prompt_tokens=8192",
-        "data.max_seq_length=8192",  # the tiny tokenizer takes ~1.4 characters a token
-        "lora.rank=4",
-        "iters=2",
-        "val_every=0",
-        "wandb=disabled",
-    ]
     sft = tmp_path / "sft"
     cli.run(
         compose(
             "train",
             [
-                *common,
+                *COMMON,
                 "task.name=chunk",
                 "task.eval_base=false",
                 "task.data.train=8",
@@ -121,6 +150,20 @@ def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
             ],
         )
     )
+    return sft
+
+
+@pytest.mark.slow  # end to end: an SFT task run, then DPO on top of it (pairs, training, eval)
+@pytest.mark.parametrize("turns", [False, True])
+def test_preference_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path, turns):
+    from pathlib import Path
+
+    from mlxlab.cli import compose
+    from mlxlab.train import cli
+
+    tiny_dir("gemma3")
+    common = COMMON
+    sft = _sft_run(tmp_path)
     # `eval chunk adapter=<sft run>` reads the windows the run trained on
     from mlxlab.tasks.chunk import cli as eval_cli
 
@@ -204,3 +247,51 @@ def test_sft_evaluation_is_reused_only_with_the_same_decode(tmp_path):
         run.mkdir()
         assert task._reuse_sft_eval(run) is reused
         assert (run / "eval_sft.jsonl").is_file() is reused
+
+
+@pytest.mark.slow  # end to end: an SFT task run, then GRPO on top of it (records, training, eval)
+def test_grpo_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
+    from mlxlab.cli import compose
+    from mlxlab.tasks.chunk.reward import check_records
+    from mlxlab.train import cli
+
+    tiny_dir("gemma3")
+    sft = _sft_run(tmp_path)
+    report = tmp_path / "exp" / "README.md"
+    summary = cli.run(
+        compose(
+            "train",
+            [
+                *COMMON,
+                "task.name=chunk_pref",
+                f"task.sft={sft}",
+                "task.examples=3",
+                "objective=grpo",
+                "grpo.rewards=[mlxlab.tasks.chunk.reward:chunk_reward]",
+                "grpo.group_size=2",
+                "grpo.max_tokens=8",
+                "batch_size=1",
+                f"out_dir={tmp_path / 'grpo'}",
+                f"task.report={report}",
+            ],
+        )
+    )
+    run = tmp_path / "grpo"
+    made = json.loads((run / "data" / "prompts.json").read_text())
+    assert made["examples"] == 3 and made["multi_chunk_examples"] == 2 and made["sft"] == str(sft)
+    records = [json.loads(x) for x in (run / "data" / "train.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and check_records(records) is None
+    assert all(r["messages"][0]["content"].startswith(pr.INSTRUCTIONS) for r in records)
+    assert not (run / "data" / "pairs.json").exists()
+    # SFT alone is the SFT run's own evaluation (same data, same settings), not a new one
+    assert (run / "eval_sft.jsonl").read_bytes() == (sft / "eval_tuned.jsonl").read_bytes()
+    assert set(summary["eval"]) == {"sft", "sft + grpo"}
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rolled = [r for r in steps if "reward_chunk_reward" in r]
+    assert len(rolled) == 2 and all(0.0 <= r["reward"] <= 1.0 for r in rolled)
+    completions = (run / "completions.jsonl").read_text().splitlines()
+    assert len(completions) == 2
+    text = report.read_text()
+    assert "| sft | 3 |" in text and "| sft + grpo | 3 |" in text and str(sft) in text
+    assert "GRPO (grpo, 2 completions a prompt" in text and "chunk_reward" in text
+    assert "- prompts: 3 training examples (2 with two or more gold chunks)" in text

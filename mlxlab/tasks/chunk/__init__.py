@@ -5,7 +5,8 @@ evaluation, in one place):
 
     config.py      its settings: data, evaluation, the verbs' and the train task options'
     task.py        `train task=chunk`: build the data, evaluate base and tuned, write the report
-    pref.py        `train task=chunk_pref`: preference pairs from an SFT run, DPO/ORPO on top
+    pref.py        `train task=chunk_pref`: pairs (or GRPO prompts) from an SFT run, DPO/ORPO/GRPO
+    reward.py      GRPO's chunk reward and the prompt records it reads
     cli.py         the verbs `data chunk` and `eval chunk`
 
 Importing the package registers it (mlxlab/registry.py); the registrations import nothing

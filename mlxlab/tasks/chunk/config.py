@@ -310,8 +310,8 @@ class ChunkTaskConfig:
 
 @dataclass
 class ChunkPrefConfig:
-    """`task=chunk_pref`: pairs from a chunk SFT run, training on top of its adapter, evaluation
-    of both, the report."""
+    """`task=chunk_pref`: pairs (DPO, ORPO) or prompt records (GRPO) from a chunk SFT run,
+    training on top of its adapter, evaluation of both, the report."""
 
     name: str = "chunk_pref"
     """The task (config group option `task/chunk_pref`)."""
@@ -319,17 +319,20 @@ class ChunkPrefConfig:
     """The chunk-task SFT run to start from (`train +exp=chunk_seg4`'s run directory: its adapter
     and its data/); unset: the newest finished run under outputs/chunk_seg4."""
     examples: int = 64
-    """Training examples the SFT adapter answers (by sampling) for the rejected answers."""
+    """Training examples picked: the SFT adapter answers them (by sampling) for the rejected
+    answers (DPO, ORPO), or they are the prompts (GRPO)."""
     multi_share: float = 0.75
     """The share of those drawn from examples with two or more gold chunks (where a one-chunk
     answer is wrong); the rest from one-chunk examples."""
     temperature: float = 1.0
-    """Sampling temperature of the SFT adapter's answers."""
+    """Sampling temperature of the SFT adapter's answers (DPO, ORPO; GRPO's rollouts:
+    grpo.temperature)."""
     moved: bool = True
     """Also pair each picked multi-chunk example's gold against the gold with one boundary moved
-    by one message."""
+    by one message (DPO, ORPO)."""
     seed: int = 0
-    """Seeds which examples are picked, the sampling and the moved boundaries."""
+    """Seeds which examples are picked (the same for every objective), the sampling and the
+    moved boundaries."""
     eval: EvalSettings = field(default_factory=EvalSettings)
     report: str | None = None
     """Markdown report written after the run (e.g. experiments/chunk_dpo/README.md)."""

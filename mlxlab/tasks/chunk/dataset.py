@@ -247,9 +247,9 @@ def training_labels(data) -> set[str] | None:
 
 def training_window(data, tokenizer) -> int:
     """The longest prompt (in tokens, with the template's generation prompt) among a dataset
-    directory's training examples (chat examples, or preference pairs with a `messages`
-    prompt): the window budget that reads a long conversation as the adapter trained on it; 0
-    when `data` has no train.jsonl."""
+    directory's training examples (chat examples, or preference pairs or GRPO prompt records
+    with a `messages` prompt): the window budget that reads a long conversation as the adapter
+    trained on it; 0 when `data` has no train.jsonl."""
     path = Path(data) / "train.jsonl"
     if not path.is_file():
         return 0
@@ -258,12 +258,12 @@ def training_window(data, tokenizer) -> int:
         try:
             record = json.loads(line) if line.strip() else {}
             messages = record["messages"]
-            if "chosen" not in record:  # a chat example: the prompt is all but the answer
-                messages = messages[:-1]
-        except (ValueError, KeyError, TypeError):
+            if "chosen" not in record and messages[-1].get("role") == "assistant":
+                messages = messages[:-1]  # a chat example: the prompt is all but the answer
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             messages = None
         if not isinstance(messages, list) or not messages:
-            continue  # neither a chat example nor a pair with a chat prompt
+            continue  # no chat prompt
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         longest = max(longest, len(ids))
     return longest

@@ -1,12 +1,16 @@
-"""Preference training on the chunk task: DPO or ORPO on top of a chunk SFT run's adapter
-(`train +exp=chunk_dpo`, `train +exp=chunk_orpo`, or `train task=chunk_pref objective=...`).
+"""Preference training on the chunk task: DPO, ORPO or GRPO on top of a chunk SFT run's adapter
+(`train +exp=chunk_dpo`, `+exp=chunk_orpo`, `+exp=chunk_grpo`, or `train task=chunk_pref
+objective=...`).
 
 The pairs come from the SFT run's own training split (windows.py `training_windows`,
 the windows it trained on). For `examples` of them, most with two or more gold chunks, the SFT
 adapter writes an answer by sampling; each answer that is wrong (its chunks are not the gold's,
 or it does not score 100) becomes a pair with the gold answer as chosen and it as rejected, and
 each picked multi-chunk example also pairs its gold with the gold's one boundary moved by one
-message. The run starts from the SFT adapter (lora.init; for DPO it is also the reference), is
+message. GRPO (`objective=grpo`) samples nothing here: the picked examples are written as
+prompt records (reward.py `prompt_record`: the SFT example's prompt with the window's uuids and
+gold), which the policy answers in groups during training, scored by reward.py `chunk_reward`.
+The run starts from the SFT adapter (lora.init; for DPO it is also the reference), is
 evaluated as the SFT run was, and the report sets SFT alone (the SFT run's own evaluation, when
 its settings are these) against SFT + preference.
 """
@@ -26,6 +30,7 @@ from mlxlab.errors import UserError
 from mlxlab.tasks.chunk.config import ChunkDataConfig, ChunkPrefConfig
 from mlxlab.tasks.chunk.dataset import dataset_dir
 from mlxlab.tasks.chunk.prompt import answer, conversation_uuid, prompt
+from mlxlab.tasks.chunk.reward import prompt_record
 from mlxlab.tasks.chunk.scoring import score_case
 from mlxlab.tasks.chunk.task import ChunkTask
 from mlxlab.tasks.chunk.windows import training_windows
@@ -35,7 +40,15 @@ log = logging.getLogger(__name__)
 
 SFT_RUNS = Path("outputs", "chunk_seg4")
 """Where the newest finished chunk SFT run is looked for when `task.sft` is unset."""
-COPIED = ("train.cases.json", "valid.cases.json", "test.cases.json", "build.json")
+COPIED = (
+    "train.cases.json",
+    "valid.cases.json",
+    "test.cases.json",
+    "dev.cases.json",
+    "export.cases.json",
+    "build.json",
+)
+"""The SFT run's data files this run's data/ holds: every split task.eval.split may name."""
 
 
 def find_sft_run(root: Path = SFT_RUNS) -> Path:
@@ -131,6 +144,30 @@ def is_right(text: str, uuids: list[str], gold: list[dict], conversation_uuid) -
     )
 
 
+def sft_windows(sft_data: Path) -> list:
+    """The (case, messages, gold) windows of the SFT run's training split, as it trained on them
+    (its build.json's settings)."""
+    dcfg = _data_config(json.loads((sft_data / "build.json").read_text()))
+    cases = json.loads((sft_data / "train.cases.json").read_text())
+    return [(c, msgs, gold) for c in cases for msgs, gold in training_windows(c, dcfg)]
+
+
+def build_prompts(sft_data: Path, cfg: ChunkPrefConfig) -> tuple[list[dict], dict]:
+    """(GRPO prompt records, stats): `cfg.examples` windows of the SFT run's training split,
+    picked as `build_pairs` picks them, each as reward.py `prompt_record` writes it."""
+    t0 = time.perf_counter()
+    windows = sft_windows(sft_data)
+    picked = pick(windows, cfg.examples, cfg.multi_share, random.Random(cfg.seed))
+    records = [prompt_record(c, msgs, gold) for c, msgs, gold in picked]
+    stats = {
+        "windows": len(windows),
+        "examples": len(picked),
+        "multi_chunk_examples": sum(len(g) >= 2 for _, _, g in picked),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return records, stats
+
+
 def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_size: int = 8):
     """(pair records, stats): the SFT model's sampled wrong answers and the moved-boundary golds
     against the gold answers, over windows of the SFT run's training split."""
@@ -139,9 +176,7 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
 
     from mlxlab.decode.offline import complete
 
-    dcfg = _data_config(json.loads((sft_data / "build.json").read_text()))
-    cases = json.loads((sft_data / "train.cases.json").read_text())
-    windows = [(c, msgs, gold) for c in cases for msgs, gold in training_windows(c, dcfg)]
+    windows = sft_windows(sft_data)
     rng = random.Random(cfg.seed)
     picked = pick(windows, cfg.examples, cfg.multi_share, rng)
     prompts = [
@@ -204,9 +239,9 @@ def build_pairs(model, tokenizer, sft_data: Path, cfg: ChunkPrefConfig, batch_si
 
 
 class ChunkPrefTask(ChunkTask):
-    """Pairs into <run>/data (the SFT model loaded on its own, then freed), lora.init = the SFT
-    adapter, evaluation of SFT alone (reused from its run when the settings match) and of the
-    tuned model, the report."""
+    """Pairs (or GRPO's prompt records) into <run>/data (for pairs, the SFT model loaded on its
+    own, then freed), lora.init = the SFT adapter, evaluation of SFT alone (reused from its run
+    when the settings match) and of the tuned model, the report."""
 
     def __init__(self, cfg: ChunkPrefConfig, command: str | None = None):
         super().__init__(cfg, command)
@@ -216,7 +251,15 @@ class ChunkPrefTask(ChunkTask):
     def train_config(self, cfg: TrainConfig) -> TrainConfig:
         if cfg.objective == "sft":
             raise UserError(
-                "task=chunk_pref trains on preference pairs: set objective=dpo or objective=orpo"
+                "task=chunk_pref trains on top of an SFT run: set objective=dpo, objective=orpo "
+                "or objective=grpo"
+            )
+        if cfg.objective == "grpo" and not any(
+            r.startswith("mlxlab.tasks.chunk.") for r in cfg.grpo.rewards
+        ):
+            log.warning(
+                "warning: objective=grpo on the chunk task without a chunk reward in grpo.rewards "
+                "(mlxlab.tasks.chunk.reward:chunk_reward): the records' gold goes unscored"
             )
         self.sft = sft_dir(self.cfg)
         if not cfg.lora.init:
@@ -239,8 +282,13 @@ class ChunkPrefTask(ChunkTask):
         data_dir = run_dir / "data"
         self.check_windows(self.sft / "data")  # its build.json is the one copied below
         data = dataclasses.replace(data, train=str(data_dir))
+        cfg = self.train_cfg
+        built = (data_dir / "train.jsonl").is_file()
+        if cfg.objective == "grpo" and not built:  # prompt records: no model needed
+            atomic_dir(data_dir, self._write_prompts)
+            built = True
         reused = self._reuse_sft_eval(run_dir)
-        if (data_dir / "train.jsonl").is_file() and reused:
+        if built and reused:
             return data
         import gc
 
@@ -249,46 +297,63 @@ class ChunkPrefTask(ChunkTask):
         from mlxlab.lora import io as lora_io
         from mlxlab.models.zoo import load
 
-        cfg = self.train_cfg
         model, tokenizer = load(cfg.model, cfg.dtype)
         lora_io.load(model, self.sft)
-        if not (data_dir / "train.jsonl").is_file():
-
-            def write(tmp: Path) -> None:
-                for name in COPIED:
-                    if (self.sft / "data" / name).is_file():
-                        shutil.copy(self.sft / "data" / name, tmp / name)
-                pairs, stats = build_pairs(
-                    model, tokenizer, self.sft / "data", self.cfg, self.cfg.eval.batch_size
-                )
-                if not pairs:
-                    raise UserError(
-                        f"the SFT adapter answered all {stats['examples']} picked examples right "
-                        "and task.moved is off: no pairs to train on"
-                    )
-                with (tmp / "train.jsonl").open("w") as f:
-                    for p in pairs:
-                        f.write(json.dumps({k: v for k, v in p.items() if k != "kind"}) + "\n")
-                (tmp / "pairs.json").write_text(
-                    json.dumps(
-                        {**stats, "sft": str(self.sft), "kinds": [p["kind"] for p in pairs]},
-                        indent=1,
-                    )
-                    + "\n"
-                )
-                log.info(
-                    f"pairs: {stats['pairs']} ({stats['pairs_sampled']} sampled wrong answers, "
-                    f"{stats['pairs_moved']} moved boundaries; {stats['sampled_right']} of "
-                    f"{stats['examples']} sampled answers right) in {stats['seconds']:.0f} s"
-                )
-
-            atomic_dir(data_dir, write)
+        if not built:
+            atomic_dir(data_dir, lambda tmp: self._write_pairs(tmp, model, tokenizer))
         if not reused:  # SFT alone, on this run's copy of the data and these settings
             self.evals["sft"] = self.evaluate(Run(cfg, run_dir, data, model, tokenizer), "sft")
         model = tokenizer = None  # freed before training loads its own copy
         gc.collect()
         mx.clear_cache()
         return data
+
+    def _copy_sft_data(self, tmp: Path) -> None:
+        for name in COPIED:
+            if (self.sft / "data" / name).is_file():
+                shutil.copy(self.sft / "data" / name, tmp / name)
+
+    def _write_prompts(self, tmp: Path) -> None:
+        """GRPO's prompt records (train.jsonl) and their stats (prompts.json) into `tmp`."""
+        self._copy_sft_data(tmp)
+        records, stats = build_prompts(self.sft / "data", self.cfg)
+        with (tmp / "train.jsonl").open("w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        (tmp / "prompts.json").write_text(
+            json.dumps({**stats, "sft": str(self.sft)}, indent=1) + "\n"
+        )
+        log.info(
+            f"prompts: {stats['examples']} training windows ({stats['multi_chunk_examples']} "
+            f"with two or more gold chunks) of {stats['windows']}"
+        )
+
+    def _write_pairs(self, tmp: Path, model, tokenizer) -> None:
+        """The preference pairs (train.jsonl) and their stats (pairs.json) into `tmp`."""
+        self._copy_sft_data(tmp)
+        pairs, stats = build_pairs(
+            model, tokenizer, self.sft / "data", self.cfg, self.cfg.eval.batch_size
+        )
+        if not pairs:
+            raise UserError(
+                f"the SFT adapter answered all {stats['examples']} picked examples right "
+                "and task.moved is off: no pairs to train on"
+            )
+        with (tmp / "train.jsonl").open("w") as f:
+            for p in pairs:
+                f.write(json.dumps({k: v for k, v in p.items() if k != "kind"}) + "\n")
+        (tmp / "pairs.json").write_text(
+            json.dumps(
+                {**stats, "sft": str(self.sft), "kinds": [p["kind"] for p in pairs]},
+                indent=1,
+            )
+            + "\n"
+        )
+        log.info(
+            f"pairs: {stats['pairs']} ({stats['pairs_sampled']} sampled wrong answers, "
+            f"{stats['pairs_moved']} moved boundaries; {stats['sampled_right']} of "
+            f"{stats['examples']} sampled answers right) in {stats['seconds']:.0f} s"
+        )
 
     def _reuse_sft_eval(self, run_dir: Path) -> bool:
         """SFT alone = the SFT run's own tuned evaluation, copied, when it was made with these

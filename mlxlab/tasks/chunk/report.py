@@ -353,18 +353,39 @@ def report(run, task, summary: dict, evals: dict[str, dict], command: str | None
     return "\n".join(lines)
 
 
-def _steps(run_dir: Path) -> list[dict]:
+def _steps(run_dir: Path, key: str = "loss") -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+    return [r for r in map(json.loads, path.read_text().splitlines()) if key in r]
+
+
+def _grpo_lines(cfg, made: dict) -> tuple[str, str, str]:
+    """(the question, the objective, the data line) of a GRPO run's report."""
+    g = cfg.grpo
+    question = (
+        f"Does GRPO, rewarding the answer's validity times its boundary F1 (reward.py "
+        f"`chunk_reward`) on the SFT run's own training windows, teach {cfg.model} where the "
+        "topic of a conversation changes, beyond what SFT alone learned, without losing the "
+        "answer's form?"
+    )
+    objective = (
+        f"GRPO ({g.loss}, {g.group_size} completions a prompt at temperature {g.temperature}, "
+        f"at most {g.max_tokens} tokens, beta {g.beta}; rewards {', '.join(g.rewards)})"
+    )
+    data = (
+        f"- prompts: {made['examples']} training examples ({made['multi_chunk_examples']} with "
+        f"two or more gold chunks) of {made['windows']}, each the SFT example's prompt"
+    )
+    return question, objective, data
 
 
 def pref_report(run, task, summary: dict, evals: dict, command: str | None = None) -> str:
     """`task=chunk_pref`'s README: question, command, config, SFT against SFT + preference, the
-    pairs, the training curve's ends, per-case boundary F1 of both, memory and time."""
+    pairs (GRPO: the prompts), the training curve's ends, per-case boundary F1 of both, memory and time."""
     cfg, run_dir = run.cfg, run.run_dir
-    pairs = json.loads((run_dir / "data" / "pairs.json").read_text())
+    grpo = cfg.objective == "grpo"
+    made = json.loads((run_dir / "data" / ("prompts.json" if grpo else "pairs.json")).read_text())
     tuned = f"sft + {cfg.objective}"
     how = summary.get("gradients", "")
     objective = (
@@ -372,14 +393,28 @@ def pref_report(run, task, summary: dict, evals: dict, command: str | None = Non
         if cfg.objective == "dpo"
         else f"ORPO (lambda {cfg.orpo.lam})"
     )
+    question = (
+        f"Does {cfg.objective.upper()} on pairs made from the SFT adapter's own mistakes teach "
+        f"{cfg.model} where the topic of a conversation changes, beyond what SFT alone learned, "
+        "without losing the answer's form?"
+    )
+    if grpo:
+        question, objective, data_line = _grpo_lines(cfg, made)
+    else:
+        data_line = (
+            f"- pairs: {made['pairs']} from {made['examples']} training examples "
+            f"({made['multi_chunk_examples']} with two or more gold chunks) of {made['windows']}: "
+            f"{made['pairs_sampled']} of the SFT adapter's sampled answers (temperature "
+            f"{made['temperature']}) that were wrong ({made['sampled_right']} were right), "
+            f"{made['pairs_moved']} gold answers with a boundary moved by one message; sampled "
+            f"in {fmt_minutes(made['seconds'])}"
+        )
     lines = [
         f"# {cfg.name}",
         "",
         "## Question",
         "",
-        f"Does {cfg.objective.upper()} on pairs made from the SFT adapter's own mistakes teach "
-        f"{cfg.model} where the topic of a conversation changes, beyond what SFT alone learned, "
-        "without losing the answer's form?",
+        question,
         "",
         "## Command",
         "",
@@ -387,21 +422,18 @@ def pref_report(run, task, summary: dict, evals: dict, command: str | None = Non
         "python -m mlxlab train " + (command or "..."),
         "```",
         "",
-        f"On top of the SFT run `{pairs['sft']}` (`python -m mlxlab train +exp=chunk_seg4`): its "
-        "adapter starts this run, its data gives the pairs and the evaluation split.",
+        f"On top of the SFT run `{made['sft']}` (`python -m mlxlab train +exp=chunk_seg4`): its "
+        f"adapter starts this run, its data gives the {'prompts' if grpo else 'pairs'} and the "
+        "evaluation split.",
         "",
         "## Config",
         "",
-        f"- objective: {objective}; steps {cfg.iters} x batch {cfg.batch_size} pairs, "
+        f"- objective: {objective}; steps {cfg.iters} x batch {cfg.batch_size} "
+        f"{'prompts' if grpo else 'pairs'}, "
         f"{cfg.optim.name} lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup}, {cfg.optim.schedule}; "
         f"max_seq_length {cfg.data.max_seq_length}",
         f"- gradients: {how}",
-        f"- pairs: {pairs['pairs']} from {pairs['examples']} training examples "
-        f"({pairs['multi_chunk_examples']} with two or more gold chunks) of {pairs['windows']}: "
-        f"{pairs['pairs_sampled']} of the SFT adapter's sampled answers (temperature "
-        f"{pairs['temperature']}) that were wrong ({pairs['sampled_right']} were right), "
-        f"{pairs['pairs_moved']} gold answers with a boundary moved by one message; sampled in "
-        f"{fmt_minutes(pairs['seconds'])}",
+        data_line,
         decoding_line(task.eval),
         machine_line(),
         "",
@@ -409,10 +441,15 @@ def pref_report(run, task, summary: dict, evals: dict, command: str | None = Non
         "",
         *results(evals),
     ]
-    steps = _steps(run_dir)
+    steps = _steps(run_dir, "reward" if grpo else "loss")
     if steps:
+        curve = ("reward", "completion_len", "truncated", "groups_kept")
         keys = [
-            k for k in ("loss", "reward_margin", "pref_accuracy", "log_odds_ratio") if k in steps[0]
+            k
+            for k in (
+                curve if grpo else ("loss", "reward_margin", "pref_accuracy", "log_odds_ratio")
+            )
+            if k in steps[0]
         ]
         head, tail = steps[: min(8, len(steps))], steps[-min(8, len(steps)) :]
         mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
@@ -422,7 +459,8 @@ def pref_report(run, task, summary: dict, evals: dict, command: str | None = Non
         )
     lines += [
         memory_line(summary, evals),
-        f"- wall time: {fmt_minutes(summary['wall_s'])} in all (pairs {fmt_minutes(pairs['seconds'])}, "
+        f"- wall time: {fmt_minutes(summary['wall_s'])} in all ({'prompts' if grpo else 'pairs'} "
+        f"{fmt_minutes(made['seconds'])}, "
         f"training {fmt_minutes(summary['seconds'])}, "
         + ", ".join(f"{k} evaluation {fmt_minutes(v['seconds'])}" for k, v in evals.items())
         + "; SFT alone reused from its run costs nothing here)",
@@ -452,8 +490,13 @@ def pref_report(run, task, summary: dict, evals: dict, command: str | None = Non
         "## Files",
         "",
         f"Run directory `{run_dir}`: `adapter/`, `metrics.jsonl`, `summary.json`, `config.yaml`, "
-        "`data/` (the pairs `train.jsonl`, `pairs.json`, the SFT run's cases), per-case "
-        "`eval_sft.jsonl` / `eval_tuned.jsonl`.",
+        + (
+            "`data/` (the prompt records `train.jsonl`, `prompts.json`, the SFT run's cases), "
+            "`completions.jsonl` (every rollout with its reward), per-case "
+            if grpo
+            else "`data/` (the pairs `train.jsonl`, `pairs.json`, the SFT run's cases), per-case "
+        )
+        + "`eval_sft.jsonl` / `eval_tuned.jsonl`.",
         "",
     ]
     return "\n".join(lines)

@@ -12,11 +12,11 @@ training and validation records before training, it raises (or returns a message
 record lacks what the reward needs, so bad data stops the run before any rollout.
 
 How a task supplies its reward: a function of this shape in the task's package (the chunk
-task's would be `mlxlab.tasks.chunk.<module>:<function>`, scoring `ref` validity and boundary F1
-against the gold boundaries it wrote into each prompt record), the task's data step writing
-prompt records that carry what it reads, and its experiment naming it:
-`grpo.rewards=[mlxlab.tasks.chunk.<module>:<function>]` (with `grpo.reward_weights` beside
-others). Nothing here imports a task: the name is imported when the run starts.
+task's is `mlxlab.tasks.chunk.reward:chunk_reward`, scoring `ref` validity and boundary F1
+against the gold boundaries its data step wrote into each prompt record), the task's data step
+writing prompt records that carry what it reads, and its experiment naming it:
+`grpo.rewards=[mlxlab.tasks.chunk.reward:chunk_reward]` (configs/exp/chunk_grpo.yaml; with
+`grpo.reward_weights` beside others). Nothing here imports a task: the name is imported when the run starts.
 """
 
 from __future__ import annotations
