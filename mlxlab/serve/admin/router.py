@@ -226,6 +226,7 @@ async def mount(body: MountRequest, request: Request):
                 if isinstance(e, lora_io.BaseMismatch)
                 else "invalid_adapter",
             ) from None
+        gateway.models.mounted(lease.entry, mounted.id, mounted.path)  # its later loads too
         return {**mounted.card(), "model": lease.name}
     finally:
         lease.release()
@@ -233,8 +234,9 @@ async def mount(body: MountRequest, request: Request):
 
 @admin_router.delete("/v1/adapters/{adapter_id}")
 async def unmount(adapter_id: str, request: Request, model: str | None = None):
-    """Unmount from `model` (default: the default model); a model that is not loaded has no
-    adapters mounted (nothing is loaded for this)."""
+    """Unmount from `model` (default: the default model). A model that is not loaded is not
+    loaded for this: an adapter on its mount list (mounted at runtime or at start, remounted by
+    its next load) is taken off the list."""
     check_mutable(request)
     gateway = request.app.state.gateway
     ready_loaded(gateway)
@@ -242,11 +244,15 @@ async def unmount(adapter_id: str, request: Request, model: str | None = None):
         lease = gateway.models.lease_if_loaded(model)
     except ModelError as e:
         raise model_error(e) from None
-    name = lease.name if lease is not None else gateway.models.find(model).name
+    entry = lease.entry if lease is not None else gateway.models.find(model)
+    name = entry.name
     try:
         if lease is None:
-            raise KeyError(adapter_id)
-        await gateway.call(lambda: lease.loaded.adapters.unmount(adapter_id))
+            if not gateway.models.forget(entry, adapter_id):
+                raise KeyError(adapter_id)
+        else:
+            await gateway.call(lambda: lease.loaded.adapters.unmount(adapter_id))
+            gateway.models.forget(entry, adapter_id)
     except KeyError:
         owner = gateway.models.owner_of(adapter_id)
         hint = ""
