@@ -23,6 +23,7 @@ from mlxlab.serve.http import APIError, protocol_route
 from mlxlab.serve.metrics import CONTENT_TYPE
 from mlxlab.serve.model_choice import lease_for, model_error, ready_loaded
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
+from mlxlab.train import runs
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
@@ -189,6 +190,19 @@ async def available(request: Request):
     return {"root": str(reg.root), "adapters": reg.available()}
 
 
+def trained_elsewhere(gateway, path, model: str) -> str:
+    """What the message of a refused mount on `model` adds when the adapter is a training
+    run's (runs.trained_from): the model it trained from, and whether and under which name it
+    is served here."""
+    trained = runs.trained_from(path)
+    if not trained or trained == model:
+        return ""
+    there = gateway.models.serving(trained)
+    if there is not None and there.name != model:
+        return f" (it was trained from {trained!r}, served here as {there.name!r}: mount it there)"
+    return f" (it was trained from {trained!r}, which is not served here)"
+
+
 @admin_router.post("/v1/adapters")
 async def mount(body: MountRequest, request: Request):
     """Mount on `body.model` (default: the default model), loading it first if it is not."""
@@ -218,9 +232,14 @@ async def mount(body: MountRequest, request: Request):
         try:
             mounted = await gateway.call(lambda: reg.mount(body.id, path))
         except UserError as e:  # lora_io.BaseMismatch: trained on another base model
+            hint = ""
+            if isinstance(e, lora_io.BaseMismatch):
+                hint = await asyncio.get_running_loop().run_in_executor(
+                    None, trained_elsewhere, gateway, path, lease.name
+                )
             raise APIError(
                 400,
-                f"adapter {body.id!r} cannot be mounted on model {lease.name!r}: {e}",
+                f"adapter {body.id!r} cannot be mounted on model {lease.name!r}{hint}: {e}",
                 param="path",
                 code="adapter_model_mismatch"
                 if isinstance(e, lora_io.BaseMismatch)

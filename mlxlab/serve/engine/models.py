@@ -203,6 +203,38 @@ class Models:
         out += [r for r in self.hub() if r not in out]
         return out
 
+    def serving(self, spec: str | None) -> Entry | None:
+        """The served model that `spec` (a run's `model`, say) names, or None: the one it
+        names as a request would (its name, an alias, a cached repo id), else the one whose
+        spec is `spec`, else the one whose local directory is `spec`'s (a zoo name and the
+        directory it resolves to are the same model). Never resolves anything (no download)."""
+        if not spec:
+            return None
+        try:
+            e = self.find(spec)
+        except ModelError:
+            e = None
+        if e is not None and (e is not self.default or spec in (e.name, e.spec)):
+            return e  # (a one-model server's default answers any name: not a match by itself)
+        with self.lock:
+            entries = list(self.entries.values())
+            aliases = dict(self.aliases)
+        if spec in aliases:
+            return self.entries[aliases[spec]]
+        for x in entries:
+            if x.spec == spec:
+                return x
+        cached = self.hub() if self.cfg.models_from_cache else None
+        want = zoo.local_dir(spec, cached)
+        if want is None:
+            return None
+        want = want.resolve()
+        for x in entries:
+            there = zoo.local_dir(x.spec, cached)
+            if there is not None and there.resolve() == want:
+                return x
+        return None
+
     def owner_of(self, adapter_id: str) -> Entry | None:
         """The loaded model adapter `adapter_id` is mounted on, if any."""
         with self.lock:
