@@ -853,3 +853,31 @@ def test_leases_go_back_when_clients_leave(server):
         release.set()
     assert wait_for(lambda: model_stats(url, "qwen")["state"] == "loaded")
     assert wait_for(lambda: model_stats(url, "qwen")["in_flight"] == 0)
+
+
+def test_copies_of_a_model_share_one_tokenizer(tiny_dir, tmp_path):
+    """zoo.shared_tokenizer: a model whose tokenizer files are a copy of a loaded one's (linked
+    or copied) gets that model's tokenizer object (so its grammar vocabulary too, keyed by it),
+    with the same encoding; other tokenizer files, or another model, get their own."""
+    from mlxlab import grammar
+    from mlxlab.models import zoo
+
+    src = tiny_dir("gemma3")
+    linked, copied, changed = (tmp_path / n for n in ("linked", "copied", "changed"))
+    linked.mkdir()
+    for f in src.iterdir():
+        (linked / f.name).symlink_to(f.resolve())
+    shutil.copytree(src, copied)
+    shutil.copytree(src, changed)
+    conf = json.loads((changed / "tokenizer_config.json").read_text())
+    (changed / "tokenizer_config.json").write_text(json.dumps({**conf, "model_max_length": 77}))
+    model, tok = zoo.load(str(src))
+    _, tok_linked = zoo.load(str(linked), pace=lambda fn=None: fn() if fn else None)
+    _, tok_copied = zoo.load(str(copied))
+    _, tok_changed = zoo.load(str(changed))
+    _, tok_llama = zoo.load(str(tiny_dir("llama")))
+    assert tok_linked is tok and tok_copied is tok
+    assert tok_changed is not tok and tok_llama is not tok
+    assert tok_changed.encode("def main():") == tok.encode("def main():")
+    n = model.args.vocab_size
+    assert grammar.vocab_for(tok_copied, n) is grammar.vocab_for(tok, n)
