@@ -3,8 +3,8 @@ tiny models of three families answer alternately and in parallel with the texts 
 alone; an unknown model is a 404 on every protocol; eviction under a small budget and reload; idle
 unload; a load that fails leaves the others serving; a model too large is refused; an adapter on
 another model's request is a 400 naming both; adapters mounted on a model other than the default
-(POST /v1/adapters `model`, serve model_adapters.) answer as on that model served alone, and go
-with its eviction; /v1/models, /stats and /metrics per model."""
+(POST /v1/adapters `model`, serve model_adapters.) answer as on that model served alone, and are
+mounted again when it reloads after an eviction; /v1/models, /stats and /metrics per model."""
 
 from __future__ import annotations
 
@@ -499,12 +499,14 @@ def test_an_adapter_mounted_on_another_model_answers_as_on_that_model_alone(llam
         gateway.stop()
 
 
-def test_an_evicted_model_drops_runtime_mounts_and_remounts_its_model_adapters(
-    tiny_dir, llama_adapter
-):
-    """`model_adapters.small.l=PATH` mounts on every load of small; a runtime mount goes with
-    the eviction (the reloaded model has only its configured adapters)."""
+def test_a_reloaded_model_mounts_its_mount_list_again(tiny_dir, llama_adapter):
+    """A model's mount list is what each of its loads mounts: `model_adapters.small.l=PATH`,
+    plus runtime mounts (POST /v1/adapters), minus unmounts (DELETE, also while it is not
+    loaded). After an eviction the reloaded model answers with a runtime mount as before; a
+    runtime mount whose files have gone is reported (/stats `not_remounted`) and dropped,
+    and the reload goes on."""
     root, with_l, stacked = llama_adapter
+    shutil.copytree(root / "l", root / "copy")
     w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
     budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
     client, gateway = make_client(
@@ -516,19 +518,34 @@ def test_an_evicted_model_drops_runtime_mounts_and_remounts_its_model_adapters(
     )
     try:
         assert text_of(ask_adapter(client, "small", "l")) == with_l[0]
-        r = client.post("/v1/adapters", json={"id": "again", "path": "l", "model": "small"})
-        assert r.status_code == 200, r.text
-        assert text_of(ask_adapter(client, "small", "again")) == with_l[0]
+        for adapter_id, path in (("again", "l"), ("gone", "copy"), ("dropped", "l")):
+            r = client.post("/v1/adapters", json={"id": adapter_id, "path": path, "model": "small"})
+            assert r.status_code == 200, r.text
+        before = text_of(ask_adapter(client, "small", "again"))
+        assert before == with_l[0]
         # a stack, as on a server where small's model is the default
         assert text_of(ask_adapter(client, "small", "l+again")) == stacked
         complete(client, "qwen", PROMPTS[1])  # evicts small
         assert stats_of(client, "small")["state"] == "unloaded"
         assert client.get("/v1/adapters").json()["adapters"] == []
-        r = ask_adapter(client, "small", "again")  # reloads small: without the runtime mount
-        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_adapter", r.text
+        # unmounted while small is not loaded: off its list (nothing is loaded for it)
+        r = client.delete("/v1/adapters/dropped", params={"model": "small"})
+        assert r.status_code == 200 and r.json()["model"] == "small", r.text
+        assert stats_of(client, "small")["state"] == "unloaded"
+        assert client.delete("/v1/adapters/dropped", params={"model": "small"}).status_code == 404
+        shutil.rmtree(root / "copy")  # gone before the reload
+        # reloads small: the runtime mount answers as before the eviction
+        assert text_of(ask_adapter(client, "small", "again")) == before
+        assert stats_of(client, "small")["loads"] == 2
+        assert text_of(ask_adapter(client, "small", "l+again")) == stacked
         assert text_of(ask_adapter(client, "small", "l", PROMPTS[1])) == with_l[1]
         listed = client.get("/v1/adapters", params={"model": "small"}).json()["adapters"]
-        assert [a["id"] for a in listed] == ["l"]
+        assert sorted(a["id"] for a in listed) == ["again", "l"]
+        gone = client.get("/stats").json()["adapters_by_model"]["small"]["not_remounted"]
+        assert [(g["id"], g["path"]) for g in gone] == [("gone", str((root / "copy").resolve()))]
+        assert set(gateway.models.entries["small"].mounts) == {"l", "again"}  # gone: dropped
+        r = ask_adapter(client, "small", "gone")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_adapter", r.text
     finally:
         gateway.stop()
 
@@ -836,3 +853,31 @@ def test_leases_go_back_when_clients_leave(server):
         release.set()
     assert wait_for(lambda: model_stats(url, "qwen")["state"] == "loaded")
     assert wait_for(lambda: model_stats(url, "qwen")["in_flight"] == 0)
+
+
+def test_copies_of_a_model_share_one_tokenizer(tiny_dir, tmp_path):
+    """zoo.shared_tokenizer: a model whose tokenizer files are a copy of a loaded one's (linked
+    or copied) gets that model's tokenizer object (so its grammar vocabulary too, keyed by it),
+    with the same encoding; other tokenizer files, or another model, get their own."""
+    from mlxlab import grammar
+    from mlxlab.models import zoo
+
+    src = tiny_dir("gemma3")
+    linked, copied, changed = (tmp_path / n for n in ("linked", "copied", "changed"))
+    linked.mkdir()
+    for f in src.iterdir():
+        (linked / f.name).symlink_to(f.resolve())
+    shutil.copytree(src, copied)
+    shutil.copytree(src, changed)
+    conf = json.loads((changed / "tokenizer_config.json").read_text())
+    (changed / "tokenizer_config.json").write_text(json.dumps({**conf, "model_max_length": 77}))
+    model, tok = zoo.load(str(src))
+    _, tok_linked = zoo.load(str(linked), pace=lambda fn=None: fn() if fn else None)
+    _, tok_copied = zoo.load(str(copied))
+    _, tok_changed = zoo.load(str(changed))
+    _, tok_llama = zoo.load(str(tiny_dir("llama")))
+    assert tok_linked is tok and tok_copied is tok
+    assert tok_changed is not tok and tok_llama is not tok
+    assert tok_changed.encode("def main():") == tok.encode("def main():")
+    n = model.args.vocab_size
+    assert grammar.vocab_for(tok_copied, n) is grammar.vocab_for(tok, n)

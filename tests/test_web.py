@@ -34,11 +34,13 @@ RECORDS = [
 ]
 
 
-def write_run(path: Path, records=RECORDS, finished=True, adapter=False, config=None) -> Path:
+def write_run(
+    path: Path, records=RECORDS, finished=True, adapter=False, config=None, model="tiny-gemma3"
+) -> Path:
     """A run directory in the layout `train` writes (train/job.py)."""
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(
-        "name: t\nmodel: tiny-gemma3\niters: 4\nobjective: sft\n" + (config or "")
+        f"name: t\nmodel: {model}\niters: 4\nobjective: sft\n" + (config or "")
     )
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if finished:
@@ -356,6 +358,57 @@ def test_runs_outside_the_adapter_root_are_listed_but_not_mountable(served, root
     assert body["root"] == str(root)
     card = next(r for r in body["data"] if r["id"] == "quickstart/20261201-000000")
     assert card["adapter"] is True and card["mount_path"] is None
+
+
+def test_a_run_mounts_on_the_served_model_it_trained_from(tiny_dir, tmp_path):
+    """With several models, a run's card says which model the page mounts its adapter on: the
+    served model its config's `model` names (a served name or spec, or the same directory),
+    else the default; where the default cannot take it, the mount is a 400 naming both."""
+    base = tmp_path / "outputs"
+    for name, model, family in (
+        ("on_small", "tiny-llama", "llama"),
+        ("by_dir", str(tiny_dir("llama")), "llama"),
+        ("on_default", "tiny-gemma3", "gemma3"),
+        ("unserved", "tiny-qwen2", "qwen2"),
+    ):
+        run = write_run(base / name, model=model)
+        make_adapter(tiny_dir(family), run / "adapter", seed=6)
+    c, gateway = make_client(models={"small": "tiny-llama"}, adapter_root=str(base.resolve()))
+    try:
+        cards = {card["id"]: card for card in c.get("/v1/runs").json()["data"]}
+        assert {i: (x["mount_model"], x["model_served"]) for i, x in cards.items()} == {
+            "on_small": ("small", True),
+            "by_dir": ("small", True),
+            "on_default": ("tiny-gemma3", True),
+            "unserved": ("tiny-gemma3", False),
+        }
+        # the page's mount: {id, path: mount_path, model: mount_model}
+        for i in ("on_small", "by_dir", "on_default"):
+            mount = {"id": i, "path": cards[i]["mount_path"], "model": cards[i]["mount_model"]}
+            r = c.post("/v1/adapters", json=mount)
+            assert r.status_code == 200 and r.json()["model"] == cards[i]["mount_model"], r.text
+        cards = {card["id"]: card for card in c.get("/v1/runs").json()["data"]}
+        assert [cards[i]["mounted_as"] for i in ("on_small", "by_dir", "on_default")] == [
+            ["on_small"],
+            ["by_dir"],
+            ["on_default"],
+        ]
+        body = {"prompt": "hi", "max_tokens": 2, "model": "small", "adapter": "on_small"}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        # not served, and the default cannot take it: a 400 naming both
+        mount = {"id": "unserved", "path": cards["unserved"]["mount_path"]}
+        r = c.post("/v1/adapters", json={**mount, "model": cards["unserved"]["mount_model"]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "adapter_model_mismatch", r.text
+        assert "'tiny-gemma3'" in err["message"] and "'tiny-qwen2'" in err["message"]
+        assert "not served here" in err["message"]
+        # served elsewhere: the refusal says where
+        mount = {"id": "x", "path": cards["on_small"]["mount_path"]}  # on the default
+        r = c.post("/v1/adapters", json=mount)
+        assert r.status_code == 400, r.text
+        assert "served here as 'small'" in r.json()["error"]["message"]
+    finally:
+        gateway.stop()
 
 
 # --- the command --------------------------------------------------------------------------------

@@ -275,6 +275,17 @@ def describe(root: Path, run: Path, now: float | None = None) -> dict:
     }
 
 
+def trained_from(adapter: Path) -> str | None:
+    """The `model` of the run an adapter directory belongs to (its config.yaml, in the
+    directory or the one above it: `run/adapter/`), or None."""
+    for run in (adapter, adapter.parent):
+        path = run / CONFIG
+        if path.is_file():
+            model = (read_config(path) or {}).get("model")
+            return str(model) if model else None
+    return None
+
+
 def info(root: Path, run: Path) -> dict:
     """A run's config.yaml and summary.json (None where missing or unreadable)."""
     return {

@@ -23,6 +23,7 @@ from mlxlab.serve.http import APIError, protocol_route
 from mlxlab.serve.metrics import CONTENT_TYPE
 from mlxlab.serve.model_choice import lease_for, model_error, ready_loaded
 from mlxlab.serve.openai.protocol import OpenAIError, error_shape
+from mlxlab.train import runs
 
 health_router = APIRouter(route_class=protocol_route(error_shape, drains=False))
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
@@ -189,6 +190,19 @@ async def available(request: Request):
     return {"root": str(reg.root), "adapters": reg.available()}
 
 
+def trained_elsewhere(gateway, path, model: str) -> str:
+    """What the message of a refused mount on `model` adds when the adapter is a training
+    run's (runs.trained_from): the model it trained from, and whether and under which name it
+    is served here."""
+    trained = runs.trained_from(path)
+    if not trained or trained == model:
+        return ""
+    there = gateway.models.serving(trained)
+    if there is not None and there.name != model:
+        return f" (it was trained from {trained!r}, served here as {there.name!r}: mount it there)"
+    return f" (it was trained from {trained!r}, which is not served here)"
+
+
 @admin_router.post("/v1/adapters")
 async def mount(body: MountRequest, request: Request):
     """Mount on `body.model` (default: the default model), loading it first if it is not."""
@@ -218,14 +232,20 @@ async def mount(body: MountRequest, request: Request):
         try:
             mounted = await gateway.call(lambda: reg.mount(body.id, path))
         except UserError as e:  # lora_io.BaseMismatch: trained on another base model
+            hint = ""
+            if isinstance(e, lora_io.BaseMismatch):
+                hint = await asyncio.get_running_loop().run_in_executor(
+                    None, trained_elsewhere, gateway, path, lease.name
+                )
             raise APIError(
                 400,
-                f"adapter {body.id!r} cannot be mounted on model {lease.name!r}: {e}",
+                f"adapter {body.id!r} cannot be mounted on model {lease.name!r}{hint}: {e}",
                 param="path",
                 code="adapter_model_mismatch"
                 if isinstance(e, lora_io.BaseMismatch)
                 else "invalid_adapter",
             ) from None
+        gateway.models.mounted(lease.entry, mounted.id, mounted.path)  # its later loads too
         return {**mounted.card(), "model": lease.name}
     finally:
         lease.release()
@@ -233,8 +253,9 @@ async def mount(body: MountRequest, request: Request):
 
 @admin_router.delete("/v1/adapters/{adapter_id}")
 async def unmount(adapter_id: str, request: Request, model: str | None = None):
-    """Unmount from `model` (default: the default model); a model that is not loaded has no
-    adapters mounted (nothing is loaded for this)."""
+    """Unmount from `model` (default: the default model). A model that is not loaded is not
+    loaded for this: an adapter on its mount list (mounted at runtime or at start, remounted by
+    its next load) is taken off the list."""
     check_mutable(request)
     gateway = request.app.state.gateway
     ready_loaded(gateway)
@@ -242,11 +263,15 @@ async def unmount(adapter_id: str, request: Request, model: str | None = None):
         lease = gateway.models.lease_if_loaded(model)
     except ModelError as e:
         raise model_error(e) from None
-    name = lease.name if lease is not None else gateway.models.find(model).name
+    entry = lease.entry if lease is not None else gateway.models.find(model)
+    name = entry.name
     try:
         if lease is None:
-            raise KeyError(adapter_id)
-        await gateway.call(lambda: lease.loaded.adapters.unmount(adapter_id))
+            if not gateway.models.forget(entry, adapter_id):
+                raise KeyError(adapter_id)
+        else:
+            await gateway.call(lambda: lease.loaded.adapters.unmount(adapter_id))
+            gateway.models.forget(entry, adapter_id)
     except KeyError:
         owner = gateway.models.owner_of(adapter_id)
         hint = ""

@@ -109,6 +109,8 @@ class Adapters:
         self.selection = multi.Selection()
         self.mounted: dict[str, Mounted] = {}
         self.mounts = self.unmounts = 0  # since start
+        # runtime mounts of an earlier load that this load could not mount again (id, path, error)
+        self.not_remounted: list[dict] = []
 
     # --- paths (HTTP side) ----------------------------------------------------------------------
 
@@ -201,4 +203,5 @@ class Adapters:
             "root": str(self.root),
             "mounts": self.mounts,
             "unmounts": self.unmounts,
+            "not_remounted": list(self.not_remounted),
         }

@@ -33,7 +33,10 @@ class Loaded:
     `cache_id` and adapter); `name`: the id requests use (default: the spec); `model_dir`: the
     resolved directory, when the caller resolved it; `vocab`: build the grammar engine's
     vocabulary while loading, in a thread `start` joins (the default model: no request pays for
-    it); an on-demand model's is built by the loader thread (`grammar_vocab`) before it serves."""
+    it); an on-demand model's is built by the loader thread (`grammar_vocab`) before it serves.
+    `remount`: id -> path of adapters mounted at runtime on an earlier load of this model
+    (engine/models.py's mount list), mounted after `cfg.adapters`; one that fails is logged and
+    listed in its registry's `not_remounted` instead of failing the load."""
 
     def __init__(
         self,
@@ -44,8 +47,10 @@ class Loaded:
         pace=None,
         vocab: bool = True,
         deferred: bool = False,
+        remount: dict[str, str] | None = None,
     ):
         self.cfg = cfg
+        self.remount = dict(remount or {})
         self.model_dir = Path(model_dir) if model_dir is not None else resolve(cfg.model)
         # `vision`: mlx-vlm's model beside mlx-lm's when the directory is a VLM, else None.
         self.model, self.tokenizer, self.vision = load_model(
@@ -115,6 +120,23 @@ class Loaded:
                 m.rank,
                 len(m.modules),
             )
+        for adapter_id, path in self.remount.items():
+            try:
+                m = self.adapters.mount(adapter_id, path)
+            except Exception as e:  # noqa: BLE001 - its files may have gone since: reported, the load goes on
+                log.warning(
+                    "mlxlab serve: adapter %r (mounted at runtime from %s) is not mounted again "
+                    "on %s: %s",
+                    adapter_id,
+                    path,
+                    self.model_id,
+                    e,
+                )
+                self.adapters.not_remounted.append(
+                    {"id": adapter_id, "path": path, "error": str(e)}
+                )
+                continue
+            log.info("mlxlab serve: mounted adapter %r again on %s", adapter_id, self.model_id)
         # The models served beside the chat one (serve/sidecars.py), loaded here so that they
         # too are only ever run by this thread.
         if cfg.stt_model:

@@ -91,6 +91,7 @@ class Loader:
                     pace=m.pacer.pace,
                     vocab=False,
                     deferred=True,
+                    remount=m.remounts(e),
                 )
             loaded.grammar_vocab()
             self.gateway.between(lambda: self.gateway.attach(e, loaded)).result()

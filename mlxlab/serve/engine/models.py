@@ -13,6 +13,12 @@
 - Leases: a request holds one from before its prompt is rendered until its job leaves the
   engine (`Lease.release`), so a model with work in flight is never evicted; a lease also
   records the KV its request needs (`Lease.reserve`).
+- Mounts: each model keeps its mount list (`Entry.mounts`): its adapters of `model_adapters.`
+  at start, plus those mounted at runtime (POST /v1/adapters), minus those unmounted (DELETE,
+  also while it is not loaded). Every load mounts that list, so an eviction or an idle unload
+  loses nothing a user mounted; a runtime mount whose files have gone since is logged and
+  reported (`/stats` adapters_by_model's `not_remounted`) and dropped from the list, rather than
+  failing the reload.
 - Memory: `memory_budget_gb` is the server's. Every loaded (or loading) model's weights count
   against it (`others`, which each model's `Admission` reads), so each model's context ceiling
   is what is left beside the others. A load is planned (`plan_load`) from the model's weight
@@ -79,6 +85,8 @@ class Entry:
     # (future, name asked) of requests waiting for its load
     waiters: list = field(default_factory=list)
     facts: Facts | None = None  # from its files, when unloaded (memoized)
+    # its mount list: adapter id -> (path, mounted at runtime), what every load mounts
+    mounts: dict = field(default_factory=dict)
     # counters (since start)
     loads: int = 0
     load_seconds: float = 0.0
@@ -134,6 +142,7 @@ class Models:
         self.pacer = Pacer(cfg.load_share)
         self.loads: queue.Queue = queue.Queue()  # entries to load, for the loader thread
         self.default = Entry(cfg.model, cfg.model, pinned=True)
+        self.default.mounts = {i: (str(p), False) for i, p in (cfg.adapters or {}).items()}
         self.entries: dict[str, Entry] = {self.default.name: self.default}
         self.aliases: dict[str, str] = {}
         for name, spec in (cfg.models or {}).items():
@@ -143,6 +152,8 @@ class Models:
                 self.aliases[name] = self.default.name
                 continue
             self.entries[name] = Entry(name, spec)
+            startup = (cfg.model_adapters or {}).get(name) or {}
+            self.entries[name].mounts = {i: (str(p), False) for i, p in startup.items()}
         self.strict = bool(cfg.models or cfg.models_from_cache)
         self._hub: tuple[float, dict] | None = None  # (when, zoo.hub_cached()): `hub`
         self._facts: dict[str, Facts] = {}  # by model directory: `facts_of`
@@ -191,6 +202,38 @@ class Models:
             out = list(self.entries) + list(self.aliases)
         out += [r for r in self.hub() if r not in out]
         return out
+
+    def serving(self, spec: str | None) -> Entry | None:
+        """The served model that `spec` (a run's `model`, say) names, or None: the one it
+        names as a request would (its name, an alias, a cached repo id), else the one whose
+        spec is `spec`, else the one whose local directory is `spec`'s (a zoo name and the
+        directory it resolves to are the same model). Never resolves anything (no download)."""
+        if not spec:
+            return None
+        try:
+            e = self.find(spec)
+        except ModelError:
+            e = None
+        if e is not None and (e is not self.default or spec in (e.name, e.spec)):
+            return e  # (a one-model server's default answers any name: not a match by itself)
+        with self.lock:
+            entries = list(self.entries.values())
+            aliases = dict(self.aliases)
+        if spec in aliases:
+            return self.entries[aliases[spec]]
+        for x in entries:
+            if x.spec == spec:
+                return x
+        cached = self.hub() if self.cfg.models_from_cache else None
+        want = zoo.local_dir(spec, cached)
+        if want is None:
+            return None
+        want = want.resolve()
+        for x in entries:
+            there = zoo.local_dir(x.spec, cached)
+            if there is not None and there.resolve() == want:
+                return x
+        return None
 
     def owner_of(self, adapter_id: str) -> Entry | None:
         """The loaded model adapter `adapter_id` is mounted on, if any."""
@@ -330,6 +373,9 @@ class Models:
         waiters get their leases."""
         with self.lock:
             e.loaded, e.state, e.error, e.facts = loaded, "loaded", None, None
+            for gone in getattr(loaded.adapters, "not_remounted", ()):  # reported, not kept
+                if e.mounts.get(gone["id"], (None,))[0] == gone["path"]:
+                    del e.mounts[gone["id"]]
             e.reserved = loaded.admission.weights_bytes
             e.last_used = time.monotonic()
             if seconds is not None:
@@ -384,13 +430,32 @@ class Models:
                 e.prompt_tokens += prompt_tokens
                 e.completion_tokens += completion_tokens
 
+    # --- mount lists --------------------------------------------------------------------------
+
+    def mounted(self, e: Entry, adapter_id: str, path: str) -> None:
+        """An adapter was mounted on `e` at runtime (from `path`): every later load mounts it."""
+        with self.lock:
+            e.mounts[adapter_id] = (path, True)
+
+    def forget(self, e: Entry, adapter_id: str) -> bool:
+        """`adapter_id` was unmounted from `e` (or is, while `e` is not loaded): no load
+        mounts it again. Whether it was on `e`'s mount list."""
+        with self.lock:
+            return e.mounts.pop(adapter_id, None) is not None
+
+    def remounts(self, e: Entry) -> dict[str, str]:
+        """id -> path of the adapters mounted on `e` at runtime, for its next load."""
+        with self.lock:
+            return {i: p for i, (p, runtime) in e.mounts.items() if runtime}
+
     # --- what each model is ------------------------------------------------------------------
 
     def settings_for(self, e: Entry) -> EngineSettings:
         """The engine settings a model other than the default loads with: the server's, without
-        the speech and embedding models (the default's), its own adapters at start (`serve
-        model_adapters.NAME.ID=PATH`; `serve adapters.` are the default model's), mounted at
-        every load (runtime mounts go with an eviction), KV quantization only
+        the speech and embedding models (the default's), the adapters of its mount list that
+        came from the start (`serve model_adapters.NAME.ID=PATH`, less those unmounted since;
+        `serve adapters.` are the default model's: its runtime mounts are `remounts`'), KV
+        quantization only
         when uniform (a kv_config plan is the default model's), and speculative drafts only from
         its own layers (`self:N`; a named draft model shares the default's tokenizer)."""
         cfg = self.cfg
@@ -399,11 +464,13 @@ class Models:
         if decode.speculative == "draft_model" and draft is None:
             decode = dataclasses.replace(decode, speculative="off")
         kv = cfg.kv_quant if str(cfg.kv_quant).strip().lower() in ("4", "8") else "off"
+        with self.lock:
+            startup = {i: p for i, (p, runtime) in e.mounts.items() if not runtime}
         return dataclasses.replace(
             cfg,
             model=e.spec,
             kv_quant=kv,
-            adapters=dict((cfg.model_adapters or {}).get(e.name) or {}),
+            adapters=startup,
             stt_model=None,
             embeddings_model=None,
             draft_model=draft,

@@ -13,7 +13,10 @@ Runs API (`runs_router`), in the OpenAI error shape, confined to the runs direct
     GET /v1/runs                              the runs found, newest first, each a card
                                               (train/runs.py `describe`) and where to mount its
                                               adapter from (`mount_path`, relative to the
-                                              adapter root; null when it lies outside)
+                                              adapter root; null when it lies outside) and on
+                                              which model (`mount_model`: the served model
+                                              the run trained from, `model_served`, else the
+                                              default, which may refuse it: a 400 naming both)
     GET /v1/runs/metrics?run=ID&offset=N&file=F   metrics.jsonl records from byte N on
     GET /v1/runs/info?run=ID                  config.yaml and summary.json
 
@@ -100,12 +103,12 @@ def runs_root(request: Request) -> Path:
     return ready_loaded(state.gateway).adapters.root
 
 
-def adapters_of(request: Request):
-    """The loaded model's adapter registry, or None (`mlxlab runs`: no model; or not ready)."""
+def gateway_of(request: Request):
+    """The serving gateway, or None (`mlxlab runs`: no model; or not ready)."""
     gateway = getattr(request.app.state, "gateway", None)
     if gateway is None or gateway.state != "ready":
         return None
-    return gateway.loaded.adapters
+    return gateway
 
 
 def checked(root: Path, run_id: str) -> Path:
@@ -116,35 +119,64 @@ def checked(root: Path, run_id: str) -> Path:
         raise APIError(e.status, str(e), type=kind, param="run", code=e.code) from None
 
 
-def mount_fields(card: dict, reg) -> dict:
+def mount_fields(card: dict, gateway, serving: dict) -> dict:
     """Where the page mounts a run's adapter from: its path relative to the adapter root, or
-    None (no final adapter, no model here, or outside the root); the ids it is mounted as."""
+    None (no final adapter, no model here, or outside the root); the model it mounts on (the
+    served model the run's `model` names, else the default) and the ids it is mounted as there
+    (on its mount list: loaded or not). `serving`: run model -> entry, memoized per listing."""
     path = card.pop("adapter")
-    out = {"adapter": path is not None, "mount_path": None, "mounted_as": []}
-    if path is None or reg is None:
+    out = {
+        "adapter": path is not None,
+        "mount_path": None,
+        "mounted_as": [],
+        "mount_model": None,
+        "model_served": False,
+    }
+    if path is None or gateway is None:
         return out
+    root = gateway.loaded.adapters.root  # the adapter root is the server's, every model's
     real = Path(path).resolve()
-    if real == reg.root or reg.root in real.parents:
-        out["mount_path"] = real.relative_to(reg.root).as_posix()
-    out["mounted_as"] = [m.id for m in reg.mounted.values() if Path(m.path) == real]
+    if real == root or root in real.parents:
+        out["mount_path"] = real.relative_to(root).as_posix()
+    models = gateway.models
+    trained = card.get("model")
+    if trained not in serving:
+        serving[trained] = models.serving(trained)
+    entry = serving[trained]
+    out["model_served"] = entry is not None
+    entry = entry or models.default
+    out["mount_model"] = entry.name
+    with models.lock:
+        loaded = entry.loaded if entry.state == "loaded" else None
+        mounts = dict(entry.mounts)
+    if loaded is not None:
+        paths = {m.id: m.path for m in list(loaded.adapters.mounted.values())}
+    else:
+        paths = {i: p for i, (p, runtime) in mounts.items() if runtime}
+    out["mounted_as"] = [i for i, p in paths.items() if Path(p) == real]
     return out
+
+
+def annotated(root: Path, gateway, now: float) -> list[dict]:
+    """The run cards, each with its `mount_fields` (reads files: off the event loop)."""
+    serving: dict = {}
+    cards = runs.cards(root, now)
+    for card in cards:
+        card.update(mount_fields(card, gateway, serving))
+    return cards
 
 
 @runs_router.get("/v1/runs")
 async def list_runs(request: Request):
     root = runs_root(request)
-    reg = adapters_of(request)
-    now = time.time()
-
-    cards = await run_in_threadpool(runs.cards, root, now)
-    for card in cards:
-        card.update(mount_fields(card, reg))
+    gateway = gateway_of(request)
+    cards = await run_in_threadpool(annotated, root, gateway, time.time())
     cfg = request.app.state.cfg
     return {
         "object": "list",
         "root": str(root),
-        "model": cfg.model if reg is not None else None,
-        "can_mount": reg is not None and cfg.allow_adapter_mount,
+        "model": cfg.model if gateway is not None else None,
+        "can_mount": gateway is not None and cfg.allow_adapter_mount,
         "data": cards,
     }
 

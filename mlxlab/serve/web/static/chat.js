@@ -577,6 +577,10 @@ async function refreshAdapters() {
     const ids = models.data.map((m) => m.id);
     if (select.options.length !== ids.length || [...select.options].some((o, i) => o.value !== ids[i])) {
       select.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id)));
+      // ?model=NAME (the runs page's link to an adapter it mounted on that model): once
+      const wanted = new URLSearchParams(location.search).get("model");
+      if (wanted && ids.includes(wanted) && !refreshAdapters.picked) select.value = wanted;
+      refreshAdapters.picked = true;
     }
     model = select.value || ids[0] || null;
     // each model has its own adapters: the selected one's

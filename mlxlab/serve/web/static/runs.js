@@ -29,6 +29,7 @@ const DASHES = ["", "5 3", "2 3"];
 
 let runs = []; // cards from GET /v1/runs
 let canMount = false;
+let defaultModel = null; // the default model's id: a link to chat names another model only
 const selected = []; // run ids, in the order ticked (colors follow)
 const data = new Map(); // run id -> {records, offset, file}
 let drawn = ""; // what the charts show, to redraw only on change
@@ -45,6 +46,7 @@ async function refreshList() {
   }
   runs = body.data;
   canMount = body.can_mount;
+  defaultModel = body.model;
   $("root").textContent = body.root;
   if (!body.model) $("chat-link").hidden = true;
   for (const id of [...selected]) if (!runs.some((r) => r.id === id)) unselect(id);
@@ -165,11 +167,12 @@ async function mount(run, button) {
   try {
     const res = await api("/v1/adapters", {
       method: "POST",
-      body: { id: mountId(run), path: run.mount_path },
+      // on the model the run trained from when it is served here, else the default's
+      body: { id: mountId(run), path: run.mount_path, model: run.mount_model || undefined },
     });
     const body = await res.json().catch(() => ({}));
     if (!res.ok) throw new Error((body.error && body.error.message) || `${res.status}`);
-    $("notice").textContent = `Mounted as ${body.id}.`;
+    $("notice").textContent = `Mounted as ${body.id} on ${body.model}.`;
   } catch (e) {
     $("notice").textContent = "Mount failed: " + e.message;
   }
@@ -181,7 +184,9 @@ function adapterCell(run) {
   if (!run.adapter) return el("span", { class: "muted" }, run.status === "finished" ? "none" : "not yet");
   if (run.mounted_as.length) {
     const id = run.mounted_as[0];
-    return el("span", {}, "mounted as ", el("a", { href: "/?adapter=" + encodeURIComponent(id), class: "chat-with" }, id));
+    const q = new URLSearchParams({ adapter: id });
+    if (run.mount_model && run.mount_model !== defaultModel) q.set("model", run.mount_model);
+    return el("span", {}, "mounted as ", el("a", { href: "/?" + q, class: "chat-with" }, id));
   }
   if (!canMount) return el("span", { class: "muted" }, "final adapter");
   if (!run.mount_path) return el("span", { class: "muted", title: "outside the server's adapter root" }, "outside root");
@@ -240,7 +245,7 @@ function renderTable() {
     cells[3].className = "status-" + run.status;
     cells[4].textContent = fmt(run.loss);
     cells[5].textContent = fmt(run.val_loss);
-    const state = JSON.stringify([run.adapter, run.mount_path, run.mounted_as, run.status, canMount]);
+    const state = JSON.stringify([run.adapter, run.mount_path, run.mount_model, run.mounted_as, run.status, canMount]);
     if (cells[6].dataset.state !== state) {
       cells[6].dataset.state = state;
       cells[6].replaceChildren(adapterCell(run));
