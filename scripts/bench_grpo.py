@@ -219,9 +219,11 @@ def rollout_bench(a) -> dict:
             results[side].append(
                 {"tokens": n, "prefill_tokens": prefilled, "seconds": time.perf_counter() - t0}
             )
+            print(f"round {r + 1} {side}: {json.dumps(results[side][-1])}", flush=True)
     model_dir = str(resolve(a.model))
     argv = [model_dir, PROMPT, str(a.group), str(a.max_tokens), str(a.rounds)]
     results["mlx-lm"] = _json_run([sys.executable, "-c", MLX_LM_ROLLOUT, *argv], env=_blas_env())
+    print(f"mlx-lm: {json.dumps(results['mlx-lm'])}", flush=True)
     if a.mlx_lm_lora:
         results["mlx-lm-lora"] = _json_run(
             [a.mlx_lm_lora, "-c", MLX_LM_LORA_ROLLOUT, *argv], env=_blas_env()
