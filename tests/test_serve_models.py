@@ -856,28 +856,48 @@ def test_leases_go_back_when_clients_leave(server):
 
 
 def test_copies_of_a_model_share_one_tokenizer(tiny_dir, tmp_path):
-    """zoo.shared_tokenizer: a model whose tokenizer files are a copy of a loaded one's (linked
-    or copied) gets that model's tokenizer object (so its grammar vocabulary too, keyed by it),
-    with the same encoding; other tokenizer files, or another model, get their own."""
+    """tokenizers.shared_tokenizer: a model whose tokenizer files are a copy of a loaded one's
+    (linked or copied; other files, a README, may differ) gets that model's tokenizer object (so
+    its grammar vocabulary too, keyed by it), with the same encoding; other tokenizer files (a
+    config, a chat template), or another model, get their own; once no model holds it, the next
+    load builds a fresh one."""
+    import gc
+
     from mlxlab import grammar
     from mlxlab.models import zoo
 
     src = tiny_dir("gemma3")
-    linked, copied, changed = (tmp_path / n for n in ("linked", "copied", "changed"))
+    names = ("linked", "copied", "changed", "templated", "readme")
+    linked, copied, changed, templated, readme = (tmp_path / n for n in names)
     linked.mkdir()
     for f in src.iterdir():
         (linked / f.name).symlink_to(f.resolve())
-    shutil.copytree(src, copied)
-    shutil.copytree(src, changed)
+    for d in (copied, changed, templated, readme):
+        shutil.copytree(src, d)
     conf = json.loads((changed / "tokenizer_config.json").read_text())
     (changed / "tokenizer_config.json").write_text(json.dumps({**conf, "model_max_length": 77}))
+    (templated / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    (readme / "README.md").write_text("# a copy with notes of its own\n")
+    (readme / "image.png").write_bytes(b"\x89PNG not read by a tokenizer")
     model, tok = zoo.load(str(src))
     _, tok_linked = zoo.load(str(linked), pace=lambda fn=None: fn() if fn else None)
     _, tok_copied = zoo.load(str(copied))
+    _, tok_readme = zoo.load(str(readme))
     _, tok_changed = zoo.load(str(changed))
+    _, tok_templated = zoo.load(str(templated))
     _, tok_llama = zoo.load(str(tiny_dir("llama")))
-    assert tok_linked is tok and tok_copied is tok
+    assert tok_linked is tok and tok_copied is tok and tok_readme is tok
     assert tok_changed is not tok and tok_llama is not tok
+    assert tok_templated is not tok and tok_templated is not tok_changed
     assert tok_changed.encode("def main():") == tok.encode("def main():")
     n = model.args.vocab_size
     assert grammar.vocab_for(tok_copied, n) is grammar.vocab_for(tok, n)
+    # every holder dropped: the next load builds another
+    held = weakref.ref(tok)
+    del tok, tok_linked, tok_copied, tok_readme
+    gc.collect()
+    assert held() is None
+    _, fresh = zoo.load(str(copied))
+    assert fresh is not None and fresh.encode("def main():") == tok_changed.encode("def main():")
