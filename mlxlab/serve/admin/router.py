@@ -171,7 +171,7 @@ async def listing(request: Request, model: str | None = None):
     loaded = gateway.models.loaded_models()
     if model is not None:
         try:
-            name = gateway.models.find(model).name
+            name = gateway.models.find(model, create=False).name
         except ModelError as e:
             raise model_error(e) from None
         loaded = [(n, m) for n, m in loaded if n == name]
@@ -193,14 +193,25 @@ async def available(request: Request):
 def trained_elsewhere(gateway, path, model: str) -> str:
     """What the message of a refused mount on `model` adds when the adapter is a training
     run's (runs.trained_from): the model it trained from, and whether and under which name it
-    is served here."""
+    is served here; nothing when that is `model` itself (another name or directory of it: the
+    mismatch is then the files', which the error says) or cannot be told."""
     trained = runs.trained_from(path)
-    if not trained or trained == model:
+    if not isinstance(trained, str) or not trained or trained == model:
         return ""
     there = gateway.models.serving(trained)
-    if there is not None and there.name != model:
+    if there is not None and there.name == model:
+        return ""
+    if there is not None:
         return f" (it was trained from {trained!r}, served here as {there.name!r}: mount it there)"
     return f" (it was trained from {trained!r}, which is not served here)"
+
+
+def hint_or_nothing(gateway, path, model: str) -> str:
+    """`trained_elsewhere`, or nothing where it fails (a hint never turns a 400 into a 500)."""
+    try:
+        return trained_elsewhere(gateway, path, model)
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
 
 
 @admin_router.post("/v1/adapters")
@@ -235,7 +246,7 @@ async def mount(body: MountRequest, request: Request):
             hint = ""
             if isinstance(e, lora_io.BaseMismatch):
                 hint = await asyncio.get_running_loop().run_in_executor(
-                    None, trained_elsewhere, gateway, path, lease.name
+                    None, hint_or_nothing, gateway, path, lease.name
                 )
             raise APIError(
                 400,

@@ -42,6 +42,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from mlxlab.lora import io as lora_io
 from mlxlab.models import zoo
 from mlxlab.serve.engine.admission import RESERVE_BYTES, budget_bytes
 from mlxlab.serve.engine.catalog import Facts, facts
@@ -134,6 +135,16 @@ class Lease:
             self.entry.last_used = time.monotonic()
 
 
+def adapter_path(path) -> str:
+    """A start-up adapter path as a mount records it: the adapter directory (a run's final
+    adapter for a run directory: `lora_io.resolve_dir`), resolved; as given where it cannot be
+    resolved (its load then says why)."""
+    try:
+        return str(lora_io.resolve_dir(path).resolve())
+    except Exception:  # noqa: BLE001 - a bad path fails its model's load, not the start
+        return str(path)
+
+
 class Models:
     def __init__(self, cfg: EngineSettings):
         self.cfg = cfg
@@ -142,7 +153,7 @@ class Models:
         self.pacer = Pacer(cfg.load_share)
         self.loads: queue.Queue = queue.Queue()  # entries to load, for the loader thread
         self.default = Entry(cfg.model, cfg.model, pinned=True)
-        self.default.mounts = {i: (str(p), False) for i, p in (cfg.adapters or {}).items()}
+        self.default.mounts = {i: (adapter_path(p), False) for i, p in (cfg.adapters or {}).items()}
         self.entries: dict[str, Entry] = {self.default.name: self.default}
         self.aliases: dict[str, str] = {}
         for name, spec in (cfg.models or {}).items():
@@ -153,7 +164,7 @@ class Models:
                 continue
             self.entries[name] = Entry(name, spec)
             startup = (cfg.model_adapters or {}).get(name) or {}
-            self.entries[name].mounts = {i: (str(p), False) for i, p in startup.items()}
+            self.entries[name].mounts = {i: (adapter_path(p), False) for i, p in startup.items()}
         self.strict = bool(cfg.models or cfg.models_from_cache)
         self._hub: tuple[float, dict] | None = None  # (when, zoo.hub_cached()): `hub`
         self._facts: dict[str, Facts] = {}  # by model directory: `facts_of`
@@ -171,8 +182,10 @@ class Models:
             scanned = self._hub = (now, zoo.hub_cached())
         return scanned[1]
 
-    def find(self, name: str | None) -> Entry:
-        """The entry a request's `model` names (see the module docstring); ModelError 404."""
+    def find(self, name: str | None, create: bool = True) -> Entry:
+        """The entry a request's `model` names (see the module docstring); ModelError 404.
+        `create=False`: a lookup that changes nothing (a cache model not asked for yet gets an
+        entry of its own only from a request; here a detached one)."""
         # before the lock: a scan at most every HUB_TTL_S (`not_found` reads it too)
         cached = self.hub()
         with self.lock:
@@ -182,6 +195,8 @@ class Models:
             if name in self.entries:
                 return self.entries[name]
             if name in cached:
+                if not create:
+                    return Entry(name, name)
                 self.entries[name] = Entry(name, name)
                 return self.entries[name]
             if not self.strict:
@@ -207,11 +222,13 @@ class Models:
         """The served model that `spec` (a run's `model`, say) names, or None: the one it
         names as a request would (its name, an alias, a cached repo id), else the one whose
         spec is `spec`, else the one whose local directory is `spec`'s (a zoo name and the
-        directory it resolves to are the same model). Never resolves anything (no download)."""
-        if not spec:
+        directory it resolves to are the same model). Never resolves anything (no download),
+        never changes anything (a read: the runs page); None for what cannot name a model (not a
+        string, empty, a path the file system refuses)."""
+        if not isinstance(spec, str) or not spec:
             return None
         try:
-            e = self.find(spec)
+            e = self.find(spec, create=False)
         except ModelError:
             e = None
         if e is not None and (e is not self.default or spec in (e.name, e.spec)):
@@ -225,14 +242,20 @@ class Models:
             if x.spec == spec:
                 return x
         cached = self.hub() if self.cfg.models_from_cache else None
-        want = zoo.local_dir(spec, cached)
-        if want is None:
+        try:
+            want = zoo.local_dir(spec, cached)
+            if want is None:
+                return None
+            want = want.resolve()
+        except (OSError, ValueError, RuntimeError):  # a name too long, a NUL, a symlink loop
             return None
-        want = want.resolve()
         for x in entries:
-            there = zoo.local_dir(x.spec, cached)
-            if there is not None and there.resolve() == want:
-                return x
+            try:
+                there = zoo.local_dir(x.spec, cached)
+                if there is not None and there.resolve() == want:
+                    return x
+            except (OSError, ValueError, RuntimeError):
+                continue
         return None
 
     def owner_of(self, adapter_id: str) -> Entry | None:
