@@ -550,6 +550,60 @@ def test_a_reloaded_model_mounts_its_mount_list_again(tiny_dir, llama_adapter):
         gateway.stop()
 
 
+def test_a_remount_stays_under_the_root_and_its_report_outlasts_the_load(
+    tiny_dir, llama_adapter, tmp_path
+):
+    """A runtime mount whose directory resolves outside the adapter root by its reload (a
+    folder on its path swapped for a link out of the root) is not mounted again: reported in
+    `not_remounted` as one whose files have gone, the reload goes on. The report is the
+    model's: it outlasts the next eviction and load, until the id is mounted again."""
+    root, with_l, _ = llama_adapter
+    sub, outside = root / "sub", tmp_path / "outside"
+    shutil.copytree(root / "l", sub / "l")
+    shutil.copytree(root / "l", outside / "l")
+    w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
+    budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
+    client, gateway = make_client(
+        models=SMALL, adapter_root=str(root), memory_budget_gb=budget / 1e9, prefill_step=16
+    )
+
+    def reported(by_model=True):
+        if by_model:
+            gone = client.get("/stats").json()["adapters_by_model"]["small"]["not_remounted"]
+        else:
+            gone = stats_of(client, "small")["not_remounted"]
+        return [g["id"] for g in gone]
+
+    try:
+        for adapter_id, path in (("swapped", "sub/l"), ("kept", "l")):
+            r = client.post("/v1/adapters", json={"id": adapter_id, "path": path, "model": "small"})
+            assert r.status_code == 200, r.text
+        complete(client, "qwen", PROMPTS[1])  # evicts small
+        assert stats_of(client, "small")["state"] == "unloaded"
+        shutil.rmtree(sub)
+        sub.symlink_to(outside, target_is_directory=True)
+        assert text_of(ask_adapter(client, "small", "kept")) == with_l[0]  # reloads small
+        assert stats_of(client, "small")["loads"] == 2
+        r = ask_adapter(client, "small", "swapped")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_adapter", r.text
+        (gone,) = client.get("/stats").json()["adapters_by_model"]["small"]["not_remounted"]
+        assert gone["id"] == "swapped" and "outside the adapter root" in gone["error"]
+        # kept across the next eviction and load
+        complete(client, "qwen", PROMPTS[1])
+        assert stats_of(client, "small")["state"] == "unloaded"
+        assert reported(by_model=False) == ["swapped"]
+        complete(client, "small", PROMPTS[0])
+        assert stats_of(client, "small")["loads"] == 3
+        assert reported() == ["swapped"] and reported(by_model=False) == ["swapped"]
+        # mounted again: the report is cleared
+        r = client.post("/v1/adapters", json={"id": "swapped", "path": "l", "model": "small"})
+        assert r.status_code == 200, r.text
+        assert reported() == [] and reported(by_model=False) == []
+    finally:
+        gateway.stop()
+        sub.unlink()
+
+
 def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alone):
     """models_from_cache=true: a model in the local cache is listed (unloaded, its size read
     from its files) and answers by its repo id; a repo id not in the cache is a 404."""
@@ -853,6 +907,42 @@ def test_leases_go_back_when_clients_leave(server):
         release.set()
     assert wait_for(lambda: model_stats(url, "qwen")["state"] == "loaded")
     assert wait_for(lambda: model_stats(url, "qwen")["in_flight"] == 0)
+
+
+def test_an_unmount_while_its_model_loads_waits_for_the_load(server, tiny_dir, tmp_path):
+    """DELETE /v1/adapters/{id}?model=M while M is loading (held back by the parked engine,
+    after its load read M's mount list) waits for the load, then unmounts from the loaded
+    model: M then has no such adapter, nor has its list."""
+    make_adapter(tiny_dir("qwen2"), tmp_path / "q", seed=7)
+    url, gateway = server(
+        adapter_root=str(tmp_path), model_adapters={"qwen": {"q": str(tmp_path / "q")}}
+    )
+    got = {}
+
+    def delete():
+        got["delete"] = httpx.delete(f"{url}/v1/adapters/q", params={"model": "qwen"}, timeout=120)
+
+    release = hold_engine(gateway)
+    try:
+        asking = post_in_thread(url, {"model": "qwen", "prompt": "hi", "max_tokens": 2}, got, 0)
+        assert wait_for(lambda: model_stats(url, "qwen")["state"] == "loading")
+        time.sleep(0.5)  # the loader has read the list; it waits on the engine
+        deleting = threading.Thread(target=delete)
+        deleting.start()
+        time.sleep(0.5)
+        assert "delete" not in got  # it waits for the load
+    finally:
+        release.set()
+    asking.join(120)
+    deleting.join(120)
+    assert got[0].status_code == 200, got[0].text
+    assert got["delete"].status_code == 200, got["delete"].text
+    assert got["delete"].json()["model"] == "qwen"
+    assert httpx.get(f"{url}/v1/adapters", params={"model": "qwen"}).json()["adapters"] == []
+    assert "q" not in gateway.models.entries["qwen"].mounts
+    body = {"model": "qwen", "prompt": "hi", "max_tokens": 2, "adapter": "q"}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_adapter", r.text
 
 
 def test_copies_of_a_model_share_one_tokenizer(tiny_dir, tmp_path):

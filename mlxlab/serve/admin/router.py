@@ -137,9 +137,10 @@ async def stats(request: Request):
         "queue": g.stats(),
         "response_store": state.response_store.stats(),
         "adapters": loaded.adapters.stats() if loaded else None,  # the default model's
-        "adapters_by_model": {
-            name: m.adapters.stats() for name, m in g.models.loaded_models()
-        },  # each loaded model's
+        "adapters_by_model": {  # each loaded model's (not_remounted: since any earlier load)
+            name: {**m.adapters.stats(), "not_remounted": g.models.not_remounted(name)}
+            for name, m in g.models.loaded_models()
+        },
         "batch": g.batch_stats(),
         "speculative": g.speculation_stats(),
         "kv_quant": loaded.kv.stats() if loaded else None,
@@ -266,23 +267,45 @@ async def mount(body: MountRequest, request: Request):
 async def unmount(adapter_id: str, request: Request, model: str | None = None):
     """Unmount from `model` (default: the default model). A model that is not loaded is not
     loaded for this: an adapter on its mount list (mounted at runtime or at start, remounted by
-    its next load) is taken off the list."""
+    its next load) is taken off the list. A model queued or loading is waited for (its load has
+    read the list), then unmounted from as a loaded one."""
     check_mutable(request)
     gateway = request.app.state.gateway
     ready_loaded(gateway)
-    try:
-        lease = gateway.models.lease_if_loaded(model)
-    except ModelError as e:
-        raise model_error(e) from None
-    entry = lease.entry if lease is not None else gateway.models.find(model)
+    for _ in range(2):  # a load waited for that fails: the list alone, the second time
+        try:
+            entry, got = gateway.models.unmount_or_lease(model, adapter_id)
+        except ModelError as e:
+            raise model_error(e) from None
+        if got != "loading":
+            break
+        try:
+            got = await lease_for(gateway, model)  # its load mounts the list it read
+            break
+        except APIError:
+            if entry.state in ("queued", "loading"):  # not loaded in time: a 503 to retry
+                raise
+    if got == "loading":  # loading again (another request's): as if not loaded in time
+        raise APIError(
+            503,
+            f"model {entry.name!r} is loading; retry the unmount shortly",
+            type="service_unavailable",
+            code="model_loading",
+            headers={"Retry-After": "5"},
+        )
     name = entry.name
     try:
-        if lease is None:
-            if not gateway.models.forget(entry, adapter_id):
+        if isinstance(got, bool):
+            if not got:
                 raise KeyError(adapter_id)
         else:
-            await gateway.call(lambda: lease.loaded.adapters.unmount(adapter_id))
-            gateway.models.forget(entry, adapter_id)
+            try:
+                await gateway.call(lambda: got.loaded.adapters.unmount(adapter_id))
+            except KeyError:  # not mounted: a not_remounted report of it is cleared, else 404
+                if not gateway.models.forget(entry, adapter_id):
+                    raise
+            else:
+                gateway.models.forget(entry, adapter_id)
     except KeyError:
         owner = gateway.models.owner_of(adapter_id)
         hint = ""
@@ -295,6 +318,6 @@ async def unmount(adapter_id: str, request: Request, model: str | None = None):
             code="adapter_not_found",
         ) from None
     finally:
-        if lease is not None:
-            lease.release()
+        if not isinstance(got, (bool, str)):
+            got.release()
     return {"id": adapter_id, "object": "adapter.deleted", "deleted": True, "model": name}
