@@ -36,6 +36,8 @@ from tests.helpers.serve import make_client
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
+    for spec in SMALL.values():  # pulled: an unloaded model's card reads its files
+        tiny_dir(spec.removeprefix("tiny-"))
     client, gateway = make_client(models=SMALL, batch=4)
     yield client, gateway
     gateway.stop()
