@@ -46,3 +46,41 @@ def quant_dir(session_home):
     from mlxlab.models import zoo
 
     return lambda family, bits=4, group_size=32: zoo.quantize(f"tiny-{family}", bits, group_size)
+
+
+# --- several models behind one server (tests/test_serve_models.py, tests/test_serve_mounts.py) ---
+
+
+@pytest.fixture(scope="session")
+def alone(tiny_dir):
+    """Each model's answers to PROMPTS served alone (greedy), by the name the tests use."""
+    from tests.helpers.models import PROMPTS, SMALL, complete
+    from tests.helpers.serve import make_client
+
+    out = {}
+    for name, spec in (("tiny-gemma3", "tiny-gemma3"), *SMALL.items()):
+        client, gateway = make_client(model=spec, batch=4)
+        out[name] = [complete(client, spec, p) for p in PROMPTS]
+        gateway.stop()
+    return out
+
+
+@pytest.fixture
+def server(tiny_dir):
+    """server(**overrides) -> (the URL, the gateway) of a real server (tiny-gemma3 and SMALL),
+    stopped after."""
+    from tests.helpers.models import SMALL
+    from tests.helpers.serve import start_server
+
+    started = []
+
+    def start(**overrides):
+        port, gateway, srv, thread = start_server(models=SMALL, **overrides)
+        started.append((gateway, srv, thread))
+        return f"http://127.0.0.1:{port}", gateway
+
+    yield start
+    for gateway, srv, thread in started:
+        srv.should_exit = True
+        thread.join(30)
+        gateway.stop()

@@ -252,7 +252,7 @@ def test_sft_evaluation_is_reused_only_with_the_same_decode(tmp_path):
 @pytest.mark.slow  # end to end: an SFT task run, then GRPO on top of it (records, training, eval)
 def test_grpo_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
     from mlxlab.cli import compose
-    from mlxlab.tasks.chunk.reward import check_records
+    from mlxlab.tasks.chunk.reward import check_records, chunk_reward
     from mlxlab.train import cli
 
     tiny_dir("gemma3")
@@ -288,9 +288,19 @@ def test_grpo_run_on_top_of_a_chunk_sft_run(tiny_dir, tmp_path):
     assert set(summary["eval"]) == {"sft", "sft + grpo"}
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rolled = [r for r in steps if "reward_chunk_reward" in r]
-    assert len(rolled) == 2 and all(0.0 <= r["reward"] <= 1.0 for r in rolled)
-    completions = (run / "completions.jsonl").read_text().splitlines()
+    assert len(rolled) == 2
+    completions = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
     assert len(completions) == 2
+    # the rewards logged are chunk_reward's of the completions logged, against their prompt's
+    # record (line: 1-based in train.jsonl); each step's mean is theirs
+    for step, logged in zip(rolled, completions, strict=True):
+        rows = logged["completions"]
+        assert len(rows) == 2 and step["step"] == logged["step"]
+        texts = [c["text"] for c in rows]
+        again = chunk_reward(texts, [records[c["line"] - 1] for c in rows])
+        assert [c["reward_chunk_reward"] for c in rows] == pytest.approx(again)
+        assert [c["reward"] for c in rows] == pytest.approx(again)
+        assert step["reward_chunk_reward"] == pytest.approx(sum(again) / len(again))
     text = report.read_text()
     assert "| sft | 3 |" in text and "| sft + grpo | 3 |" in text and str(sft) in text
     assert "GRPO (grpo, 2 completions a prompt" in text and "chunk_reward" in text

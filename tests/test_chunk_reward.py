@@ -56,22 +56,31 @@ def test_the_gold_answer_earns_full_reward_and_a_moved_boundary_less():
     assert FLOOR < _reward(pr.answer(generic), two) < 1.0  # ref takes its label points
 
 
-def test_garbage_and_made_up_uuids_earn_little_or_nothing():
+def test_garbage_empty_and_made_up_uuids_earn_nothing():
     gold = _gold((0, 1), (2, 5))
     for text in ("", "no json here", '{"chunks": "x"}', "[1, 2]", pr.answer(gold)[:-8]):
         assert _reward(text, gold) == 0.0
-    assert _reward('{"chunks": []}', gold) == pytest.approx(0.8 * FLOOR)  # ref 80, no chunk
+    # valid JSON (ref 80) but no chunk: nothing, less than a valid answer with every boundary
+    # wrong (FLOOR)
+    ref, _, gated = reward_parts('{"chunks": []}', _record(gold))
+    assert ref == pytest.approx(0.8) and not gated
+    assert _reward('{"chunks": []}', gold) == 0.0
+    assert _reward(pr.answer(_gold((0, 5))), gold) == pytest.approx(FLOOR)
     fake = [
         {**c, "start_message_uuid": f"f{k}" * 18, "end_message_uuid": f"e{k}" * 18}
         for k, c in enumerate(gold)
     ]
-    ref, f1 = reward_parts(pr.answer(fake), _record(gold))
-    assert ref < 0.7 and f1 == 0.0 and _reward(pr.answer(fake), gold) < FLOOR
+    ref, _, gated = reward_parts(pr.answer(fake), _record(gold))
+    assert 0 < ref < 0.7 and not gated and _reward(pr.answer(fake), gold) == 0.0
+    # one made-up uuid among real ones: the reference validator does not resolve it, nothing
+    one_off = [{**gold[0], "end_message_uuid": "z" * 36}, gold[1]]
+    assert _reward(pr.answer(one_off), gold) == 0.0
     # one chunk over made-up uuids: the strict scorer snaps it over the window (its boundary F1
-    # would be 1 against a one-chunk gold), the reward gives no boundary credit
+    # would be 1 against a one-chunk gold), the reward gives nothing
     one = _gold((0, 5))
     fake_one = [{**one[0], "start_message_uuid": "x" * 36, "end_message_uuid": "y" * 36}]
-    assert _reward(pr.answer(fake_one), one) < FLOOR
+    ref, f1, gated = reward_parts(pr.answer(fake_one), _record(one))
+    assert f1 == 1.0 and not gated and _reward(pr.answer(fake_one), one) == 0.0
     assert _reward(pr.answer(one), one) == pytest.approx(1.0)
 
 

@@ -1,10 +1,9 @@
 """Several models behind one server (serve `models.NAME=SPEC`, engine/models.py, engine/loader.py):
 tiny models of three families answer alternately and in parallel with the texts they give served
 alone; an unknown model is a 404 on every protocol; eviction under a small budget and reload; idle
-unload; a load that fails leaves the others serving; a model too large is refused; an adapter on
-another model's request is a 400 naming both; adapters mounted on a model other than the default
-(POST /v1/adapters `model`, serve model_adapters.) answer as on that model served alone, and are
-mounted again when it reloads after an eviction; /v1/models, /stats and /metrics per model."""
+unload; a load that fails leaves the others serving; a model too large is refused; paced loads;
+leases; /v1/models, /stats and /metrics per model. Adapters on several models (mount lists) and
+shared tokenizers: tests/test_serve_mounts.py."""
 
 from __future__ import annotations
 
@@ -20,49 +19,25 @@ import pytest
 
 import mlxlab  # noqa: F401  (BLAS before MLX)
 from mlxlab.serve.engine.admission import RESERVE_BYTES
-from mlxlab.serve.engine.catalog import facts
-from tests.helpers.serve import make_adapter, make_client, start_server
-
-PROMPTS = ("The zip builtin pairs", "Lists in Python are", "def main():")
-SMALL = {"small": "tiny-llama", "qwen": "tiny-qwen2"}  # beside the default, tiny-gemma3
-
-
-def complete(client, model, prompt, max_tokens=8) -> str:
-    r = client.post(
-        "/v1/completions",
-        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["model"] == model
-    return r.json()["choices"][0]["text"]
-
-
-def stats_of(client, name) -> dict:
-    return next(m for m in client.get("/stats").json()["models"]["models"] if m["id"] == name)
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_dir):
-    """Each model's answers to PROMPTS served alone (greedy), by the name the tests use."""
-    out = {}
-    for name, spec in (("tiny-gemma3", "tiny-gemma3"), *SMALL.items()):
-        client, gateway = make_client(model=spec, batch=4)
-        out[name] = [complete(client, spec, p) for p in PROMPTS]
-        gateway.stop()
-    return out
+from tests.helpers.models import (
+    PROMPTS,
+    SMALL,
+    all_at_once,
+    complete,
+    hold_engine,
+    model_stats,
+    post_in_thread,
+    stats_of,
+    wait_for,
+    weights,
+)
+from tests.helpers.serve import make_client
 
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
+    for spec in SMALL.values():  # pulled: an unloaded model's card reads its files
+        tiny_dir(spec.removeprefix("tiny-"))
     client, gateway = make_client(models=SMALL, batch=4)
     yield client, gateway
     gateway.stop()
@@ -79,26 +54,6 @@ def test_models_answer_alternately_as_served_alone(served, alone):
     )
     assert r.json()["model"] == "tiny-gemma3"
     assert r.json()["choices"][0]["text"] == alone["tiny-gemma3"][0]
-
-
-def all_at_once(fn, work: list[tuple]) -> dict:
-    """`fn(*w)` for every `w` in `work`, each on its own thread, all at once: {w: result}; any
-    exception fails the test."""
-    got, errors = {}, []
-
-    def one(w):
-        try:
-            got[w] = fn(*w)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(w,)) for w in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return got
 
 
 def test_models_answer_in_parallel_as_served_alone(served, alone):
@@ -188,10 +143,6 @@ def test_an_alias_answers_under_the_name_asked_for(tiny_dir):
         assert r.status_code == 200 and r.json()["model"] == "alias"
     finally:
         gateway.stop()
-
-
-def weights(tiny_dir, family) -> int:
-    return facts(tiny_dir(family)).weight_bytes
 
 
 def test_eviction_under_a_small_budget_and_reload(tiny_dir, alone):
@@ -377,179 +328,6 @@ def test_a_failed_load_leaves_the_others_serving(tiny_dir, tmp_path, alone):
         gateway.stop()
 
 
-def test_adapter_of_another_model_is_refused_naming_both(tiny_dir, tmp_path):
-    make_adapter(tiny_dir("gemma3"), tmp_path / "g", seed=1)
-    client, gateway = make_client(models=SMALL, adapters={"g": str(tmp_path / "g")})
-    try:
-        body = {"prompt": "hi", "max_tokens": 2, "adapter": "g"}
-        assert client.post("/v1/completions", json=body).status_code == 200
-        r = client.post("/v1/completions", json={**body, "model": "small"})
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["code"] == "adapter_model_mismatch" and err["param"] == "adapter", err
-        assert "'tiny-gemma3'" in err["message"] and "'small'" in err["message"]
-    finally:
-        gateway.stop()
-
-
-def ask_adapter(client, model, adapter, prompt=PROMPTS[0], max_tokens=8):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "adapter": adapter}
-    return client.post("/v1/completions", json={**body, "model": model})
-
-
-def text_of(r) -> str:
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-@pytest.fixture(scope="module")
-def llama_adapter(tiny_dir, tmp_path_factory):
-    """An adapter root holding a tiny-llama adapter (l) and a tiny-gemma3 one (g), and the
-    texts tiny-llama gives for PROMPTS with l, served as the default model, and its text for
-    PROMPTS[0] with the stack l+again (again: l mounted a second time)."""
-    root = tmp_path_factory.mktemp("adapters")
-    make_adapter(tiny_dir("llama"), root / "l", seed=3)
-    make_adapter(tiny_dir("gemma3"), root / "g", seed=4)
-    client, gateway = make_client(
-        model="tiny-llama",
-        adapter_root=str(root),
-        adapters={"l": str(root / "l"), "again": str(root / "l")},
-        batch=4,
-    )
-    try:
-        texts = [text_of(ask_adapter(client, "tiny-llama", "l", p)) for p in PROMPTS]
-        stacked = text_of(ask_adapter(client, "tiny-llama", "l+again"))
-    finally:
-        gateway.stop()
-    assert stacked != texts[0]  # the stack is not l alone
-    return root, texts, stacked
-
-
-def test_an_adapter_mounted_on_another_model_answers_as_on_that_model_alone(llama_adapter, alone):
-    """POST /v1/adapters with `model` loads that model and mounts the adapter on it: its texts
-    are those of a server where that model is the default with that adapter, per row beside
-    the base; the adapter belongs to that model alone (a 400 naming both elsewhere), an
-    adapter not mounted on it is a 400 naming it, a mismatched base is refused naming both."""
-    root, with_l, _ = llama_adapter
-    client, gateway = make_client(models=SMALL, adapter_root=str(root), batch=4)
-    try:
-        r = client.post("/v1/adapters", json={"id": "l", "path": "l", "model": "small"})
-        assert r.status_code == 200, r.text
-        assert r.json()["model"] == "small" and r.json()["id"] == "l"
-        assert stats_of(client, "small")["state"] == "loaded"
-        listed = client.get("/v1/adapters").json()["adapters"]
-        assert [(a["id"], a["model"]) for a in listed] == [("l", "small")]
-        assert client.get("/v1/adapters", params={"model": "tiny-gemma3"}).json() == {
-            "adapters": []
-        }
-        assert stats_of(client, "small")["adapters"] == ["l"]
-        # per row in one batch: the adapter's rows and the base's together
-        work = [(i, a) for i in range(len(PROMPTS)) for a in ("l", "none")]
-        got = all_at_once(lambda i, a: text_of(ask_adapter(client, "small", a, PROMPTS[i])), work)
-        for i in range(len(PROMPTS)):
-            assert got[i, "l"] == with_l[i], i
-            assert got[i, "none"] == alone["small"][i], i
-        # /stats and /metrics count small's adapter under small (the default has none)
-        by_model = client.get("/stats").json()["adapters_by_model"]
-        assert {m["id"]: m["requests"] for m in by_model["small"]["mounted"]} == {"l": len(PROMPTS)}
-        assert by_model["tiny-gemma3"]["mounted"] == []
-        from prometheus_client.parser import text_string_to_metric_families
-
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(client.get("/metrics").text)
-            for s in f.samples
-        }
-        per = ("mlxlab_adapter_requests_total", (("adapter", "l"), ("model", "small")))
-        assert samples[per] == len(PROMPTS)
-        assert samples["mlxlab_model_adapters_mounted", (("model", "small"),)] == 1
-        assert samples["mlxlab_model_adapters_mounted", (("model", "tiny-gemma3"),)] == 0
-        # the default model does not have it
-        r = ask_adapter(client, "tiny-gemma3", "l")
-        assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_model_mismatch"
-        assert "'small'" in r.json()["error"]["message"]
-        assert "'tiny-gemma3'" in r.json()["error"]["message"]
-        # an adapter not mounted on small: a 400 naming small and its adapters
-        r = ask_adapter(client, "small", "nope")
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["code"] == "unknown_adapter", r.text
-        assert "'small'" in err["message"] and "mounted: l" in err["message"]
-        # an adapter of another base: refused naming both
-        r = client.post("/v1/adapters", json={"id": "g", "path": "g", "model": "small"})
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["code"] == "adapter_model_mismatch", r.text
-        assert "'g'" in err["message"] and "'small'" in err["message"]
-        # it mounts on its own base, the default, under the same id as small's adapter
-        r = client.post("/v1/adapters", json={"id": "l", "path": "g"})
-        assert r.status_code == 200 and r.json()["model"] == "tiny-gemma3", r.text
-        assert text_of(ask_adapter(client, "tiny-gemma3", "l", max_tokens=2))
-        assert client.delete("/v1/adapters/l").json()["model"] == "tiny-gemma3"
-        # DELETE names the model; without it, the default's (a 404 saying where it is)
-        r = client.delete("/v1/adapters/l")
-        assert r.status_code == 404 and "?model=small" in r.json()["error"]["message"]
-        assert client.delete("/v1/adapters/l", params={"model": "qwen"}).status_code == 404
-        assert stats_of(client, "qwen")["state"] == "unloaded"  # not loaded for a DELETE
-        assert client.delete("/v1/adapters/l", params={"model": "nothing"}).status_code == 404
-        r = client.delete("/v1/adapters/l", params={"model": "small"})
-        assert r.status_code == 200 and r.json()["model"] == "small"
-        assert client.get("/v1/adapters").json()["adapters"] == []
-        r = client.post("/v1/adapters", json={"id": "x", "path": "l", "model": "nothing"})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    finally:
-        gateway.stop()
-
-
-def test_a_reloaded_model_mounts_its_mount_list_again(tiny_dir, llama_adapter):
-    """A model's mount list is what each of its loads mounts: `model_adapters.small.l=PATH`,
-    plus runtime mounts (POST /v1/adapters), minus unmounts (DELETE, also while it is not
-    loaded). After an eviction the reloaded model answers with a runtime mount as before; a
-    runtime mount whose files have gone is reported (/stats `not_remounted`) and dropped,
-    and the reload goes on."""
-    root, with_l, stacked = llama_adapter
-    shutil.copytree(root / "l", root / "copy")
-    w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
-    budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
-    client, gateway = make_client(
-        models=SMALL,
-        model_adapters={"small": {"l": str(root / "l")}},
-        adapter_root=str(root),
-        memory_budget_gb=budget / 1e9,
-        prefill_step=16,
-    )
-    try:
-        assert text_of(ask_adapter(client, "small", "l")) == with_l[0]
-        for adapter_id, path in (("again", "l"), ("gone", "copy"), ("dropped", "l")):
-            r = client.post("/v1/adapters", json={"id": adapter_id, "path": path, "model": "small"})
-            assert r.status_code == 200, r.text
-        before = text_of(ask_adapter(client, "small", "again"))
-        assert before == with_l[0]
-        # a stack, as on a server where small's model is the default
-        assert text_of(ask_adapter(client, "small", "l+again")) == stacked
-        complete(client, "qwen", PROMPTS[1])  # evicts small
-        assert stats_of(client, "small")["state"] == "unloaded"
-        assert client.get("/v1/adapters").json()["adapters"] == []
-        # unmounted while small is not loaded: off its list (nothing is loaded for it)
-        r = client.delete("/v1/adapters/dropped", params={"model": "small"})
-        assert r.status_code == 200 and r.json()["model"] == "small", r.text
-        assert stats_of(client, "small")["state"] == "unloaded"
-        assert client.delete("/v1/adapters/dropped", params={"model": "small"}).status_code == 404
-        shutil.rmtree(root / "copy")  # gone before the reload
-        # reloads small: the runtime mount answers as before the eviction
-        assert text_of(ask_adapter(client, "small", "again")) == before
-        assert stats_of(client, "small")["loads"] == 2
-        assert text_of(ask_adapter(client, "small", "l+again")) == stacked
-        assert text_of(ask_adapter(client, "small", "l", PROMPTS[1])) == with_l[1]
-        listed = client.get("/v1/adapters", params={"model": "small"}).json()["adapters"]
-        assert sorted(a["id"] for a in listed) == ["again", "l"]
-        gone = client.get("/stats").json()["adapters_by_model"]["small"]["not_remounted"]
-        assert [(g["id"], g["path"]) for g in gone] == [("gone", str((root / "copy").resolve()))]
-        assert set(gateway.models.entries["small"].mounts) == {"l", "again"}  # gone: dropped
-        r = ask_adapter(client, "small", "gone")
-        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_adapter", r.text
-    finally:
-        gateway.stop()
-
-
 def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alone):
     """models_from_cache=true: a model in the local cache is listed (unloaded, its size read
     from its files) and answers by its repo id; a repo id not in the cache is a 404."""
@@ -704,28 +482,6 @@ def stream_tokens(url, model, out: list, max_tokens=300, never=()):
                 out.append(time.monotonic())
 
 
-def model_stats(url, name) -> dict:
-    models = httpx.get(f"{url}/stats").json()["models"]["models"]
-    return next(m for m in models if m["id"] == name)
-
-
-@pytest.fixture
-def server():
-    """server(**overrides) -> the URL of a real server (tiny-gemma3 and SMALL), stopped after."""
-    started = []
-
-    def start(**overrides):
-        port, gateway, srv, thread = start_server(models=SMALL, **overrides)
-        started.append((gateway, srv, thread))
-        return f"http://127.0.0.1:{port}", gateway
-
-    yield start
-    for gateway, srv, thread in started:
-        srv.should_exit = True
-        thread.join(30)
-        gateway.stop()
-
-
 def test_the_default_model_generates_while_another_loads(server, alone):
     """With load_share=0.01 a load waits ~99x its slices out while the engine generates: the
     default's answer streams on while `small` is loading, and `small` then answers as alone."""
@@ -749,24 +505,6 @@ def test_the_default_model_generates_while_another_loads(server, alone):
     assert sum(t > seen_loading for t in times) >= 5, "the default stalled during the load"
     assert got["text"]["choices"][0]["text"] == alone["small"][0]
     assert httpx.get(f"{url}/stats").json()["models"]["load_waited_s"] > 0
-
-
-def hold_engine(gateway) -> threading.Event:
-    """Park the engine thread in a task of its own (`Gateway.between`) until the returned event
-    is set: jobs wait in the queue holding their leases, and no load can finish meanwhile."""
-    release, parked = threading.Event(), threading.Event()
-    gateway.between(lambda: (parked.set(), release.wait(120)))
-    assert parked.wait(30)
-    return release
-
-
-def post_in_thread(url, body, out: dict, key) -> threading.Thread:
-    def post():
-        out[key] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-    t = threading.Thread(target=post)
-    t.start()
-    return t
 
 
 def test_no_room_beside_a_busy_model_is_a_503(server, tiny_dir):
@@ -853,31 +591,3 @@ def test_leases_go_back_when_clients_leave(server):
         release.set()
     assert wait_for(lambda: model_stats(url, "qwen")["state"] == "loaded")
     assert wait_for(lambda: model_stats(url, "qwen")["in_flight"] == 0)
-
-
-def test_copies_of_a_model_share_one_tokenizer(tiny_dir, tmp_path):
-    """zoo.shared_tokenizer: a model whose tokenizer files are a copy of a loaded one's (linked
-    or copied) gets that model's tokenizer object (so its grammar vocabulary too, keyed by it),
-    with the same encoding; other tokenizer files, or another model, get their own."""
-    from mlxlab import grammar
-    from mlxlab.models import zoo
-
-    src = tiny_dir("gemma3")
-    linked, copied, changed = (tmp_path / n for n in ("linked", "copied", "changed"))
-    linked.mkdir()
-    for f in src.iterdir():
-        (linked / f.name).symlink_to(f.resolve())
-    shutil.copytree(src, copied)
-    shutil.copytree(src, changed)
-    conf = json.loads((changed / "tokenizer_config.json").read_text())
-    (changed / "tokenizer_config.json").write_text(json.dumps({**conf, "model_max_length": 77}))
-    model, tok = zoo.load(str(src))
-    _, tok_linked = zoo.load(str(linked), pace=lambda fn=None: fn() if fn else None)
-    _, tok_copied = zoo.load(str(copied))
-    _, tok_changed = zoo.load(str(changed))
-    _, tok_llama = zoo.load(str(tiny_dir("llama")))
-    assert tok_linked is tok and tok_copied is tok
-    assert tok_changed is not tok and tok_llama is not tok
-    assert tok_changed.encode("def main():") == tok.encode("def main():")
-    n = model.args.vocab_size
-    assert grammar.vocab_for(tok_copied, n) is grammar.vocab_for(tok, n)

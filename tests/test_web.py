@@ -360,7 +360,44 @@ def test_runs_outside_the_adapter_root_are_listed_but_not_mountable(served, root
     assert card["adapter"] is True and card["mount_path"] is None
 
 
-def test_a_run_mounts_on_the_served_model_it_trained_from(tiny_dir, tmp_path):
+def test_a_run_config_of_another_shape_does_not_break_the_listing(served, tmp_path):
+    """A run whose config.yaml `model` is not a model name (a list, a mapping, a number, a
+    string no file system takes) is listed, to be mounted on the default."""
+    _, gateway = served
+    base = tmp_path / "outputs"
+    for name, model in (("list", "[1, 2]"), ("map", "{a: 1}"), ("int", "5"), ("long", "x" * 5000)):
+        write_run(base / name, adapter=True, model=model)
+    c, _ = make_client(gateway, runs_dir=str(base))
+    r = c.get("/v1/runs")
+    assert r.status_code == 200, r.text
+    cards = {card["id"]: card for card in r.json()["data"]}
+    assert set(cards) == {"list", "map", "int", "long"}
+    for card in cards.values():
+        assert card["mount_model"] == "tiny-gemma3" and card["model_served"] is False
+
+
+def test_listing_runs_changes_no_model(tiny_dir, tmp_path, monkeypatch):
+    """With models_from_cache, a run trained from a cache model not asked for yet is shown to
+    mount on it, and listing the runs adds no model to the server's (/stats)."""
+    from tests.helpers.hub import write_cache
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_cache(tmp_path / "hub", "tiny-org/llama", tiny_dir("llama"))
+    base = tmp_path / "outputs"
+    write_run(base / "r", adapter=True, model="tiny-org/llama")
+    c, gateway = make_client(models_from_cache=True, runs_dir=str(base))
+    try:
+        before = [m["id"] for m in c.get("/stats").json()["models"]["models"]]
+        (card,) = c.get("/v1/runs").json()["data"]
+        assert card["mount_model"] == "tiny-org/llama" and card["model_served"] is True
+        assert [m["id"] for m in c.get("/stats").json()["models"]["models"]] == before
+        assert "tiny-org/llama" not in gateway.models.entries
+    finally:
+        gateway.stop()
+
+
+def test_a_run_mounts_on_the_served_model_it_trained_from(tiny_dir, tmp_path, monkeypatch):
     """With several models, a run's card says which model the page mounts its adapter on: the
     served model its config's `model` names (a served name or spec, or the same directory),
     else the default; where the default cannot take it, the mount is a 400 naming both."""
@@ -370,17 +407,26 @@ def test_a_run_mounts_on_the_served_model_it_trained_from(tiny_dir, tmp_path):
         ("by_dir", str(tiny_dir("llama")), "llama"),
         ("on_default", "tiny-gemma3", "gemma3"),
         ("unserved", "tiny-qwen2", "qwen2"),
+        ("mislabeled", "tiny-llama", "gemma3"),  # its config names small's model: it is not
     ):
         run = write_run(base / name, model=model)
         make_adapter(tiny_dir(family), run / "adapter", seed=6)
-    c, gateway = make_client(models={"small": "tiny-llama"}, adapter_root=str(base.resolve()))
+    c, gateway = make_client(
+        models={"small": "tiny-llama"},
+        adapter_root=str(base.resolve()),
+        model_adapters={"small": {"boot": str(base / "on_small")}},  # its run directory
+    )
     try:
         cards = {card["id"]: card for card in c.get("/v1/runs").json()["data"]}
+        # a start-up mount of a model not loaded: known by its (resolved) adapter path
+        assert gateway.models.entries["small"].state == "unloaded"
+        assert cards["on_small"]["mounted_as"] == ["boot"]
         assert {i: (x["mount_model"], x["model_served"]) for i, x in cards.items()} == {
             "on_small": ("small", True),
             "by_dir": ("small", True),
             "on_default": ("tiny-gemma3", True),
             "unserved": ("tiny-gemma3", False),
+            "mislabeled": ("small", True),
         }
         # the page's mount: {id, path: mount_path, model: mount_model}
         for i in ("on_small", "by_dir", "on_default"):
@@ -389,7 +435,7 @@ def test_a_run_mounts_on_the_served_model_it_trained_from(tiny_dir, tmp_path):
             assert r.status_code == 200 and r.json()["model"] == cards[i]["mount_model"], r.text
         cards = {card["id"]: card for card in c.get("/v1/runs").json()["data"]}
         assert [cards[i]["mounted_as"] for i in ("on_small", "by_dir", "on_default")] == [
-            ["on_small"],
+            ["boot", "on_small"],
             ["by_dir"],
             ["on_default"],
         ]
@@ -407,6 +453,23 @@ def test_a_run_mounts_on_the_served_model_it_trained_from(tiny_dir, tmp_path):
         r = c.post("/v1/adapters", json=mount)
         assert r.status_code == 400, r.text
         assert "served here as 'small'" in r.json()["error"]["message"]
+        # trained from the very model it is refused on (its files say otherwise): no hint
+        mount = {"id": "m", "path": cards["mislabeled"]["mount_path"], "model": "small"}
+        r = c.post("/v1/adapters", json=mount)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "adapter_model_mismatch", r.text
+        assert "served here" not in err["message"] and "trained from" not in err["message"]
+        # a hint that fails is no hint, not a 500
+        from mlxlab.serve.admin import router as admin
+
+        def boom(path):
+            raise OSError("unreadable")
+
+        monkeypatch.setattr(admin.runs, "trained_from", boom)
+        r = c.post("/v1/adapters", json={**mount, "path": cards["unserved"]["mount_path"]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "adapter_model_mismatch", r.text
+        assert "trained from" not in err["message"]
     finally:
         gateway.stop()
 

@@ -1,11 +1,17 @@
-"""Tokenizers built locally: from a GGUF's metadata, and a small trained one for tiny test models.
-
-Neither touches the network. Both become Hugging Face "fast" tokenizer files that mlx-lm loads.
+"""Tokenizers built locally: from a GGUF's metadata, and a small trained one for tiny test models
+(neither touches the network; both become Hugging Face "fast" tokenizer files that mlx-lm loads);
+and the tokenizers of loaded models shared between copies of a model (`shared_tokenizer`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
+import threading
+import weakref
 from pathlib import Path
+
+from mlxlab.fsutil import sha256_file
 
 # Gemma's turn format (the GGUF of a base model ships no template). A system message is folded
 # into the first user turn, as Gemma's own template does. Gemma 3 has no tool tokens; tools are
@@ -176,4 +182,69 @@ def build_tiny(vocab_size: int = 512):
         unk_token="<unk>",
     )
     tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    return tokenizer
+
+
+# --- one tokenizer for copies of a model ------------------------------------------------------
+
+TOKENIZER_PATTERNS = (
+    "*.json",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+)
+"""The files mlx-lm's `load_tokenizer` fetches for a tokenizer (its `allow_patterns`, in
+mlx_lm/utils.py): all it (and transformers' AutoTokenizer under it) reads of a model directory."""
+
+_TOKENIZERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""Tokenizers of loaded models by `tokenizer_key` and end tokens, while a model holds one."""
+_FILE_SHA: dict[tuple, str] = {}  # (real path, size, mtime_ns) -> sha256 of the content
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    """The files of a model directory a tokenizer is read from (TOKENIZER_PATTERNS), by name."""
+    return [
+        f
+        for f in sorted(Path(path).iterdir())
+        if any(fnmatch.fnmatch(f.name, p) for p in TOKENIZER_PATTERNS) and f.is_file()
+    ]
+
+
+def tokenizer_key(path: Path) -> str:
+    """The identity of what mlx-lm's `load_tokenizer` reads from a model directory: a hash of
+    its tokenizer files (`tokenizer_files`: tokenizer, chat template, configs), by content, so
+    copies of a model (a fine-tune's directory, the same files linked elsewhere) share it; other
+    files (weights, a README, images) are not read."""
+    out = hashlib.sha256()
+    for f in tokenizer_files(path):
+        real = f.resolve()
+        st = real.stat()
+        sig = (str(real), st.st_size, st.st_mtime_ns)
+        digest = _FILE_SHA.get(sig)
+        if digest is None:
+            digest = _FILE_SHA[sig] = sha256_file(real)
+        out.update(f"{f.name}\0{digest}\0".encode())
+    return out.hexdigest()
+
+
+def shared_tokenizer(path: Path, eos_token_ids=None):
+    """mlx-lm's `load_tokenizer(path, eos_token_ids=...)`, or the one a model loaded from the
+    same tokenizer files has (`tokenizer_key`; kept while a model holds it). A tokenizer of a
+    large vocabulary takes seconds to build, holding Python's GIL (Gemma 3's 262k: ~3-5 s), and
+    its grammar vocabulary (keyed by the tokenizer: grammar.vocab_for) as long again: a model
+    served beside a copy of itself pays for neither, nor do the models generating meanwhile."""
+    from mlx_lm.utils import load_tokenizer
+
+    key = (tokenizer_key(path), repr(eos_token_ids))
+    with _TOKENIZERS_LOCK:
+        tokenizer = _TOKENIZERS.get(key)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(Path(path), eos_token_ids=eos_token_ids)
+        with _TOKENIZERS_LOCK:
+            tokenizer = _TOKENIZERS.setdefault(key, tokenizer)
     return tokenizer

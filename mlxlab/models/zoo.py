@@ -14,14 +14,13 @@ import logging
 import os
 import re
 import shutil
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir, sha256_file, writable_dir
+from mlxlab.models.tokenizers import shared_tokenizer
 from mlxlab.runtime import home
 
 log = logging.getLogger(__name__)
@@ -496,52 +495,6 @@ def _load_paced(path: Path, target, pace: Callable[..., object]):
     tokenizer = shared_tokenizer(path, config.get("eos_token_id", None))
     pace()
     return model, tokenizer
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".npz", ".pt", ".pth")
-
-_TOKENIZERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-"""Tokenizers of loaded models by `tokenizer_key` and end tokens, while a model holds one."""
-_FILE_SHA: dict[tuple, str] = {}  # (real path, size, mtime_ns) -> sha256 of the content
-_TOKENIZERS_LOCK = threading.Lock()
-
-
-def tokenizer_key(path: Path) -> str:
-    """The identity of what mlx-lm's `load_tokenizer` reads from a model directory: a hash of
-    every file in it but the weights (tokenizer files, chat template, config), by content, so
-    copies of a model (a fine-tune's directory, the same files linked elsewhere) share it."""
-    import hashlib
-
-    out = hashlib.sha256()
-    for f in sorted(Path(path).iterdir()):
-        if not f.is_file() or f.suffix in WEIGHT_SUFFIXES:
-            continue
-        real = f.resolve()
-        st = real.stat()
-        sig = (str(real), st.st_size, st.st_mtime_ns)
-        digest = _FILE_SHA.get(sig)
-        if digest is None:
-            digest = _FILE_SHA[sig] = sha256_file(real)
-        out.update(f"{f.name}\0{digest}\0".encode())
-    return out.hexdigest()
-
-
-def shared_tokenizer(path: Path, eos_token_ids=None):
-    """mlx-lm's `load_tokenizer(path, eos_token_ids=...)`, or the one a model loaded from the
-    same tokenizer files has (`tokenizer_key`; kept while a model holds it). A tokenizer of a
-    large vocabulary takes seconds to build, holding Python's GIL (Gemma 3's 262k: ~3-5 s), and
-    its grammar vocabulary (keyed by the tokenizer: grammar.vocab_for) as long again: a model
-    served beside a copy of itself pays for neither, nor do the models generating meanwhile."""
-    from mlx_lm.utils import load_tokenizer
-
-    key = (tokenizer_key(path), repr(eos_token_ids))
-    with _TOKENIZERS_LOCK:
-        tokenizer = _TOKENIZERS.get(key)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(Path(path), eos_token_ids=eos_token_ids)
-        with _TOKENIZERS_LOCK:
-            tokenizer = _TOKENIZERS.setdefault(key, tokenizer)
-    return tokenizer
 
 
 def evaluate(arrays: list, pace: Callable[..., object] | None = None) -> None:

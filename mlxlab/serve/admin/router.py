@@ -137,9 +137,10 @@ async def stats(request: Request):
         "queue": g.stats(),
         "response_store": state.response_store.stats(),
         "adapters": loaded.adapters.stats() if loaded else None,  # the default model's
-        "adapters_by_model": {
-            name: m.adapters.stats() for name, m in g.models.loaded_models()
-        },  # each loaded model's
+        "adapters_by_model": {  # each loaded model's (not_remounted: since any earlier load)
+            name: {**m.adapters.stats(), "not_remounted": g.models.not_remounted(name)}
+            for name, m in g.models.loaded_models()
+        },
         "batch": g.batch_stats(),
         "speculative": g.speculation_stats(),
         "kv_quant": loaded.kv.stats() if loaded else None,
@@ -171,7 +172,7 @@ async def listing(request: Request, model: str | None = None):
     loaded = gateway.models.loaded_models()
     if model is not None:
         try:
-            name = gateway.models.find(model).name
+            name = gateway.models.find(model, create=False).name
         except ModelError as e:
             raise model_error(e) from None
         loaded = [(n, m) for n, m in loaded if n == name]
@@ -193,14 +194,25 @@ async def available(request: Request):
 def trained_elsewhere(gateway, path, model: str) -> str:
     """What the message of a refused mount on `model` adds when the adapter is a training
     run's (runs.trained_from): the model it trained from, and whether and under which name it
-    is served here."""
+    is served here; nothing when that is `model` itself (another name or directory of it: the
+    mismatch is then the files', which the error says) or cannot be told."""
     trained = runs.trained_from(path)
-    if not trained or trained == model:
+    if not isinstance(trained, str) or not trained or trained == model:
         return ""
     there = gateway.models.serving(trained)
-    if there is not None and there.name != model:
+    if there is not None and there.name == model:
+        return ""
+    if there is not None:
         return f" (it was trained from {trained!r}, served here as {there.name!r}: mount it there)"
     return f" (it was trained from {trained!r}, which is not served here)"
+
+
+def hint_or_nothing(gateway, path, model: str) -> str:
+    """`trained_elsewhere`, or nothing where it fails (a hint never turns a 400 into a 500)."""
+    try:
+        return trained_elsewhere(gateway, path, model)
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
 
 
 @admin_router.post("/v1/adapters")
@@ -235,7 +247,7 @@ async def mount(body: MountRequest, request: Request):
             hint = ""
             if isinstance(e, lora_io.BaseMismatch):
                 hint = await asyncio.get_running_loop().run_in_executor(
-                    None, trained_elsewhere, gateway, path, lease.name
+                    None, hint_or_nothing, gateway, path, lease.name
                 )
             raise APIError(
                 400,
@@ -255,23 +267,45 @@ async def mount(body: MountRequest, request: Request):
 async def unmount(adapter_id: str, request: Request, model: str | None = None):
     """Unmount from `model` (default: the default model). A model that is not loaded is not
     loaded for this: an adapter on its mount list (mounted at runtime or at start, remounted by
-    its next load) is taken off the list."""
+    its next load) is taken off the list. A model queued or loading is waited for (its load has
+    read the list), then unmounted from as a loaded one."""
     check_mutable(request)
     gateway = request.app.state.gateway
     ready_loaded(gateway)
-    try:
-        lease = gateway.models.lease_if_loaded(model)
-    except ModelError as e:
-        raise model_error(e) from None
-    entry = lease.entry if lease is not None else gateway.models.find(model)
+    for _ in range(2):  # a load waited for that fails: the list alone, the second time
+        try:
+            entry, got = gateway.models.unmount_or_lease(model, adapter_id)
+        except ModelError as e:
+            raise model_error(e) from None
+        if got != "loading":
+            break
+        try:
+            got = await lease_for(gateway, model)  # its load mounts the list it read
+            break
+        except APIError:
+            if entry.state in ("queued", "loading"):  # not loaded in time: a 503 to retry
+                raise
+    if got == "loading":  # loading again (another request's): as if not loaded in time
+        raise APIError(
+            503,
+            f"model {entry.name!r} is loading; retry the unmount shortly",
+            type="service_unavailable",
+            code="model_loading",
+            headers={"Retry-After": "5"},
+        )
     name = entry.name
     try:
-        if lease is None:
-            if not gateway.models.forget(entry, adapter_id):
+        if isinstance(got, bool):
+            if not got:
                 raise KeyError(adapter_id)
         else:
-            await gateway.call(lambda: lease.loaded.adapters.unmount(adapter_id))
-            gateway.models.forget(entry, adapter_id)
+            try:
+                await gateway.call(lambda: got.loaded.adapters.unmount(adapter_id))
+            except KeyError:  # not mounted: a not_remounted report of it is cleared, else 404
+                if not gateway.models.forget(entry, adapter_id):
+                    raise
+            else:
+                gateway.models.forget(entry, adapter_id)
     except KeyError:
         owner = gateway.models.owner_of(adapter_id)
         hint = ""
@@ -284,6 +318,6 @@ async def unmount(adapter_id: str, request: Request, model: str | None = None):
             code="adapter_not_found",
         ) from None
     finally:
-        if lease is not None:
-            lease.release()
+        if not isinstance(got, (bool, str)):
+            got.release()
     return {"id": adapter_id, "object": "adapter.deleted", "deleted": True, "model": name}

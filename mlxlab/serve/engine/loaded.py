@@ -35,8 +35,9 @@ class Loaded:
     vocabulary while loading, in a thread `start` joins (the default model: no request pays for
     it); an on-demand model's is built by the loader thread (`grammar_vocab`) before it serves.
     `remount`: id -> path of adapters mounted at runtime on an earlier load of this model
-    (engine/models.py's mount list), mounted after `cfg.adapters`; one that fails is logged and
-    listed in its registry's `not_remounted` instead of failing the load."""
+    (engine/models.py's mount list), mounted after `cfg.adapters` if still under the adapter
+    root; one that fails or is not is logged and listed in its registry's `not_remounted`
+    (which the model's entry keeps) instead of failing the load."""
 
     def __init__(
         self,
@@ -122,8 +123,10 @@ class Loaded:
             )
         for adapter_id, path in self.remount.items():
             try:
-                m = self.adapters.mount(adapter_id, path)
-            except Exception as e:  # noqa: BLE001 - its files may have gone since: reported, the load goes on
+                # under the adapter root still (a directory on the way may have been swapped
+                # for a link out of it since), as POST /v1/adapters checks
+                m = self.adapters.mount(adapter_id, self.adapters.confine(path))
+            except Exception as e:  # noqa: BLE001 - its files may have gone or left the root since: reported, the load goes on
                 log.warning(
                     "mlxlab serve: adapter %r (mounted at runtime from %s) is not mounted again "
                     "on %s: %s",

@@ -17,8 +17,11 @@
   at start, plus those mounted at runtime (POST /v1/adapters), minus those unmounted (DELETE,
   also while it is not loaded). Every load mounts that list, so an eviction or an idle unload
   loses nothing a user mounted; a runtime mount whose files have gone since is logged and
-  reported (`/stats` adapters_by_model's `not_remounted`) and dropped from the list, rather than
-  failing the reload.
+  reported (`Entry.not_remounted`: `/stats` models' and adapters_by_model's `not_remounted`,
+  kept across later loads until that id is mounted or unmounted again) and dropped from the
+  list, rather than failing the reload; so is one that now resolves outside the adapter root.
+  Start-up paths are kept resolved (`adapter_path`), as runtime mounts are, so a run's adapter
+  is known by its path whether it was mounted at start or at runtime.
 - Memory: `memory_budget_gb` is the server's. Every loaded (or loading) model's weights count
   against it (`others`, which each model's `Admission` reads), so each model's context ceiling
   is what is left beside the others. A load is planned (`plan_load`) from the model's weight
@@ -42,6 +45,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from mlxlab.lora import io as lora_io
 from mlxlab.models import zoo
 from mlxlab.serve.engine.admission import RESERVE_BYTES, budget_bytes
 from mlxlab.serve.engine.catalog import Facts, facts
@@ -87,6 +91,9 @@ class Entry:
     facts: Facts | None = None  # from its files, when unloaded (memoized)
     # its mount list: adapter id -> (path, mounted at runtime), what every load mounts
     mounts: dict = field(default_factory=dict)
+    # runtime mounts a load could not mount again (id, path, error), until that id is mounted or
+    # unmounted again
+    not_remounted: list = field(default_factory=list)
     # counters (since start)
     loads: int = 0
     load_seconds: float = 0.0
@@ -134,6 +141,16 @@ class Lease:
             self.entry.last_used = time.monotonic()
 
 
+def adapter_path(path) -> str:
+    """A start-up adapter path as a mount records it: the adapter directory (a run's final
+    adapter for a run directory: `lora_io.resolve_dir`), resolved; as given where it cannot be
+    resolved (its load then says why)."""
+    try:
+        return str(lora_io.resolve_dir(path).resolve())
+    except Exception:  # noqa: BLE001 - a bad path fails its model's load, not the start
+        return str(path)
+
+
 class Models:
     def __init__(self, cfg: EngineSettings):
         self.cfg = cfg
@@ -142,7 +159,7 @@ class Models:
         self.pacer = Pacer(cfg.load_share)
         self.loads: queue.Queue = queue.Queue()  # entries to load, for the loader thread
         self.default = Entry(cfg.model, cfg.model, pinned=True)
-        self.default.mounts = {i: (str(p), False) for i, p in (cfg.adapters or {}).items()}
+        self.default.mounts = {i: (adapter_path(p), False) for i, p in (cfg.adapters or {}).items()}
         self.entries: dict[str, Entry] = {self.default.name: self.default}
         self.aliases: dict[str, str] = {}
         for name, spec in (cfg.models or {}).items():
@@ -153,7 +170,7 @@ class Models:
                 continue
             self.entries[name] = Entry(name, spec)
             startup = (cfg.model_adapters or {}).get(name) or {}
-            self.entries[name].mounts = {i: (str(p), False) for i, p in startup.items()}
+            self.entries[name].mounts = {i: (adapter_path(p), False) for i, p in startup.items()}
         self.strict = bool(cfg.models or cfg.models_from_cache)
         self._hub: tuple[float, dict] | None = None  # (when, zoo.hub_cached()): `hub`
         self._facts: dict[str, Facts] = {}  # by model directory: `facts_of`
@@ -171,8 +188,10 @@ class Models:
             scanned = self._hub = (now, zoo.hub_cached())
         return scanned[1]
 
-    def find(self, name: str | None) -> Entry:
-        """The entry a request's `model` names (see the module docstring); ModelError 404."""
+    def find(self, name: str | None, create: bool = True) -> Entry:
+        """The entry a request's `model` names (see the module docstring); ModelError 404.
+        `create=False`: a lookup that changes nothing (a cache model not asked for yet gets an
+        entry of its own only from a request; here a detached one)."""
         # before the lock: a scan at most every HUB_TTL_S (`not_found` reads it too)
         cached = self.hub()
         with self.lock:
@@ -182,6 +201,8 @@ class Models:
             if name in self.entries:
                 return self.entries[name]
             if name in cached:
+                if not create:
+                    return Entry(name, name)
                 self.entries[name] = Entry(name, name)
                 return self.entries[name]
             if not self.strict:
@@ -207,11 +228,13 @@ class Models:
         """The served model that `spec` (a run's `model`, say) names, or None: the one it
         names as a request would (its name, an alias, a cached repo id), else the one whose
         spec is `spec`, else the one whose local directory is `spec`'s (a zoo name and the
-        directory it resolves to are the same model). Never resolves anything (no download)."""
-        if not spec:
+        directory it resolves to are the same model). Never resolves anything (no download),
+        never changes anything (a read: the runs page); None for what cannot name a model (not a
+        string, empty, a path the file system refuses)."""
+        if not isinstance(spec, str) or not spec:
             return None
         try:
-            e = self.find(spec)
+            e = self.find(spec, create=False)
         except ModelError:
             e = None
         if e is not None and (e is not self.default or spec in (e.name, e.spec)):
@@ -225,14 +248,20 @@ class Models:
             if x.spec == spec:
                 return x
         cached = self.hub() if self.cfg.models_from_cache else None
-        want = zoo.local_dir(spec, cached)
-        if want is None:
+        try:
+            want = zoo.local_dir(spec, cached)
+            if want is None:
+                return None
+            want = want.resolve()
+        except (OSError, ValueError, RuntimeError):  # a name too long, a NUL, a symlink loop
             return None
-        want = want.resolve()
         for x in entries:
-            there = zoo.local_dir(x.spec, cached)
-            if there is not None and there.resolve() == want:
-                return x
+            try:
+                there = zoo.local_dir(x.spec, cached)
+                if there is not None and there.resolve() == want:
+                    return x
+            except (OSError, ValueError, RuntimeError):
+                continue
         return None
 
     def owner_of(self, adapter_id: str) -> Entry | None:
@@ -250,13 +279,20 @@ class Models:
         with self.lock:
             return [(e.name, e.loaded) for e in self.entries.values() if e.state == "loaded"]
 
-    def lease_if_loaded(self, name: str | None) -> Lease | None:
-        """A lease on the model `name` names if it is loaded now, else None (no load is
-        queued: DELETE /v1/adapters on a model that is not loaded has nothing to unmount);
-        ModelError 404 for an unknown name."""
+    def unmount_or_lease(self, name: str | None, adapter_id: str) -> tuple[Entry, object]:
+        """DELETE /v1/adapters' first step on the model `name` names (ModelError 404 for an
+        unknown name), by its state, atomically: loaded -> (entry, a lease on it: unmount from
+        its registry, then `forget`); queued or loading -> (entry, "loading": its load has read
+        or will read the mount list: wait for it, then unmount as from a loaded model);
+        otherwise (unloaded, failed, evicting: the next load reads the list) -> (entry, whether
+        `adapter_id` was on its list, which it is taken off here: nothing is loaded for it)."""
         e = self.find(name)
         with self.lock:
-            return self._lease(e) if e.state == "loaded" else None
+            if e.state == "loaded":
+                return e, self._lease(e)
+            if e.state in ("queued", "loading"):
+                return e, "loading"
+            return e, self.forget(e, adapter_id)
 
     # --- leases -----------------------------------------------------------------------------
 
@@ -376,6 +412,8 @@ class Models:
             for gone in getattr(loaded.adapters, "not_remounted", ()):  # reported, not kept
                 if e.mounts.get(gone["id"], (None,))[0] == gone["path"]:
                     del e.mounts[gone["id"]]
+                e.not_remounted = [x for x in e.not_remounted if x["id"] != gone["id"]]
+                e.not_remounted.append(dict(gone))
             e.reserved = loaded.admission.weights_bytes
             e.last_used = time.monotonic()
             if seconds is not None:
@@ -436,12 +474,22 @@ class Models:
         """An adapter was mounted on `e` at runtime (from `path`): every later load mounts it."""
         with self.lock:
             e.mounts[adapter_id] = (path, True)
+            e.not_remounted = [x for x in e.not_remounted if x["id"] != adapter_id]
 
     def forget(self, e: Entry, adapter_id: str) -> bool:
         """`adapter_id` was unmounted from `e` (or is, while `e` is not loaded): no load
-        mounts it again. Whether it was on `e`'s mount list."""
+        mounts it again, and a report that a load could not mount it again is cleared. Whether
+        it was on `e`'s mount list or so reported."""
         with self.lock:
-            return e.mounts.pop(adapter_id, None) is not None
+            reported = any(x["id"] == adapter_id for x in e.not_remounted)
+            e.not_remounted = [x for x in e.not_remounted if x["id"] != adapter_id]
+            return e.mounts.pop(adapter_id, None) is not None or reported
+
+    def not_remounted(self, name: str) -> list[dict]:
+        """The runtime mounts model `name`'s loads could not mount again (`Entry.not_remounted`)."""
+        with self.lock:
+            e = self.entries.get(name)
+            return [dict(x) for x in e.not_remounted] if e is not None else []
 
     def remounts(self, e: Entry) -> dict[str, str]:
         """id -> path of the adapters mounted on `e` at runtime, for its next load."""
@@ -514,6 +562,7 @@ class Models:
                 "requests": e.requests,
                 "prompt_tokens": e.prompt_tokens,
                 "completion_tokens": e.completion_tokens,
+                "not_remounted": [dict(x) for x in e.not_remounted],
             }
         if loaded is not None:
             info["adapters"] = sorted(loaded.adapters.mounted)

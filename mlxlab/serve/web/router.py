@@ -140,6 +140,8 @@ def mount_fields(card: dict, gateway, serving: dict) -> dict:
         out["mount_path"] = real.relative_to(root).as_posix()
     models = gateway.models
     trained = card.get("model")
+    if not isinstance(trained, str):  # a config.yaml of another shape: no model named
+        trained = None
     if trained not in serving:
         serving[trained] = models.serving(trained)
     entry = serving[trained]
@@ -151,8 +153,8 @@ def mount_fields(card: dict, gateway, serving: dict) -> dict:
         mounts = dict(entry.mounts)
     if loaded is not None:
         paths = {m.id: m.path for m in list(loaded.adapters.mounted.values())}
-    else:
-        paths = {i: p for i, (p, runtime) in mounts.items() if runtime}
+    else:  # its mount list: start-up and runtime mounts, each path resolved
+        paths = {i: p for i, (p, _) in mounts.items()}
     out["mounted_as"] = [i for i, p in paths.items() if Path(p) == real]
     return out
 

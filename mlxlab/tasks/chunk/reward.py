@@ -12,14 +12,19 @@ chat template and its generation prompt into exactly the prompt part the SFT ada
 
 The reward of one completion (scoring.py `score_case`, whose `ref` is ref.py's score):
 
-    reward = ref / 100 * (FLOOR + (1 - FLOOR) * f1)
+    reward = ref / 100 * (FLOOR + (1 - FLOOR) * f1)   for a non-empty answer whose anchors all
+                                                       resolve (`CaseScore.ref_resolved`)
+    reward = 0                                         otherwise
 
 - ref / 100 (0..1): the answer's validity by the reference scorer: JSON with a `chunks` array,
   chunks of string start, end and label, anchors that resolve to the window's messages, specific
   labels; an unparsable answer scores 0, so its reward is 0;
-- f1: the boundary F1 against the gold (as evaluation scores a window), counted only when the
-  reference validator resolves every anchor to one of the window's messages (an answer with
-  made-up uuids gets no credit for the boundaries they would imply);
+- the gate: the reference validator must resolve every anchor to one of the window's messages,
+  and the answer must have a chunk. An empty `{"chunks": []}` or an answer with made-up uuids
+  earns nothing (not even FLOOR), so it never ties with a valid answer;
+- f1: the boundary F1 against the gold (as evaluation scores a window), from the strict
+  validator's spans (scoring.py `validate`, which snaps an unknown uuid to a neighbour; the
+  reference validator is only the gate);
 - FLOOR (0.1): a valid answer with the wrong boundaries still earns a little more than a broken
   one, so a group that finds no boundary right still learns the answer's form.
 
@@ -29,7 +34,6 @@ The gold answer (specific labels) scores 1.0; one boundary of two moved, 0.1.
 from __future__ import annotations
 
 from mlxlab.tasks.chunk.prompt import conversation_uuid, prompt, shown
-from mlxlab.tasks.chunk.ref import score_ref
 from mlxlab.tasks.chunk.scoring import score_case
 
 FLOOR = 0.1
@@ -48,20 +52,20 @@ def prompt_record(case: dict, messages: list[dict], gold: list[dict]) -> dict:
     }
 
 
-def reward_parts(text: str, record: dict) -> tuple[float, float]:
-    """(ref / 100, boundary F1 with every anchor resolved, else 0) of one completion."""
-    uuids, cuuid = record["uuids"], record["conversation_uuid"]
-    s = score_case(text, uuids, record["chunks"], cuuid)
-    resolved = score_ref(text, uuids, cuuid).spans is not None
-    return s.ref / 100, (s.boundary_f1 or 0.0) if resolved else 0.0
+def reward_parts(text: str, record: dict) -> tuple[float, float, bool]:
+    """(ref / 100, boundary F1, whether it earns a reward: a non-empty answer whose anchors the
+    reference validator all resolves) of one completion."""
+    s = score_case(text, record["uuids"], record["chunks"], record["conversation_uuid"])
+    return s.ref / 100, s.boundary_f1 or 0.0, bool(s.ref_resolved and s.nonempty)
 
 
 def chunk_reward(completions: list[str], records: list[dict]) -> list[float]:
-    """Per completion: ref / 100 * (FLOOR + (1 - FLOOR) * boundary F1) (the module's doc)."""
+    """Per completion: ref / 100 * (FLOOR + (1 - FLOOR) * boundary F1) when it passes the gate,
+    else 0 (the module's doc)."""
     out = []
     for text, record in zip(completions, records, strict=True):
-        ref, f1 = reward_parts(text, record)
-        out.append(ref * (FLOOR + (1 - FLOOR) * f1))
+        ref, f1, gated = reward_parts(text, record)
+        out.append(ref * (FLOOR + (1 - FLOOR) * f1) if gated else 0.0)
     return out
 
 

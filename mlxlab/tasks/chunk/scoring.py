@@ -127,6 +127,7 @@ class CaseScore:
     ref_notes: list[str] = field(default_factory=list)
     label_f1: float | None = None  # predicted vs gold label words (`label_f1`); None without gold
     label_pairs: list | None = None  # [predicted, gold] label per gold chunk (`label_matches`)
+    ref_resolved: bool = False  # the reference validator resolved every anchor (score_ref spans)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -242,6 +243,7 @@ def score_case(
             ref.ref,
             ref.notes,
             no_gold,
+            ref_resolved=ref.spans is not None,
         )
     n = len(chunks)
     schema = schema_share(chunks) if n else 0.0
@@ -275,4 +277,5 @@ def score_case(
         ref.notes,
         lf1,
         pairs,
+        ref_resolved=ref.spans is not None,
     )
