@@ -1345,7 +1345,13 @@ def test_chunks_per_case_against_the_gold_and_over_and_under_splits():
 
 
 def test_an_evaluations_time_counts_its_constrained_decode():
-    from mlxlab.tasks.chunk.report import eval_seconds, pass_times, wall_line
+    from mlxlab.tasks.chunk.report import (
+        eval_seconds,
+        memory_line,
+        pass_times,
+        training_minutes,
+        wall_line,
+    )
 
     assert eval_seconds({"seconds": 476.3, "constrained": {"seconds": 536.7}}) == 1013.0
     assert eval_seconds({"seconds": 60.0}) == 60.0
@@ -1361,6 +1367,22 @@ def test_an_evaluations_time_counts_its_constrained_decode():
     )
     resumed = wall_line({"seconds": 120.0, "start_step": 60}, evals, 3000.0)
     assert resumed.startswith(line + ". Resumed at step 60: ") and resumed.count("(") == 1
+    # a summary with the whole run's figures (trainer.RunTotals), and one whose are unknown
+    whole = {"seconds": 1960.0, "start_step": 16, "resumed_from_step": 16, "resumed_seconds": 0.0}
+    assert wall_line(whole, {}, 60.0) == (
+        "- wall time: 1.0 min in all; training 32.7 min in all attempts, 0.0 min of it after "
+        "resuming at step 16. Resumed at step 16: the total is this attempt's, evaluations read "
+        "back from the run their own attempt's"
+    )
+    unknown = {**whole, "seconds": None, "peak_mem_gb": None}
+    assert "training n/a in all attempts" in wall_line(unknown, {}, 60.0)
+    assert memory_line(unknown, {"tuned": {"peak_mem_gb": 2.4}}) == (
+        "- peak memory: training n/a, tuned evaluation 2.40 GB"
+    )
+    assert memory_line({"peak_mem_gb": 5.84}, {}) == "- peak memory: training 5.84 GB"
+    assert training_minutes({"seconds": 0.007, "start_step": 16}) == (
+        "0.0 min of this attempt, resumed at step 16"
+    )
 
 
 def test_the_splits_to_evaluate_are_checked_before_training(tmp_path):

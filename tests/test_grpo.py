@@ -489,8 +489,15 @@ def test_a_resumed_grpo_run_draws_and_trains_as_the_uninterrupted_one(tiny_dir, 
     whole = run(_run_cfg(tmp_path, "whole", val_every=2))
     cfg = _run_cfg(tmp_path, "legs", iters=2, save_every=1, val_every=2)
     run(cfg)
+    ckpt = json.loads(
+        (tmp_path / "legs" / "checkpoints" / "step_0000001" / "trainer_state.json").read_text()
+    )
+    assert ckpt["seconds"] > 0 and ckpt["peak_mem_gb"] > 0
     resumed = run(dc.replace(cfg, iters=4, resume=True))
-    assert resumed["start_step"] == 1
+    assert resumed["start_step"] == resumed["resumed_from_step"] == 1
+    # the whole run's training time and peak memory: the checkpoint's and this attempt's
+    assert resumed["seconds"] == pytest.approx(ckpt["seconds"] + resumed["resumed_seconds"])
+    assert resumed["peak_mem_gb"] == max(ckpt["peak_mem_gb"], resumed["resumed_peak_mem_gb"])
     a, b = _steps(tmp_path / "whole"), _steps(tmp_path / "legs")
     for key in ("loss", "reward", "completion_len"):
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key

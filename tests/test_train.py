@@ -242,6 +242,80 @@ def test_resume_before_the_first_checkpoint_starts_over(tiny_dir, tmp_path):
     assert steps == sorted(set(steps))  # the first attempt's records were dropped, not doubled
 
 
+def _state(run_dir: Path, step: int) -> dict:
+    return json.loads(
+        (run_dir / "checkpoints" / f"step_{step:07d}" / "trainer_state.json").read_text()
+    )
+
+
+def test_a_resumed_run_reports_the_whole_runs_time_and_memory(tiny_dir, tmp_path):
+    """A checkpoint records the training seconds and peak memory so far; a resumed run adds its
+    own seconds to them and keeps the larger peak, even one with no step left to train (it went
+    straight to its end: before, its summary said 0 s and 0 GB)."""
+    from mlxlab.train.cli import run
+
+    tiny_dir("llama")
+    first = run(_cfg(tmp_path, iters=4, save_every=2, val_every=0))
+    run_dir = Path(first["adapter"]).parent
+    assert "resumed_from_step" not in first
+    ckpt = _state(run_dir, 2)
+    assert 0 < ckpt["seconds"] < first["seconds"]
+    assert 0 < ckpt["peak_mem_gb"] <= first["peak_mem_gb"]
+
+    same = run(_cfg(tmp_path, iters=2, save_every=2, val_every=0, resume=True))
+    assert same["start_step"] == same["resumed_from_step"] == 2
+    assert ckpt["seconds"] <= same["seconds"] < ckpt["seconds"] + 0.5
+    assert same["seconds"] == pytest.approx(ckpt["seconds"] + same["resumed_seconds"])
+    assert same["peak_mem_gb"] >= ckpt["peak_mem_gb"] > 0
+
+    more = run(_cfg(tmp_path, iters=6, save_every=2, val_every=0, resume=True))
+    assert more["resumed_from_step"] == 2 and more["resumed_seconds"] > 0
+    assert more["seconds"] == pytest.approx(ckpt["seconds"] + more["resumed_seconds"])
+    assert more["peak_mem_gb"] == max(ckpt["peak_mem_gb"], more["resumed_peak_mem_gb"])
+    later = _state(run_dir, 4)  # written by the resumed attempt: both attempts' seconds
+    assert ckpt["seconds"] < later["seconds"] < more["seconds"]
+    assert json.loads((run_dir / "summary.json").read_text())["seconds"] == more["seconds"]
+
+
+def test_a_checkpoint_without_totals_takes_them_from_the_metrics(tiny_dir, tmp_path):
+    """A checkpoint written before the totals were recorded: the seconds are the logged
+    `elapsed_s` (each attempt's clock added up), the peak the largest logged; a run whose
+    metrics do not tell either reports them unknown (None)."""
+    from mlxlab.train.cli import run
+    from mlxlab.train.trainer import _logged_totals
+
+    tiny_dir("llama")
+    first = run(_cfg(tmp_path, iters=4, save_every=2, val_every=0))
+    run_dir = Path(first["adapter"]).parent
+    path = run_dir / "checkpoints" / "step_0000002" / "trainer_state.json"
+    old = {
+        k: v for k, v in json.loads(path.read_text()).items() if k not in ("seconds", "peak_mem_gb")
+    }
+    path.write_text(json.dumps(old))
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    at2 = next(r for r in logged if r["step"] == 2)
+    peak = max(r["peak_mem_gb"] for r in logged if r["step"] <= 2)
+    same = run(_cfg(tmp_path, iters=2, save_every=2, val_every=0, resume=True))
+    assert same["seconds"] == pytest.approx(at2["elapsed_s"] + same["resumed_seconds"])
+    assert same["peak_mem_gb"] == max(peak, same["resumed_peak_mem_gb"])
+
+    metrics = tmp_path / "m.jsonl"  # two attempts: the second's clock restarts
+    rows = [{"step": 0, "val_loss": 2.0}, {"step": 1, "elapsed_s": 3.0, "peak_mem_gb": 1.5}]
+    rows += [{"step": 2, "elapsed_s": 5.0}, {"step": 3, "elapsed_s": 1.0, "peak_mem_gb": 1.0}]
+    rows += [{"step": 4, "elapsed_s": 2.5}, {"step": 5, "elapsed_s": 9.0, "peak_mem_gb": 7.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _logged_totals(metrics, 4) == (7.5, 1.5)
+    metrics.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert _logged_totals(metrics, 4) == (None, None)
+    assert _logged_totals(tmp_path / "none.jsonl", 4) == (None, None)
+
+    path.write_text(json.dumps(old))
+    (run_dir / "metrics.jsonl").write_text("")
+    unknown = run(_cfg(tmp_path, iters=2, save_every=2, val_every=0, resume=True))
+    assert unknown["seconds"] is None and unknown["peak_mem_gb"] is None
+    assert unknown["resumed_seconds"] > 0
+
+
 def test_resume_refuses_a_different_run(tiny_dir, session_home, tmp_path):
     from mlxlab.train.cli import run
 

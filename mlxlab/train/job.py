@@ -531,5 +531,15 @@ def run(cfg: TrainConfig, hooks: Hooks | None = None) -> dict:
     if val is not None:
         change = f" (from {first:.4f})" if first is not None else ""
         log.info(f"final val loss {val:.4f}{change}")
-    log.info(f"done in {summary['seconds']:.0f} s, peak memory {summary['peak_mem_gb']:.2f} GB")
+    secs, peak = summary["seconds"], summary["peak_mem_gb"]
+    log.info(
+        f"done: training {'n/a' if secs is None else f'{secs:.0f} s'}, peak memory "
+        f"{'n/a' if peak is None else f'{peak:.2f} GB'}"
+        + (
+            f" (whole run; this attempt resumed at step {summary['resumed_from_step']}: "
+            f"{summary['resumed_seconds']:.0f} s)"
+            if "resumed_from_step" in summary
+            else ""
+        )
+    )
     return summary

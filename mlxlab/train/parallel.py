@@ -142,12 +142,23 @@ class DataParallel:
         mx.eval(model.parameters(), optimizer.state)
         return start
 
-    def save_checkpoint(self, run_dir: Path, step, model, plan, optimizer, sampler, meta, keep):
+    def save_checkpoint(
+        self, run_dir: Path, step, model, plan, optimizer, sampler, meta, keep, totals=None
+    ):
         from mlxlab.train.trainer import save_checkpoint
 
         if self.writer:  # every rank holds the same state
             save_checkpoint(
-                run_dir, step, model, plan, optimizer, sampler, meta, keep, self.world_info()
+                run_dir,
+                step,
+                model,
+                plan,
+                optimizer,
+                sampler,
+                meta,
+                keep,
+                self.world_info(),
+                totals=totals,
             )
 
     def precompute_reference(

@@ -592,13 +592,24 @@ class Pipeline:
             if optimizer is not None:
                 optimizer.state = saved_state
 
-    def save_checkpoint(self, run_dir: Path, step, model, plan, optimizer, sampler, meta, keep):
+    def save_checkpoint(
+        self, run_dir: Path, step, model, plan, optimizer, sampler, meta, keep, totals=None
+    ):
         from mlxlab.train.trainer import save_checkpoint
 
         with self._gathered(optimizer):
             if self.writer:
                 save_checkpoint(
-                    run_dir, step, model, plan, optimizer, sampler, meta, keep, self.world_info()
+                    run_dir,
+                    step,
+                    model,
+                    plan,
+                    optimizer,
+                    sampler,
+                    meta,
+                    keep,
+                    self.world_info(),
+                    totals=totals,
                 )
 
     def save_adapter(self, model, plan, out_dir: Path, meta: dict) -> Path:

@@ -215,12 +215,17 @@ def save_checkpoint(
     meta: dict,
     keep_last: int,
     world: dict | None = None,
+    totals: dict | None = None,
 ) -> Path:
-    """`world` ({size, mode}) records a run on several processes; resume checks it."""
+    """`world` ({size, mode}) records a run on several processes; resume checks it. `totals`
+    (RunTotals.so_far: the run's training `seconds` and `peak_mem_gb` up to this step) go to
+    trainer_state.json, where a resumed run starts its own from."""
     out = run_dir / CKPT_DIR / f"step_{step:07d}"
     state = {"step": step, "sampler": sampler.state()}
     if world is not None:
         state["world"] = world
+    if totals is not None:
+        state.update(totals)
 
     def write(tmp: Path) -> None:
         lora_io.save(model, plan, tmp, meta=meta)
@@ -285,6 +290,105 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
         if line.strip() and json.loads(line)["step"] <= last_step
     ]
     atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+# --- the whole run's training time and peak memory, across resumes ----------------------------
+
+
+@dataclass
+class RunTotals:
+    """A run's training seconds and peak memory, over every attempt of it. A checkpoint records
+    them up to its step (trainer_state.json `seconds`, `peak_mem_gb`); a resumed run starts from
+    its checkpoint's, adds its own seconds and keeps the larger peak, so the summary holds the
+    whole run's figures (and says where this attempt began: `resumed_from_step`, with its own
+    `resumed_seconds` and `resumed_peak_mem_gb`). None: unknown (a checkpoint from before these
+    were recorded whose run's metrics.jsonl does not tell either)."""
+
+    seconds: float | None = 0.0  # before this attempt
+    peak_mem_gb: float | None = 0.0
+    resumed_from: int = 0
+    t0: float = field(default_factory=time.perf_counter)  # this attempt's start
+    seen_gb: float = 0.0  # the largest peak this attempt logged (several processes: any rank's)
+
+    @classmethod
+    def load(cls, run_dir: Path, start: int) -> RunTotals:
+        """The totals of the checkpoint at step `start` of `run_dir` (0: a fresh run). One
+        written before they were recorded: what the run's metrics.jsonl logged (`_logged_totals`)."""
+        if not start:
+            return cls()
+        try:
+            info = json.loads(
+                (run_dir / CKPT_DIR / f"step_{start:07d}" / "trainer_state.json").read_text()
+            )
+        except (OSError, ValueError):
+            info = {}
+        if "seconds" in info:
+            return cls(info["seconds"], info.get("peak_mem_gb"), start)
+        seconds, peak = _logged_totals(run_dir / "metrics.jsonl", start)
+        log.info(
+            "the checkpoint predates recorded training totals; from metrics.jsonl: "
+            f"{'unknown' if seconds is None else f'{seconds:.0f} s'} of training, peak memory "
+            f"{'unknown' if peak is None else f'{peak:.2f} GB'} before step {start}"
+        )
+        return cls(seconds, peak, start)
+
+    def own_seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def saw(self, peak_gb: float) -> None:
+        self.seen_gb = max(self.seen_gb, peak_gb)
+
+    def so_far(self) -> dict:
+        """The run's `seconds` and `peak_mem_gb` up to now (a checkpoint's)."""
+        now = max(self.seen_gb, mx.get_peak_memory() / 1e9)
+        return {
+            "seconds": None if self.seconds is None else self.seconds + self.own_seconds(),
+            "peak_mem_gb": None if self.peak_mem_gb is None else max(self.peak_mem_gb, now),
+        }
+
+    def summary(self, peak_gb: float) -> dict:
+        """The summary's `seconds` and `peak_mem_gb` (the whole run's), `peak_gb` this attempt's
+        peak; a resumed run's also say where it began and what this attempt alone took."""
+        own_s, peak_gb = self.own_seconds(), max(self.seen_gb, peak_gb)
+        out = {
+            "seconds": None if self.seconds is None else self.seconds + own_s,
+            "peak_mem_gb": None if self.peak_mem_gb is None else max(self.peak_mem_gb, peak_gb),
+        }
+        if self.resumed_from:
+            out.update(
+                resumed_from_step=self.resumed_from,
+                resumed_seconds=own_s,
+                resumed_peak_mem_gb=peak_gb,
+            )
+        return out
+
+
+def _logged_totals(path: Path, last_step: int) -> tuple[float | None, float | None]:
+    """(training seconds, peak GB) of a run's records up to `last_step` in metrics.jsonl, each
+    None where nothing says. `elapsed_s` counts from its process's start: a drop marks a resumed
+    attempt, whose seconds add to those its predecessor reached."""
+    seconds, last, peak, any_elapsed = 0.0, 0.0, None, False
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            continue
+        if rec["step"] > last_step:
+            continue
+        e, p = rec.get("elapsed_s"), rec.get("peak_mem_gb")
+        if isinstance(e, int | float):
+            if e < last:  # a new attempt's clock
+                seconds += last
+            last, any_elapsed = e, True
+        if isinstance(p, int | float):
+            peak = p if peak is None else max(peak, p)
+    return (seconds + last if any_elapsed else None), peak
 
 
 # --- logging ----------------------------------------------------------------------------------
@@ -443,12 +547,15 @@ def train(
                 "restoring the checkpoint",
             )
         start = dist.sync(model, optimizer, train_sampler, start or 0)
+    # the writer's checkpoints and summary carry them (another rank's summary is not written)
+    totals = RunTotals.load(run_dir, start) if dist is None or dist.writer else RunTotals()
     run_log = run_log or RunLog(run_dir, cfg.iters)
     shapes, rate = _flop_counting(model, dist)
     model.train()
     mx.reset_peak_memory()
     summary = {"start_step": start, "val_loss": None}
     t0, tokens, since = time.perf_counter(), 0, time.perf_counter()
+    totals.t0 = t0
     window_flops = run_flops = 0.0
     try:
         if valid_sampler is not None and start == 0 and cfg.val_every:
@@ -503,6 +610,7 @@ def train(
                     record["mfu"] = record["gflops"] / rate
                 if dist is not None:  # every rank's peak memory (pipeline: bubble share)
                     record.update(dist.log_fields())
+                totals.saw(record["peak_mem_gb"])
                 tokens, since, window_flops = 0, now, 0.0
             if (
                 valid_sampler is not None
@@ -518,20 +626,28 @@ def train(
                 # with dist every rank takes part (a pipeline gathers its stages); rank 0 writes
                 save = save_checkpoint if dist is None else dist.save_checkpoint
                 save(
-                    run_dir, step, model, plan, optimizer, train_sampler, meta or {}, cfg.keep_last
+                    run_dir,
+                    step,
+                    model,
+                    plan,
+                    optimizer,
+                    train_sampler,
+                    meta or {},
+                    cfg.keep_last,
+                    totals=totals.so_far(),
                 )
     finally:
         run_log.close()
-    summary.update(
-        steps=cfg.iters, seconds=time.perf_counter() - t0, peak_mem_gb=mx.get_peak_memory() / 1e9
-    )
+    own_s = time.perf_counter() - t0
+    summary.update(steps=cfg.iters, seconds=own_s, peak_mem_gb=mx.get_peak_memory() / 1e9)
     if dist is not None:  # every rank's peak memory, traffic (pipeline: bubble) over the run
         summary.update(dist.summary_fields())
-    if shapes is not None and summary["seconds"] > 0:
-        # The run's mean (validation and checkpoint time included, as in the step records).
+    summary.update(totals.summary(summary["peak_mem_gb"]))  # the whole run's, over its attempts
+    if shapes is not None and own_s > 0:
+        # This attempt's mean (validation and checkpoint time included, as in the step records).
         summary["model_tflop"] = run_flops / 1e12
         summary["matmul_gflops"] = rate
-        summary["mfu"] = run_flops / summary["seconds"] / 1e9 / rate
+        summary["mfu"] = run_flops / own_s / 1e9 / rate
     return summary
 
 

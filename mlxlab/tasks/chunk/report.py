@@ -83,8 +83,13 @@ def results(evals: dict[str, dict]) -> list[str]:
     return lines
 
 
+def fmt_gb(gb: float | None) -> str:
+    """A peak memory; "n/a" for an unknown one (a resumed run whose checkpoint predates it)."""
+    return "n/a" if gb is None else f"{gb:.2f} GB"
+
+
 def memory_line(summary: dict, evals: dict[str, dict]) -> str:
-    return f"- peak memory: training {summary['peak_mem_gb']:.2f} GB" + "".join(
+    return f"- peak memory: training {fmt_gb(summary.get('peak_mem_gb'))}" + "".join(
         f", {k} evaluation {v['peak_mem_gb']:.2f} GB"
         for k, v in evals.items()
         if "peak_mem_gb" in v
@@ -124,8 +129,9 @@ QUESTION = (
 )
 
 
-def fmt_minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min"
+def fmt_minutes(seconds: float | None) -> str:
+    """Minutes; "n/a" for unknown seconds (a resumed run whose checkpoint predates them)."""
+    return "n/a" if seconds is None else f"{seconds / 60:.1f} min"
 
 
 def budget_used(task, evals: dict[str, dict]):
@@ -219,18 +225,31 @@ def pass_times(summary: dict) -> str:
 def wall_line(summary: dict, evals: dict[str, dict], wall_s: float) -> str:
     """The report's wall-time line: the whole run, training, and each evaluation with its
     decodes' minutes; a resumed run says which figures are this attempt's."""
-    line = (
-        f"- wall time: {fmt_minutes(wall_s)} in all; training {fmt_minutes(summary['seconds'])}"
-        + "".join(
-            f", {k} evaluation {fmt_minutes(eval_seconds(v))}{pass_times(v)}"
-            for k, v in evals.items()
-        )
+    whole = "resumed_from_step" in summary  # training: every attempt's (trainer.RunTotals)
+    training = training_minutes(summary) if whole else fmt_minutes(summary.get("seconds"))
+    line = f"- wall time: {fmt_minutes(wall_s)} in all; training {training}" + "".join(
+        f", {k} evaluation {fmt_minutes(eval_seconds(v))}{pass_times(v)}" for k, v in evals.items()
     )
     if summary.get("start_step"):
         line += (
-            f". Resumed at step {summary['start_step']}: the total and training are this "
-            "attempt's, evaluations read back from the run their own attempt's"
+            f". Resumed at step {summary['start_step']}: the total "
+            + ("is" if whole else "and training are")
+            + " this attempt's, evaluations read back from the run their own attempt's"
         )
+    return line
+
+
+def training_minutes(summary: dict) -> str:
+    """The training time; a resumed run's says what it covers: every attempt (trainer.RunTotals),
+    or, in a summary written before those were kept, this attempt alone."""
+    line = fmt_minutes(summary.get("seconds"))
+    if "resumed_from_step" in summary:
+        return (
+            f"{line} in all attempts, {fmt_minutes(summary.get('resumed_seconds'))} of it after "
+            f"resuming at step {summary['resumed_from_step']}"
+        )
+    if summary.get("start_step"):
+        return f"{line} of this attempt, resumed at step {summary['start_step']}"
     return line
 
 
@@ -461,7 +480,7 @@ def pref_report(run, task, summary: dict, evals: dict, command: str | None = Non
         memory_line(summary, evals),
         f"- wall time: {fmt_minutes(summary['wall_s'])} in all ({'prompts' if grpo else 'pairs'} "
         f"{fmt_minutes(made['seconds'])}, "
-        f"training {fmt_minutes(summary['seconds'])}, "
+        f"training {training_minutes(summary)}, "
         + ", ".join(f"{k} evaluation {fmt_minutes(v['seconds'])}" for k, v in evals.items())
         + "; SFT alone reused from its run costs nothing here)",
         "",

@@ -249,11 +249,14 @@ def train(
         train_sampler.key = [int(x) for x in np.array(key)]
     if cfg.resume and writer:  # the records a killed run wrote after its checkpoint are redone
         trainer._truncate_metrics(completions_log, start)
+    # the writer's checkpoints and summary carry them (another rank's summary is not written)
+    totals = trainer.RunTotals.load(run_dir, start) if writer else trainer.RunTotals()
     run_log = run_log or trainer.RunLog(run_dir, cfg.iters)
     model.train()
     mx.reset_peak_memory()
     summary: dict = {"start_step": start, "val_reward": None}
     t0 = since = time.perf_counter()
+    totals.t0 = t0
     window_tokens = 0
     try:
         if valid_sampler is not None and cfg.val_every and start == 0:
@@ -342,6 +345,7 @@ def train(
                 record["peak_mem_gb"] = mx.get_peak_memory() / 1e9
                 if dist is not None:  # every rank's peak memory and traffic
                     record.update(dist.log_fields())
+                totals.saw(record["peak_mem_gb"])
                 window_tokens, since = 0, now
             if (
                 valid_sampler is not None
@@ -364,7 +368,15 @@ def train(
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
                 save = trainer.save_checkpoint if dist is None else dist.save_checkpoint
                 save(
-                    run_dir, step, model, plan, optimizer, train_sampler, meta or {}, cfg.keep_last
+                    run_dir,
+                    step,
+                    model,
+                    plan,
+                    optimizer,
+                    train_sampler,
+                    meta or {},
+                    cfg.keep_last,
+                    totals=totals.so_far(),
                 )
     finally:
         run_log.close()
@@ -373,4 +385,5 @@ def train(
     )
     if dist is not None:  # every rank's peak memory and traffic over the run
         summary.update(dist.summary_fields())
+    summary.update(totals.summary(summary["peak_mem_gb"]))  # the whole run's, over its attempts
     return summary

@@ -124,7 +124,10 @@ async function showInfo() {
     ["backward", c.backward ? `${c.backward.mode}${c.backward.mode === "segmented" ? " " + c.backward.segment_size : ""}` : null],
     ["val loss", s.val_loss !== undefined ? `${fmt(s.initial_val_loss)} -> ${fmt(s.val_loss)}` : null],
     ["wall time", s.wall_s !== undefined ? `${s.wall_s} s` : null],
-    ["peak memory", s.peak_mem_gb !== undefined ? `${fmt(s.peak_mem_gb, 3)} GB` : null],
+    // training time and peak memory: the whole run's, over its attempts (null: unknown)
+    ["training time", s.seconds !== undefined ? (s.seconds === null ? "n/a" : `${Math.round(s.seconds)} s`) : null],
+    ["peak memory", s.peak_mem_gb !== undefined ? (s.peak_mem_gb === null ? "n/a" : `${fmt(s.peak_mem_gb, 3)} GB`) : null],
+    ["resumed", s.resumed_from_step ? `at step ${s.resumed_from_step} (this attempt ${Math.round(s.resumed_seconds)} s)` : null],
   ].filter(([, v]) => v !== null && v !== undefined);
   box.replaceChildren(
     el("h3", {}, "Run details"),
