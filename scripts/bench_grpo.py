@@ -1,7 +1,8 @@
 """GRPO's costs, measured in one run: rollout throughput and the update's peak memory.
 
     python scripts/bench_grpo.py rollout [--model gemma3-270m] [--group 8] [--max-tokens 128]
-                                         [--rounds 3] [--mlx-lm-lora PYTHON] [--out FILE]
+                                         [--rounds 3] [--mlx-lm-lora PYTHON] [--no-mlx-lm]
+                                         [--out FILE]
     python scripts/bench_grpo.py memory  [--model gemma3-270m] [--group 8] [--length 1024]
                                          [--completion 512] [--modes full,seg1,...]
                                          [--mlx-lm-lora PYTHON] [--out FILE]
@@ -222,8 +223,11 @@ def rollout_bench(a) -> dict:
             print(f"round {r + 1} {side}: {json.dumps(results[side][-1])}", flush=True)
     model_dir = str(resolve(a.model))
     argv = [model_dir, PROMPT, str(a.group), str(a.max_tokens), str(a.rounds)]
-    results["mlx-lm"] = _json_run([sys.executable, "-c", MLX_LM_ROLLOUT, *argv], env=_blas_env())
-    print(f"mlx-lm: {json.dumps(results['mlx-lm'])}", flush=True)
+    if not a.no_mlx_lm:
+        results["mlx-lm"] = _json_run(
+            [sys.executable, "-c", MLX_LM_ROLLOUT, *argv], env=_blas_env()
+        )
+        print(f"mlx-lm: {json.dumps(results['mlx-lm'])}", flush=True)
     if a.mlx_lm_lora:
         results["mlx-lm-lora"] = _json_run(
             [a.mlx_lm_lora, "-c", MLX_LM_LORA_ROLLOUT, *argv], env=_blas_env()
@@ -382,6 +386,9 @@ def main() -> None:
     p.add_argument("--modes", default="full,checkpoint,seg1,seg4,seg1h256,fullacc8")
     p.add_argument("--mode", default="full")
     p.add_argument("--mlx-lm-lora", default=None, help="python of a venv with mlx-lm-lora")
+    p.add_argument(
+        "--no-mlx-lm", action="store_true", help="rollout: leave out plain mlx-lm (bf16, slow)"
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.part == "_memory_worker":
