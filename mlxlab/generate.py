@@ -78,7 +78,9 @@ def stream(model, tokenizer, cfg: GenerateConfig, draft=None) -> Iterator:
         return None
 
     finish = []
-    row = Row(ids, cfg.max_tokens, feed, lambda f, _t: finish.append(f), sampler=sampler)
+    row = Row(
+        ids, cfg.max_tokens, feed, lambda f, _t: finish.append(f), sampler=sampler, logprobs=False
+    )
     settings = DecodeSettings(speculative=cfg.speculative, draft_tokens=cfg.draft_tokens)
     run_serial(model, row, settings, draft_model=draft)
     detok.finalize()

@@ -22,6 +22,18 @@ def tiny(tiny_dir):
     return load(str(tiny_dir("gemma3")))
 
 
+@pytest.fixture(scope="module")
+def tiny32(tiny_dir):
+    """The tiny Gemma 3 in float32, as zoo.load gives every model on the CPU (the serial path's
+    greedy shortcut applies to float32 logits)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tok = load(str(tiny_dir("gemma3")))
+    model.set_dtype(mx.float32)
+    return model, tok
+
+
 def _prompts(n: int, seed: int = 0, lo: int = 8, hi: int = 60) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 200) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -205,6 +217,109 @@ def test_the_serial_path_is_generate_steps_and_stops_within_a_prefill_step(tiny)
     row = _row(p, 10, out, "y", cancelled=cancelled)
     assert run_serial(model, row, DecodeSettings(prefill_step=16)) == "cancelled"
     assert out["y"] == ("cancelled", []) and len(asked) == 3
+
+
+def _generate_step_run(model, prompt, max_tokens):
+    """generate_step's tokens for `prompt` and the cache it leaves (prompt + tokens fed)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kv = make_prompt_cache(model)
+    tokens = [
+        int(t)
+        for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=kv)
+    ]
+    return tokens, kv
+
+
+def _same_cache(a, b) -> bool:
+    import mlx.core as mx
+
+    return all(
+        x.offset == y.offset
+        and getattr(x, "_idx", None) == getattr(y, "_idx", None)
+        and all(mx.array_equal(p, q).item() for p, q in zip(x.state[:2], y.state[:2], strict=True))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("margin", [float("-inf"), 2.0, float("inf")])
+def test_greedy_rows_without_logprobs_skip_them_and_keep_generate_steps_tokens(
+    tiny32, margin, monkeypatch
+):
+    """A greedy row whose feed reads no logprobs takes argmax(logits) (serial._greedy_steps),
+    (every step under margin=-inf), checked against the exact token on every step under
+    margin=inf: tokens and the final cache
+    (past the tiny model's 16-token sliding window) are generate_step's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxlab.decode import serial
+
+    monkeypatch.setattr(serial, "SAFE_MARGIN", margin)
+    model, _ = tiny32
+    for p in _prompts(3, seed=11, lo=5, hi=30):
+        want, want_kv = _generate_step_run(model, p, 24)
+        kv = make_prompt_cache(model)
+        got, lps = [], []
+        row = Row(
+            list(p),
+            24,
+            lambda t, lp, got=got, lps=lps: got.append(t) or lps.append(lp),
+            lambda f, t: None,
+            logprobs=False,
+        )
+        assert serial._greedy_without_logprobs(row, kv)
+        run_serial(model, row, DecodeSettings(), make_cache=lambda _m, kv=kv: kv)
+        assert got == want and lps == [None] * 24
+        assert _same_cache(kv, want_kv)
+
+
+@pytest.mark.parametrize("length", [5, 20])
+def test_a_wrong_queued_token_is_undone_and_redone(tiny32, length, monkeypatch):
+    """When a step's exact token differs from the argmax the next step was already queued with,
+    that step is undone (its cache entries trimmed: a rotating cache's too, past the window of 16
+    for a prompt of 20) and queued again: the tokens and the final cache are generate_step's."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxlab.decode import serial
+
+    model, _ = tiny32
+    calls = []
+
+    def wrong(logits):  # the first step's argmax is off by one
+        calls.append(1)
+        right = mx.argmax(logits, axis=-1)
+        return (right + 1) % logits.shape[-1] if len(calls) == 1 else right
+
+    monkeypatch.setattr(serial, "SAFE_MARGIN", float("inf"))  # every step checked
+    monkeypatch.setattr(serial, "_argmax", wrong)
+    p = _prompts(1, seed=5, lo=length, hi=length)[0]
+    want, want_kv = _generate_step_run(model, p, 30)
+    kv = make_prompt_cache(model)
+    got = []
+    row = Row(list(p), 30, lambda t, lp: got.append(t), lambda f, t: None, logprobs=False)
+    run_serial(model, row, DecodeSettings(), make_cache=lambda _m: kv)
+    assert got == want and _same_cache(kv, want_kv)
+
+
+def test_rows_that_need_logprobs_or_sample_keep_generate_step(tiny32):
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlxlab.decode import serial
+
+    model, _ = tiny32
+    kv = make_prompt_cache(model)
+    feed = lambda t, lp: None  # noqa: E731
+    assert not serial._greedy_without_logprobs(Row([1, 2], 4, feed, feed), kv)  # logprobs=True
+    sampled = Row([1, 2], 4, feed, feed, sampler=make_sampler(temp=0.7), logprobs=False)
+    assert not serial._greedy_without_logprobs(sampled, kv)
+    processed = Row([1, 2], 4, feed, feed, processors=[lambda t, x: x], logprobs=False)
+    assert not serial._greedy_without_logprobs(processed, kv)
+    greedy = Row([1, 2], 4, feed, feed, sampler=make_sampler(temp=0.0), logprobs=False)
+    assert serial._greedy_without_logprobs(greedy, kv)
 
 
 def test_per_row_adapters_in_one_batch(tiny_dir, tmp_path):

@@ -83,6 +83,9 @@ class Row:
     cancelled: Callable[[], bool] = lambda: False
     started: Callable[[int], None] | None = None
     """Called once its prompt-cache lookup is done, with the prompt tokens it found there."""
+    logprobs: bool = True
+    """Whether `feed` reads its logprobs argument; false lets the serial path skip computing
+    them for a greedy row (`feed` then gets None; serial.py `_greedy_steps`)."""
     # the decoder's own
     uid: int = -1
     tokens: list[int] = field(default_factory=list)

@@ -64,6 +64,7 @@ class SerialLane:
             checkpoint=job.checkpoint or 0,
             cancelled=job.cancelled.is_set,
             started=lambda cached: setattr(job, "cached_tokens", cached),
+            logprobs=bool(job.logprobs),  # RowOutput.feed reads them only then
         )
         run_serial(
             m.model,
