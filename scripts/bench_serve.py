@@ -66,16 +66,26 @@ def start(cmd: list[str], port: int, cwd: Path = REPO) -> subprocess.Popen:
     raise SystemExit("server did not become ready")
 
 
-def events(url: str, path: str, body: dict, timeout: float):
-    """The JSON events of one streamed POST (`data: ...` lines, `[DONE]` left out); a status
-    other than 200 ends the benchmark with the server's answer."""
-    with httpx.stream("POST", f"{url}{path}", json=body, timeout=timeout) as r:
-        if r.status_code != 200:
-            r.read()
-            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                yield json.loads(line[6:])
+def events(url: str, path: str, body: dict, timeout: float, retries: int = 10):
+    """The JSON events of one streamed POST (`data: ...` lines, `[DONE]` left out). A 503 with
+    Retry-After (a model's load waiting for another's lease to end) is retried after it, as a
+    client does, up to `retries` times, said on stderr; any other status than 200 ends the
+    benchmark with the server's answer."""
+    for attempt in range(retries + 1):
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=timeout) as r:
+            wait = r.headers.get("retry-after")
+            if r.status_code == 503 and wait is not None and attempt < retries:
+                r.read()
+                print(f"{url}: 503, retrying after {wait} s: {r.text[:200]}", file=sys.stderr)
+                time.sleep(min(float(wait), 5.0))
+                continue
+            if r.status_code != 200:
+                r.read()
+                raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[6:])
+            return
 
 
 def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
