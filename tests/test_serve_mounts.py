@@ -310,7 +310,12 @@ def test_copies_of_a_model_share_one_tokenizer(tiny_dir, tmp_path):
     from mlxlab import grammar
     from mlxlab.models import zoo
 
-    src = tiny_dir("gemma3")
+    # a tokenizer of this test's own (a key no other model has), so no model another test keeps
+    # loaded (the session's served fixtures) holds it: the drop below is this test's alone
+    src = tmp_path / "base"
+    shutil.copytree(tiny_dir("gemma3"), src)
+    conf = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**conf, "mlxlab_test": str(tmp_path)}))
     names = ("linked", "copied", "changed", "templated", "readme")
     linked, copied, changed, templated, readme = (tmp_path / n for n in names)
     linked.mkdir()
