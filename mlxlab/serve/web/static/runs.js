@@ -127,7 +127,7 @@ async function showInfo() {
     // training time and peak memory: the whole run's, over its attempts (null: unknown)
     ["training time", s.seconds !== undefined ? (s.seconds === null ? "n/a" : `${Math.round(s.seconds)} s`) : null],
     ["peak memory", s.peak_mem_gb !== undefined ? (s.peak_mem_gb === null ? "n/a" : `${fmt(s.peak_mem_gb, 3)} GB`) : null],
-    ["resumed", s.resumed_from_step ? `at step ${s.resumed_from_step} (this attempt ${Math.round(s.resumed_seconds)} s)` : null],
+    ["resumed", s.resumed_from_step ? `at step ${s.resumed_from_step}` + (typeof s.resumed_seconds === "number" ? ` (this attempt ${Math.round(s.resumed_seconds)} s)` : "") : null],
   ].filter(([, v]) => v !== null && v !== undefined);
   box.replaceChildren(
     el("h3", {}, "Run details"),
