@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_dir, sha256_file, writable_dir
-from mlxlab.models.tokenizers import shared_tokenizer
+from mlxlab.models.tokenizers import TOKENIZER_PATTERNS, shared_tokenizer
 from mlxlab.runtime import home
 
 log = logging.getLogger(__name__)
@@ -230,18 +230,9 @@ def quantize(
 
 # A Hugging Face repo id: `org/name`, each part letters, digits, `-`, `_`, `.` (the Hub's rule).
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
-# What mlx-lm fetches of a repo (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS): config, weights, tokenizer.
-HUB_PATTERNS = [
-    "*.json",
-    "model*.safetensors",
-    "*.py",
-    "tokenizer.model",
-    "*.tiktoken",
-    "tiktoken.model",
-    "*.txt",
-    "*.jsonl",
-    "*.jinja",
-]
+# What mlx-lm fetches of a repo (the set of mlx_lm.utils.DEFAULT_ALLOW_PATTERNS): the weights,
+# and the config and tokenizer files (tokenizers.py's patterns, which hold the config's *.json).
+HUB_PATTERNS = ["model*.safetensors", *TOKENIZER_PATTERNS]
 
 
 _said: set = set()  # (spec, path) already logged
