@@ -23,7 +23,13 @@ from dataclasses import dataclass
 
 from mlxlab.errors import UserError
 
-PROVIDERS = ("mlxlab.config", "mlxlab.serve.config", "mlxlab.tasks.chunk")
+PROVIDERS = (
+    "mlxlab.config",
+    "mlxlab.diag.config",
+    "mlxlab.audio.config",
+    "mlxlab.serve.config",
+    "mlxlab.tasks.chunk",
+)
 """mlxlab's own providers, imported in this order."""
 ENTRY_POINTS = "mlxlab.providers"
 """The entry-point group other packages name their providers in (`pyproject.toml`:

@@ -7,8 +7,9 @@ import json
 import pytest
 
 import mlxlab  # noqa: F401
-from mlxlab.config import DiagConfig, LoraConfig
+from mlxlab.config import LoraConfig
 from mlxlab.diag import compare, leak, memory, parity
+from mlxlab.diag.config import DiagConfig
 from tests.helpers.cli import run_cli
 
 # Netlib's reference BLAS computes every row of a product the same way whatever the matrix shape;
@@ -255,8 +256,8 @@ def test_profile_cli_writes_report_and_png(tiny_dir, session_home, tmp_path):
 
 
 def test_decode_diag_profiles_speculation(tiny_dir):
-    from mlxlab.config import DiagConfig
     from mlxlab.diag import decode
+    from mlxlab.diag.config import DiagConfig
 
     tiny_dir("gemma3")
     cfg = DiagConfig(

@@ -50,7 +50,7 @@ def test_diag_and_transcribe_check_their_out_first(tmp_path):
         _report_path(str(tmp_path / "f" / "r"), "leak")
 
     from mlxlab.audio.cli import run
-    from mlxlab.config import TranscribeConfig
+    from mlxlab.audio.config import TranscribeConfig
 
     wav = tmp_path / "talk.wav"  # never decoded: the bad out= fails first
     with pytest.raises(UserError, match="cannot create directory"):

@@ -493,8 +493,8 @@ def test_diag_parity_takes_each_kind(tiny_dir, kind, objective):
     DoRALinear; the full weights) with bit-identical logits, gradients within the gate LoRA is
     held to under this BLAS, every backward mode bit for bit the full one; DPO's reference is
     the base model."""
-    from mlxlab.config import DiagConfig
     from mlxlab.diag import parity
+    from mlxlab.diag.config import DiagConfig
 
     tiny_dir("gemma3")
     gate = {"max_ulp": 64, "max_rel": 1e-4} if objective == "sft" else {}

@@ -304,8 +304,9 @@ def test_killed_dpo_run_resumes_to_the_same_losses(tiny_dir, session_home, tmp_p
 
 
 def test_memory_harness_takes_preference_modes(tiny_dir):
-    from mlxlab.config import DiagConfig, UserError, is_memory_mode
+    from mlxlab.config import UserError
     from mlxlab.diag import memory
+    from mlxlab.diag.config import DiagConfig, is_memory_mode
 
     assert is_memory_mode("dpo-seg4") and is_memory_mode("orpo-full")
     assert not is_memory_mode("dpo-mlx_lm") and not is_memory_mode("kto-full")

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from mlxlab.audio.config import TranscribeConfig
 from mlxlab.cli import run_hydra
-from mlxlab.config import TranscribeConfig
 from mlxlab.errors import UserError
 
 

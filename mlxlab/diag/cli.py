@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from mlxlab.cli import run_hydra
-from mlxlab.config import DiagConfig
+from mlxlab.diag.config import DiagConfig
 
 
 def _report_path(out: str, action: str) -> Path:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlxlab.config import BackwardConfig, DiagConfig, OptimConfig
+from mlxlab.config import BackwardConfig, OptimConfig
+from mlxlab.diag.config import DiagConfig
 
 
 def run(cfg: DiagConfig, verbose: bool = True) -> dict:

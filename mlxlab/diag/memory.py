@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def _check_mode(mode: str) -> None:
-    from mlxlab.config import MEMORY_MODES, check_choice, is_memory_mode
+    from mlxlab.diag.config import MEMORY_MODES, is_memory_mode
+    from mlxlab.schema import check_choice
 
     if not is_memory_mode(mode):
         check_choice("modes", mode, MEMORY_MODES, "memory mode")

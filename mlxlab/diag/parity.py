@@ -33,8 +33,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxlab.config import DiagConfig
 from mlxlab.diag.compare import Comparison, compare
+from mlxlab.diag.config import DiagConfig
 from mlxlab.diag.workload import attach_lora, text_ids
 
 log = logging.getLogger(__name__)

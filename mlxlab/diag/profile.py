@@ -32,7 +32,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxlab.config import DiagConfig
+from mlxlab.diag.config import DiagConfig
 
 
 def _median_time(fn, runs: int) -> float:
