@@ -1367,7 +1367,7 @@ def test_an_evaluations_time_counts_its_constrained_decode():
     )
     resumed = wall_line({"seconds": 120.0, "start_step": 60}, evals, 3000.0)
     assert resumed.startswith(line + ". Resumed at step 60: ") and resumed.count("(") == 1
-    # a summary with the whole run's figures (trainer.RunTotals), and one whose are unknown
+    # a summary with the whole run's figures (train/checkpoint.py RunTotals), and one whose are unknown
     whole = {"seconds": 1960.0, "start_step": 16, "resumed_from_step": 16, "resumed_seconds": 0.0}
     assert wall_line(whole, {}, 60.0) == (
         "- wall time: 1.0 min in all; training 32.7 min in all attempts, 0.0 min of it after "

@@ -120,7 +120,7 @@ def test_nan_loss_stops_without_touching_the_last_adapter(tiny_dir, tmp_path):
 
     from mlxlab.lora import apply as lora_apply
     from mlxlab.models.zoo import load
-    from mlxlab.train import trainer
+    from mlxlab.train import checkpoint, trainer
 
     cfg = _cfg(tmp_path, iters=8, save_every=2)
     model, tokenizer = load("tiny-llama")
@@ -140,7 +140,7 @@ def test_nan_loss_stops_without_touching_the_last_adapter(tiny_dir, tmp_path):
     run_dir.mkdir()
     with pytest.raises(trainer.TrainingDiverged, match="at step 5"):
         trainer.train(model, plan, sampler, None, cfg, run_dir, grad_fn=poisoned)
-    ckpts = trainer.checkpoints(run_dir)
+    ckpts = checkpoint.checkpoints(run_dir)
     assert [p.name for p in ckpts] == ["step_0000002", "step_0000004"]
     saved = mx.load(str(ckpts[-1] / "adapters.safetensors"))
     assert all(bool(mx.all(mx.isfinite(v)).item()) for v in saved.values())
@@ -281,8 +281,8 @@ def test_a_checkpoint_without_totals_takes_them_from_the_metrics(tiny_dir, tmp_p
     """A checkpoint written before the totals were recorded: the seconds are the logged
     `elapsed_s` (each attempt's clock added up), the peak the largest logged; a run whose
     metrics do not tell either reports them unknown (None)."""
+    from mlxlab.train.checkpoint import logged_totals
     from mlxlab.train.cli import run
-    from mlxlab.train.trainer import _logged_totals
 
     tiny_dir("llama")
     first = run(_cfg(tmp_path, iters=4, save_every=2, val_every=0))
@@ -304,10 +304,10 @@ def test_a_checkpoint_without_totals_takes_them_from_the_metrics(tiny_dir, tmp_p
     rows += [{"step": 2, "elapsed_s": 5.0}, {"step": 3, "elapsed_s": 1.0, "peak_mem_gb": 1.0}]
     rows += [{"step": 4, "elapsed_s": 2.5}, {"step": 5, "elapsed_s": 9.0, "peak_mem_gb": 7.0}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert _logged_totals(metrics, 4) == (7.5, 1.5)
+    assert logged_totals(metrics, 4) == (7.5, 1.5)
     metrics.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
-    assert _logged_totals(metrics, 4) == (None, None)
-    assert _logged_totals(tmp_path / "none.jsonl", 4) == (None, None)
+    assert logged_totals(metrics, 4) == (None, None)
+    assert logged_totals(tmp_path / "none.jsonl", 4) == (None, None)
 
     path.write_text(json.dumps(old))
     (run_dir / "metrics.jsonl").write_text("")

@@ -23,7 +23,7 @@ from mlxlab.serve.guard import is_page, load_keys
 from mlxlab.serve.web import router as web
 from mlxlab.serve.web.app import create_runs_app
 from mlxlab.train import runs
-from mlxlab.train.trainer import _truncate_metrics
+from mlxlab.train.checkpoint import truncate_metrics
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.serve import BASE_URL, free_port, make_adapter, make_client
 
@@ -132,7 +132,7 @@ def test_a_rewritten_file_is_read_again_from_its_start(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     got = runs.read_metrics(path)
-    _truncate_metrics(path, 1)
+    truncate_metrics(path, 1)
     after = runs.read_metrics(path, got["offset"], got["file"])
     assert after["reset"] and [r["step"] for r in after["records"]] == [0, 1]
     assert after["file"] != got["file"]

@@ -145,7 +145,7 @@ class DataParallel:
     def save_checkpoint(
         self, run_dir: Path, step, model, plan, optimizer, sampler, meta, keep, totals=None
     ):
-        from mlxlab.train.trainer import save_checkpoint
+        from mlxlab.train.checkpoint import save_checkpoint
 
         if self.writer:  # every rank holds the same state
             save_checkpoint(

@@ -595,7 +595,7 @@ class Pipeline:
     def save_checkpoint(
         self, run_dir: Path, step, model, plan, optimizer, sampler, meta, keep, totals=None
     ):
-        from mlxlab.train.trainer import save_checkpoint
+        from mlxlab.train.checkpoint import save_checkpoint
 
         with self._gathered(optimizer):
             if self.writer:

@@ -10,7 +10,7 @@ path that resolves outside it (`..`, an absolute path, a symlink pointing out) i
 files inside a run that are symlinks to elsewhere. Reading is incremental: `read_metrics` starts
 at a byte offset and returns only complete lines, so a page polling a run that is still training
 gets each new record once, and a file rewritten in place (a resumed run drops the records after
-its checkpoint: `trainer._truncate_metrics`) is noticed by its changed identity and read again.
+its checkpoint: `checkpoint.truncate_metrics`) is noticed by its changed identity and read again.
 Nothing here imports MLX: `python -m mlxlab runs` starts in a moment.
 """
 

@@ -225,7 +225,9 @@ def pass_times(summary: dict) -> str:
 def wall_line(summary: dict, evals: dict[str, dict], wall_s: float) -> str:
     """The report's wall-time line: the whole run, training, and each evaluation with its
     decodes' minutes; a resumed run says which figures are this attempt's."""
-    whole = "resumed_from_step" in summary  # training: every attempt's (trainer.RunTotals)
+    whole = (
+        "resumed_from_step" in summary
+    )  # training: every attempt's (train/checkpoint.py RunTotals)
     training = training_minutes(summary) if whole else fmt_minutes(summary.get("seconds"))
     line = f"- wall time: {fmt_minutes(wall_s)} in all; training {training}" + "".join(
         f", {k} evaluation {fmt_minutes(eval_seconds(v))}{pass_times(v)}" for k, v in evals.items()
@@ -240,7 +242,7 @@ def wall_line(summary: dict, evals: dict[str, dict], wall_s: float) -> str:
 
 
 def training_minutes(summary: dict) -> str:
-    """The training time; a resumed run's says what it covers: every attempt (trainer.RunTotals),
+    """The training time; a resumed run's says what it covers: every attempt (train/checkpoint.py RunTotals),
     or, in a summary written before those were kept, this attempt alone."""
     line = fmt_minutes(summary.get("seconds"))
     if "resumed_from_step" in summary:

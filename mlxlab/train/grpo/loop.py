@@ -220,7 +220,7 @@ def train(
 ) -> dict:
     """Train `model`'s LoRA parameters for cfg.iters rollout batches; return a summary. Resumes
     from the newest checkpoint in `run_dir` when cfg.resume is set."""
-    from mlxlab.train import trainer
+    from mlxlab.train import checkpoint, trainer
 
     g = cfg.grpo
     world = None if dist is None else dist.world
@@ -233,12 +233,12 @@ def train(
     optimizer.init(model.trainable_parameters())
     completions_log = run_dir / "completions.jsonl"
     if dist is None:
-        start = trainer._resume(run_dir, model, optimizer, train_sampler) if cfg.resume else 0
+        start = checkpoint.resume(run_dir, model, optimizer, train_sampler) if cfg.resume else 0
     else:  # rank 0 restores; every rank gets its state, and the rollouts' key
         start = 0
         if cfg.resume:
             start = dist.on_writer(
-                lambda: trainer._resume(
+                lambda: checkpoint.resume(
                     run_dir, model, optimizer, train_sampler, dist.world_info()
                 ),
                 "restoring the checkpoint",
@@ -248,9 +248,9 @@ def train(
         key = world.broadcast_arrays([key], "copying the rollouts' key")[0]
         train_sampler.key = [int(x) for x in np.array(key)]
     if cfg.resume and writer:  # the records a killed run wrote after its checkpoint are redone
-        trainer._truncate_metrics(completions_log, start)
+        checkpoint.truncate_metrics(completions_log, start)
     # the writer's checkpoints and summary carry them (another rank's summary is not written)
-    totals = trainer.RunTotals.load(run_dir, start) if writer else trainer.RunTotals()
+    totals = checkpoint.RunTotals.load(run_dir, start) if writer else checkpoint.RunTotals()
     run_log = run_log or trainer.RunLog(run_dir, cfg.iters)
     model.train()
     mx.reset_peak_memory()
@@ -366,7 +366,7 @@ def train(
             summary["loss"] = record.get("loss")
             summary["reward"] = record["reward"]
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.iters:
-                save = trainer.save_checkpoint if dist is None else dist.save_checkpoint
+                save = checkpoint.save_checkpoint if dist is None else dist.save_checkpoint
                 save(
                     run_dir,
                     step,
