@@ -430,7 +430,8 @@ def load(
     (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate).
 
     `pace(fn)`: runs each slice of MLX work `fn` and returns its result (the weights evaluated
-    in pieces of about `PACE_BYTES`, each decode copy); `pace()` marks a slice of other work (the
+    in pieces of about `PACE_BYTES`; the decode copies: one slice for those read with the
+    weights, one each for those checked and cast); `pace()` marks a slice of other work (the
     tokenizer). Only the lazy model is built where `load` is called, nothing is evaluated there:
     a server loading a model beside others generating builds it on its loader thread (on the
     engine thread's MLX stream) and runs each slice on its engine thread between two decode
@@ -448,6 +449,7 @@ def load(
             f"{spec} is a {ZOO[spec].kind} model, not a chat/text model: "
             f"serve it beside one with `serve {flag}={spec}`"
         )
+    from mlxlab import kernels
     from mlxlab.models.fastdecode import bf16_sources
 
     # the bf16 weights a float32 model is cast up from: its decode copies (fastdecode), read
@@ -457,6 +459,7 @@ def load(
         and decode_head != "exact"
         and target == mx.float32
         and mx.default_device() == mx.cpu
+        and kernels.matvec() is not None
     )
     path = resolve(spec)
     model, config = load_model(path, lazy=True)  # mlx-lm's `load`, its tokenizer shared
