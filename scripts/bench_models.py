@@ -12,8 +12,10 @@ temperature 0 measure:
 - TTFT warm (the default, loaded), cold (`other`'s first request: its load included), warm
   again, and after eviction (`other` asked for again once `third` evicted it);
 - the default model's decode tok/s alone, and while `third` loads (a request for it sent 16
-  tokens into the default's answer; the tokens that arrived while that load ran, against the
-  same tokens of the answer alone). Target: >= 0.97x (serve.load_share paces the load; `--load-share`).
+  tokens into the default's answer; the tokens that arrived until `third`'s first token, against
+  the same tokens of the answer alone: on the serial lane that first token comes after the
+  default's answer, so the window is the rest of the answer with the load inside it).
+  Target: >= 0.97x (serve.load_share paces the load; `--load-share`).
 
 Prints a table; `--json` writes the numbers.
 """

@@ -351,3 +351,49 @@ def test_a_verify_steps_tokens_go_to_the_kernel_only_while_verifying():
     steps = mx.concatenate([layer(x[:, i : i + 1]) for i in range(5)], axis=1)
     assert mx.array_equal(verified, steps).item()
     assert not mx.array_equal(verified, blas).item()
+
+
+def _stored_in_bfloat16(src, dst):
+    """A copy of the model directory `src` with its weights stored in bfloat16 (as a zoo model's)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    return dst
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])  # a tied head and an lm_head
+@pytest.mark.parametrize("paced", [False, True])
+def test_weights_stored_in_bf16_are_their_own_decode_copies(tiny_dir, tmp_path, family, paced):
+    """A float32 model cast up from bf16 files takes the files' arrays as its decode copies (no
+    check, no cast back: zoo.load's `bf16_sources`): the same copies and logits as checking
+    and casting every weight."""
+    from mlxlab.models.zoo import load
+
+    path = str(_stored_in_bfloat16(tiny_dir(family), tmp_path / family))
+    slices = []
+
+    def pace(fn=None):
+        if fn is not None:
+            slices.append(fn)
+            return fn()
+
+    model, _ = load(path, dtype="float32", pace=pace if paced else None)
+    assert fastdecode.head_reads(model) == "bfloat16 (lossless)"
+    assert not paced or slices  # every evaluation went through the pace
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()))
+    checked, _ = load(path, dtype="float32", decode_head="exact")
+    reference = _decode_logits(checked)
+    assert fastdecode.use_head_dtype(checked, "auto") == "bfloat16 (lossless)"  # checked, cast
+    mine, theirs = dict(model.named_modules()), dict(checked.named_modules())
+    for name, m in mine.items():
+        if isinstance(m, fastdecode._DecodeWeight):
+            copy, expected = m._decode_weight(), theirs[name]._decode_weight()
+            assert copy.dtype == expected.dtype, name
+            assert mx.array_equal(copy, expected).item(), name
+    assert fastdecode.decode_copies(model) == fastdecode.decode_copies(checked)
+    assert fastdecode.decode_copies(model)["copies"] > 0
+    assert mx.array_equal(_decode_logits(model), reference).item()
+    assert mx.array_equal(_decode_logits(checked), reference).item()

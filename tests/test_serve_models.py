@@ -205,6 +205,33 @@ def test_a_load_plan_counts_the_kv_of_every_request_in_flight():
     assert other.state == "loading"
 
 
+def test_a_load_plan_waits_for_a_lease_about_to_end():
+    """Room held only by a busy model's lease: the plan waits (up to `wait_s`) for a lease to
+    end and plans again, rather than refusing; with none ending in time it is the 503."""
+    from mlxlab.serve.config import ServeConfig
+    from mlxlab.serve.engine.models import Lease, ModelError, Models
+
+    gb = 10**9
+    models = Models(ServeConfig(model="a", models={"b": "b-spec"}, memory_budget_gb=10).engine())
+    default, other = models.default, models.entries["b"]
+    default.state, default.reserved = "loaded", 2 * gb
+    lease = Lease(models, default)
+    lease.need_bytes = 6 * gb
+    default.leases.add(lease)
+    began = time.monotonic()
+    with pytest.raises(ModelError) as e:
+        models.plan_load(other, 2 * gb, wait_s=0.3)  # nothing ends: the 503, after the wait
+    assert e.value.code == "insufficient_memory" and time.monotonic() - began >= 0.3
+    assert other.state == "unloaded" and other.reserved == 0
+    ends = threading.Timer(0.3, lease.release)
+    ends.start()
+    began = time.monotonic()
+    assert models.plan_load(other, 2 * gb, wait_s=30) == []
+    assert 0.25 <= time.monotonic() - began < 10
+    assert other.state == "loading" and other.reserved == 2 * gb
+    ends.join()
+
+
 def test_a_lease_handed_after_its_request_left_goes_back(tiny_dir):
     """A request that leaves after the loader claimed its future (set_running_or_notify_cancel)
     but before it set the lease: the lease still goes back, so the model can become idle."""
@@ -531,6 +558,37 @@ def test_no_room_beside_a_busy_model_is_a_503(server, tiny_dir):
     assert model_stats(url, "small")["evictions"] == 0
     assert got[0].status_code == 200
     assert wait_for(lambda: model_stats(url, "small")["in_flight"] == 0)
+
+
+def test_a_lease_ending_soon_after_a_request_for_another_model_is_waited_for(
+    server, tiny_dir, monkeypatch
+):
+    """As test_no_room_beside_a_busy_model_is_a_503, but `small`'s request ends while `qwen`'s
+    load waits for room (the loader's LEASE_WAIT_S, widened here so that a slow machine does not
+    decide the test): `small` is evicted once its lease ends and `qwen` answers, no 503."""
+    from mlxlab.serve.engine import loader
+
+    monkeypatch.setattr(loader, "LEASE_WAIT_S", 60.0)
+    w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
+    budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
+    url, gateway = server(memory_budget_gb=budget / 1e9, prefill_step=16)
+    assert httpx.post(f"{url}/v1/completions", json={"model": "small", "prompt": "hi"}).is_success
+    release, got = hold_engine(gateway), {}
+    try:
+        busy = post_in_thread(url, {"model": "small", "prompt": "hi", "max_tokens": 2}, got, 0)
+        assert wait_for(lambda: model_stats(url, "small")["in_flight"] == 1)
+        waiting = post_in_thread(url, {"model": "qwen", "prompt": "hi", "max_tokens": 2}, got, 1)
+        assert wait_for(lambda: model_stats(url, "qwen")["state"] == "queued")
+        time.sleep(0.3)  # the loader is planning qwen's load: no room while small is busy
+        assert model_stats(url, "small")["state"] == "loaded"
+    finally:
+        release.set()  # small's request runs and ends: its lease goes back
+    busy.join(120)
+    waiting.join(120)
+    assert got[0].status_code == 200, got[0].text
+    assert got[1].status_code == 200, got[1].text
+    assert model_stats(url, "small")["evictions"] == 1
+    assert model_stats(url, "qwen")["state"] == "loaded"
 
 
 def test_leases_go_back_after_a_400_and_a_full_queue(server):

@@ -430,12 +430,14 @@ def load(
     (a bf16 copy where lossless), exact, or bfloat16 (the head's rounded: opt-in, approximate).
 
     `pace(fn)`: runs each slice of MLX work `fn` and returns its result (the weights evaluated
-    in pieces of about `PACE_BYTES`, each decode copy); `pace()` marks a slice of other work (the
+    in pieces of about `PACE_BYTES`; the decode copies: one slice for those read with the
+    weights, one each for those checked and cast); `pace()` marks a slice of other work (the
     tokenizer). Only the lazy model is built where `load` is called, nothing is evaluated there:
     a server loading a model beside others generating builds it on its loader thread (on the
     engine thread's MLX stream) and runs each slice on its engine thread between two decode
     steps, giving generation its share (serve/engine/pacer.py). The result is the same."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
     from mlxlab.runtime import resolve_dtype
@@ -447,20 +449,37 @@ def load(
             f"{spec} is a {ZOO[spec].kind} model, not a chat/text model: "
             f"serve it beside one with `serve {flag}={spec}`"
         )
+    from mlxlab import kernels
+    from mlxlab.models.fastdecode import bf16_sources
+
+    # the bf16 weights a float32 model is cast up from: its decode copies (fastdecode), read
+    # with the weights, neither checked nor cast back
+    copies = (
+        decode_kernel
+        and decode_head != "exact"
+        and target == mx.float32
+        and mx.default_device() == mx.cpu
+        and kernels.matvec() is not None
+    )
+    path = resolve(spec)
+    model, config = load_model(path, lazy=True)  # mlx-lm's `load`, its tokenizer shared
+    sources = bf16_sources(model) if copies else {}
+    model.set_dtype(target)
     if pace is None:
-        path = resolve(spec)
-        model, config = load_model(path, lazy=lazy)  # mlx-lm's `load`, its tokenizer shared
         tokenizer = shared_tokenizer(path, config.get("eos_token_id", None))
-        model.set_dtype(target)
         if not lazy:
-            mx.eval(model.parameters())
+            mx.eval(model.parameters(), list(sources.values()))
     else:
-        model, tokenizer = _load_paced(resolve(spec), target, pace)
+        # in slices: the weights evaluated about PACE_BYTES at a time through `pace(fn)`, then
+        # the tokenizer (`pace()`)
+        evaluate([v for _, v in tree_flatten(model.parameters())], pace)
+        tokenizer = shared_tokenizer(path, config.get("eos_token_id", None))
+        pace()
     if decode_kernel:
         from mlxlab.models.fastdecode import accelerate, use_head_dtype
 
         accelerate(model)
-        used = use_head_dtype(model, decode_head, pace=pace)
+        used = use_head_dtype(model, decode_head, pace=pace, sources=sources)
         if decode_head == "bfloat16" and used == "exact":
             log.warning(
                 "mlxlab: decode_head=bfloat16 needs the CPU decode kernel (float32 on the CPU); "
@@ -472,20 +491,6 @@ def load(
 
 PACE_BYTES = 32 << 20
 """The weights one slice of a paced load reads and casts (`load(pace=...)`)."""
-
-
-def _load_paced(path: Path, target, pace: Callable[..., object]):
-    """mlx-lm's `load` in slices: the model built here on lazy weights and cast, its arrays
-    evaluated about PACE_BYTES at a time through `pace(fn)`; then the tokenizer (`pace()`)."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-
-    model, config = load_model(path, lazy=True)
-    model.set_dtype(target)
-    evaluate([v for _, v in tree_flatten(model.parameters())], pace)
-    tokenizer = shared_tokenizer(path, config.get("eos_token_id", None))
-    pace()
-    return model, tokenizer
 
 
 def evaluate(arrays: list, pace: Callable[..., object] | None = None) -> None:

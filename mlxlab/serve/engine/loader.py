@@ -28,7 +28,7 @@ import time
 from mlxlab.models import zoo
 from mlxlab.serve.engine.catalog import planned_bytes
 from mlxlab.serve.engine.loaded import Loaded
-from mlxlab.serve.engine.models import Entry, ModelError
+from mlxlab.serve.engine.models import LEASE_WAIT_S, Entry, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Loader:
         try:
             model_dir = zoo.resolve(e.spec)  # may build a zoo model or convert a GGUF
             size = planned_bytes(model_dir, cfg.dtype, cfg.decode_head)
-            for victim in m.plan_load(e, size):
+            for victim in m.plan_load(e, size, wait_s=LEASE_WAIT_S):
                 self._unload(victim, "lru")
             m.pacer.start()
             with mx.stream(self.gateway.stream):  # its arrays are the engine thread's to evaluate

@@ -28,7 +28,9 @@
   bytes read from its files (engine/catalog.py): least recently used idle models are evicted
   until the new one fits beside the rest and the KV of every request in flight; a model that can
   never fit beside the pinned default is a 400 `model_too_large`, one that cannot fit now
-  because the others are busy a 503 `insufficient_memory` (Retry-After).
+  because the others are busy a 503 `insufficient_memory` (Retry-After), after waiting up to
+  `LEASE_WAIT_S` for a busy model's lease to end (a streamed answer's lease is released a moment
+  after its last byte: a request right behind it is not refused for that).
 
 The loading itself is engine/loader.py's; the lanes of each loaded model are the gateway's.
 Everything here is guarded by one lock (`Models.lock`): requests (the render thread, the event
@@ -56,6 +58,10 @@ log = logging.getLogger(__name__)
 
 HUB_TTL_S = 10.0
 """How long a scan of the Hugging Face cache (models_from_cache) is reused."""
+
+LEASE_WAIT_S = 2.0
+"""How long a load that cannot fit only because busy models' leases hold the budget waits for one
+of them to end (a stream's lease outlives its last byte by a moment) before its 503."""
 
 RETRY_FAILED_S = 10.0
 """A model that failed to load answers its error for this long, then the next request retries."""
@@ -139,6 +145,7 @@ class Lease:
             self.open = False
             self.entry.leases.discard(self)
             self.entry.last_used = time.monotonic()
+            self.models.released.notify_all()  # a load waiting for room plans again
 
 
 def adapter_path(path) -> str:
@@ -155,6 +162,7 @@ class Models:
     def __init__(self, cfg: EngineSettings):
         self.cfg = cfg
         self.lock = threading.RLock()
+        self.released = threading.Condition(self.lock)  # notified as each lease ends
         self.budget_bytes = budget_bytes(cfg.memory_budget_gb)
         self.pacer = Pacer(cfg.load_share)
         self.loads: queue.Queue = queue.Queue()  # entries to load, for the loader thread
@@ -337,9 +345,23 @@ class Models:
                 x.reserved for x in self.entries.values() if x is not e and x.state in HOLDING
             )
 
-    def plan_load(self, e: Entry, weight_bytes: int) -> list[Entry]:
+    def plan_load(self, e: Entry, weight_bytes: int, wait_s: float = 0.0) -> list[Entry]:
         """The models to evict so that `e` (its weights `weight_bytes`) fits, marked evicting,
-        with `e`'s bytes reserved; ModelError when it cannot fit (see the module docstring)."""
+        with `e`'s bytes reserved; ModelError when it cannot fit (see the module docstring).
+        When only busy models' leases stand in the way, it waits up to `wait_s` (the loader:
+        LEASE_WAIT_S) for a lease to end and plans again, before the 503."""
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while True:
+                try:
+                    return self._plan(e, weight_bytes)
+                except ModelError as err:
+                    left = deadline - time.monotonic()
+                    if err.code != "insufficient_memory" or left <= 0:
+                        raise
+                    self.released.wait(left)  # a lease ended (or the time is up): plan again
+
+    def _plan(self, e: Entry, weight_bytes: int) -> list[Entry]:
         with self.lock:
             pinned = sum(x.reserved for x in self.entries.values() if x.pinned and x is not e)
             budget = self.budget_bytes

@@ -1,7 +1,8 @@
 """Loads give way to generation. A model loads in slices (`zoo.load(pace=...)`): the loader thread
 (engine/loader.py) only reads files and builds the lazy model; every slice of MLX work (its
-weights evaluated ~32 MB at a time, each decode copy, a VLM's vision tower) runs on the engine
-thread between two decode steps (`run`: the gateway's `between`), since MLX must not evaluate on
+weights evaluated ~32 MB at a time, the decode copies: one slice for those read with the
+weights, one each for those checked and cast; a VLM's vision tower) runs on the engine thread
+between two decode steps (`run`: the gateway's `between`), since MLX must not evaluate on
 two threads at once. After each slice, while the engine is generating for other models, the
 loader waits so that the load takes at most `share` of the time (`serve.load_share`): a slice of
 s seconds is followed by s * (1/share - 1) seconds of waiting, cut short the moment the engine
