@@ -381,8 +381,8 @@ for constrained in (False, True):
     for mode in modes:
         counts = Counts()
         if mode == "uncapped":  # every row drafts its full length, whatever the batch
-            from mlxlab.decode import speculative
-            speculative.BATCH_ROWS = 1 << 20
+            from mlxlab.decode import speculative_batch
+            speculative_batch.step_cost = lambda rows, positions: 1.0
         kw = {} if mode == "before" else {
             "speculative": "off" if mode == "off" else "prompt_lookup", "counts": counts}
         t = time.perf_counter()

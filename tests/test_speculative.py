@@ -1,7 +1,7 @@
 """Speculative decoding (mlxlab/decode/speculative.py): prompt lookup, the KV rollback past a
 sliding window's wrap, greedy tokens equal to the plain decode's, the sampled distribution
 unchanged (chi-square), seeded runs repeatable, grammar fast-forward and draft checks, draft
-models, and the settings' errors."""
+models, the batched lane's draft length (speculative_batch.py) and the settings' errors."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mlxlab.decode import speculative as spec
+from mlxlab.decode import speculative_batch as sb
 from mlxlab.decode.batch import Row
 from mlxlab.decode.prompt_cache import PromptCache, prefill
 from mlxlab.decode.serial import run_serial
@@ -354,11 +355,15 @@ def _batch(model, tok, prompts, settings, draft=None, cache=None, selection=None
 
 
 @pytest.mark.parametrize("family", ["gemma", "llama"])
-def test_batched_rows_accept_different_counts_and_decode_as_plain(family, gemma, llama):
+def test_batched_rows_accept_different_counts_and_decode_as_plain(
+    family, gemma, llama, monkeypatch
+):
     """Six rows, four at a time, past the sliding window's wrap: a draft made of the model's
     first layers (a real draft model: rows accept different numbers of its tokens each step),
     the whole model as its own draft (every draft accepted) and prompt lookup all give the
-    plain batch's tokens."""
+    plain batch's tokens. The step cost is flat here (every row drafts its most), so the
+    half-model's poor drafts keep being verified instead of being priced out."""
+    monkeypatch.setattr(sb, "step_cost", lambda rows, positions: 1.0)
     model, tok = gemma if family == "gemma" else llama
     layers = len(model.model.layers)
     # lengths far apart: short rows sit behind left padding in rotated sliding-window caches
@@ -574,17 +579,46 @@ def test_gemma3_270m_speculative_greedy_is_plain_but_for_near_ties(real_model_di
     assert len(differ) <= max(1, positions // 1000), (differ, positions)
 
 
-def test_a_wide_batch_verifies_within_the_kernels_rows(gemma, monkeypatch):
-    """Ten rows cannot verify a draft within 16 rows x tokens: plain steps, no drafts. With the
-    bound lifted (BLAS's many-row products) they draft, and still decode as plain."""
+def test_the_draft_length_shrinks_with_the_rows_and_the_acceptance_rate():
+    """k maximizes expected tokens per step cost: one row drafts several at a high rate, more
+    rows fewer, a low rate none; past the width where no draft pays, plain steps (k = 0)."""
+    ks = [sb.width([(0.86, 8, 0)] * n) for n in (1, 2, 4, 8, 16)]
+    assert ks[0] >= 2 and ks == sorted(ks, reverse=True) and ks[-1] == 0
+    assert sb.width([(0.05, 8, 0)]) == 0
+    assert sb.width([(0.86, 0, 0)] * 2) == 0  # no drafts, nothing to verify
+    # forced tokens are certain: they pay where the drafter's own would not
+    assert sb.width([(0.05, 3, 3)]) >= 1
+    # a row without drafts does not stop the others' (it pays the padding the model prices)
+    assert sb.width([(0.86, 8, 0), (0.86, 0, 0)]) >= 1
+    assert sb.expected_tokens(0.5, 2) == 1.75 and sb.expected_tokens(0.0, 3, 2) == 3.0
+
+
+def test_a_row_acceptance_rate_follows_its_verify_steps():
+    d = spec.Drafter(8)
+    start = d.rate
+    d.settle(4, 4, 0)  # all accepted
+    assert d.rate > start
+    high = d.rate
+    for _ in range(10):
+        d.settle(4, 0, 0)  # the first draft rejected
+    assert d.rate < 0.2 < high
+    low = d.rate
+    d.settle(3, 3, 3)  # forced tokens only: the drafter's rate is not theirs
+    assert d.rate == low
+    d.settle(5, 3, 3)  # forced tokens, then the drafter's first rejected
+    assert d.rate < low
+
+
+def test_a_wide_batch_takes_plain_steps_and_decodes_as_plain(gemma, monkeypatch):
+    """Ten rows: no draft pays on the measured costs, so plain steps and no drafts. With a flat
+    cost (every row drafts its most) they draft, and still decode as plain."""
     model, tok = gemma
     prompts = [_prompt(s) for s in range(10)]
     plain, _ = _batch(model, tok, prompts, DecodeSettings(batch=10))
     settings = DecodeSettings(batch=10, speculative="prompt_lookup")
     got, counts = _batch(model, tok, prompts, settings)
     assert got == plain and counts.drafted == 0
-    assert spec.batch_width(4) == 3 and spec.batch_width(8) == 1 and spec.batch_width(9) == 0
-    monkeypatch.setattr(spec, "BATCH_ROWS", 1 << 20)
+    monkeypatch.setattr(sb, "step_cost", lambda rows, positions: 1.0)
     draft = DecodeSettings(batch=10, speculative="draft_model", draft_tokens=4)
     got, counts = _batch(model, tok, prompts, draft, spec.self_draft(model, 6))
     assert got == plain and counts.accepted > 0

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from mlxlab.decode import speculative
+from mlxlab.decode import speculative, speculative_batch
 from mlxlab.decode.prompt_cache import PromptCache
 from mlxlab.decode.settings import DecodeSettings
 
@@ -290,7 +290,7 @@ class BatchDecoder:
         plan = self._drafts() if self.drafters else None
         if plan is not None and any(d for d, _ in plan):
             drafters = [self.drafters[u] for u in uids]
-            results = speculative.verify_batch(
+            results = speculative_batch.verify_batch(
                 self.model, gen, [d for d, _ in plan], [f for _, f in plan], drafters
             )
             written = [(u, w, True) for u, w in zip(uids, results, strict=True)]
@@ -299,7 +299,7 @@ class BatchDecoder:
             written = [
                 (
                     r.uid,
-                    speculative.Written(
+                    speculative_batch.Written(
                         [(int(r.token), r.logprobs)], r.finish_reason, 1, r.prompt_cache
                     ),
                     r.finish_reason is None,
@@ -339,28 +339,41 @@ class BatchDecoder:
 
     def _drafts(self) -> list[tuple[list[int], int]] | None:
         """Each generating row's drafts to follow its pending token (none after an end token,
-        nor past max_tokens, nor past `speculative.batch_width`) and how many of them its grammar
-        forced; None when the batch is too wide to verify any."""
+        nor past max_tokens), cut to the step's width (`speculative_batch.width`, chosen on the
+        rows' most drafts before drafting and on the drafts they have after), and how many of
+        them its grammar forced; None for a plain step."""
         import mlx.core as mx
 
         gen = self.gen
-        width = speculative.batch_width(len(gen))
-        if width < 1:  # too many rows to verify drafts: plain steps, pipelined as mlx-lm's
-            return None
         mx.eval(gen._next_tokens)
-        plan = []
+        rooms, rates = [], []
         for i, (uid, token) in enumerate(zip(gen.uids, gen._next_tokens.tolist(), strict=True)):
-            row = self.rows[uid]
-            room = min(gen.max_tokens[i] - gen._num_tokens[i] - 1, width)
-            if token in self.eos or room < 1:
+            drafter = self.drafters[uid]
+            room = min(gen.max_tokens[i] - gen._num_tokens[i] - 1, drafter.k)
+            rooms.append(0 if token in self.eos else max(room, 0))
+            rates.append(drafter.rate)
+        most = speculative_batch.width([(a, r, 0) for a, r in zip(rates, rooms, strict=True)])
+        if most < 1:  # too many rows for drafts to pay: plain steps, pipelined as mlx-lm's
+            return None
+        plan = []
+        for uid, token, room in zip(gen.uids, gen._next_tokens.tolist(), rooms, strict=True):
+            if room < 1:
                 plan.append(([], 0))
                 continue
+            row = self.rows[uid]
             if self.draft_model is not None:  # a draft sharing the model's adapters: the row's
                 self._select([uid])
-            plan.append(self.drafters[uid].draft([token], room, lambda r=row: r.prompt + r.tokens))
+            plan.append(
+                self.drafters[uid].draft(
+                    [token], min(room, most), lambda r=row: r.prompt + r.tokens
+                )
+            )
         if self.draft_model is not None:
             self._select(gen.uids)
-        return plan
+        k = speculative_batch.width([(a, len(d), f) for a, (d, f) in zip(rates, plan, strict=True)])
+        if k < 1:
+            return None
+        return [(d[:k], min(f, k)) for d, f in plan]
 
     def _admit(self) -> None:
         room = min(

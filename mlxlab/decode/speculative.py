@@ -29,6 +29,10 @@ A verify step's arithmetic is a plain step's for the products (the kernel sums e
 order whatever the rows) but not for attention over k + 1 queries, so a verified token's logits
 may differ from a plain step's in the last bits: greedy tokens can then differ only where the top
 two logits are within that rounding (tests count them).
+
+This module holds the drafts, the verify step's pieces and the serial path (`run`); the batched
+lane's verify step, its per-row rollback and the draft length it picks for the rows it holds
+are `speculative_batch.py`'s.
 """
 
 from __future__ import annotations
@@ -231,12 +235,22 @@ def _vocab(tokenizer) -> dict:
     return dict(inner.get_vocab())
 
 
+RATE_PRIOR = 0.75
+"""A row's acceptance rate before its first verify step: the share of prompt-lookup drafts
+accepted over the copy-heavy benchmark's requests (81-86%, experiments/speculative/README.md),
+rounded down. It counts as RATE_WEIGHT drafts; each verify step after weighs RATE_DECAY times
+the one before, so the estimate follows a row whose text turns from copying to free prose."""
+RATE_WEIGHT = 2.0
+RATE_DECAY = 0.8
+
+
 @dataclass
 class Drafter:
     """One row's drafts: the grammar's forced tokens first (a processor with `draft`), then prompt
     lookup or the draft model's, cut where the grammar refuses one. The length adapts to what the
     row accepts: after a miss, one more than the drafter's tokens accepted; after a full accept,
-    doubled (up to `limit`)."""
+    doubled (up to `limit`). `rate` estimates the chance that the drafter's next token is accepted
+    once those before it are (the batched lane's draft length weighs it, speculative_batch.py)."""
 
     limit: int
     lookup: Lookup | None = None
@@ -244,9 +258,17 @@ class Drafter:
     grammars: list = field(default_factory=list)
     counts: Counts = field(default_factory=Counts)
     k: int = 0
+    kept: float = RATE_PRIOR * RATE_WEIGHT
+    """The drafter's tokens accepted, and `tried` those checked (an accepted one, or the first
+    rejected), each step's weighed RATE_DECAY times the next's."""
+    tried: float = RATE_WEIGHT
 
     def __post_init__(self):
         self.k = self.limit
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens written to the row (prompt at the start, then its answer)."""
@@ -280,7 +302,7 @@ class Drafter:
         return out, forced
 
     def settle(self, drafted: int, accepted: int, forced: int) -> None:
-        """A verify step's outcome: counted, and the next draft length adapted."""
+        """A verify step's outcome: counted, the next draft length adapted, `rate` updated."""
         if drafted == 0:
             return
         c = self.counts
@@ -291,6 +313,9 @@ class Drafter:
         free = drafted - forced  # the drafter's own
         if free <= 0:
             return
+        own = max(accepted - forced, 0)
+        self.kept = RATE_DECAY * self.kept + own
+        self.tried = RATE_DECAY * self.tried + own + (accepted < drafted)
         if accepted >= drafted:
             self.k = min(self.limit, self.k * 2)
         else:
@@ -370,59 +395,6 @@ def compact(cache: list) -> list:
                 keys, values = keys[..., -max_size:, :], values[..., -max_size:, :]
                 c.state = (keys, values, offset, keep, max_size, max_size)
     return cache
-
-
-def temporal_rows(cache: list) -> None:
-    """Put every rotated BatchRotatingKVCache of a batch cache in temporal order (what its own
-    multi-token update does first), before a verify step builds its mask. mlx-lm's `make_mask`
-    for several new tokens reckons the trim the update will make from the rotated buffer's
-    index, while the update trims from the temporally ordered one: on a rotated cache the two
-    differ and a left-padded row's mask is one slot off (it hides the row's first token). mlx-lm
-    itself never feeds several tokens to a rotated batch cache; a verify step does."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchRotatingKVCache
-
-    for c in cache:
-        if isinstance(c, BatchRotatingKVCache) and c.rotated:
-            (keys, values, offset, left, max_size, _offset, idx, _) = c.state
-            keys, values = mx.roll(keys, -idx, axis=2), mx.roll(values, -idx, axis=2)
-            c.state = (keys, values, offset, left, max_size, _offset, keys.shape[2], False)
-
-
-def rollback_rows(cache: list, rejected: list[int]) -> None:
-    """Per-row rollback of a batch cache right after a multi-token update (mlx-lm's BatchKVCache
-    and BatchRotatingKVCache, whose own `trim` drops the same count from every row): every row
-    loses min(rejected) tokens from the shared end, then each row with more rejected tokens is
-    shifted right by the difference into its left padding (mlx-lm's own move for right-padded
-    prompts, `dynamic_roll`), so every row's tokens end at the shared index again."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, dynamic_roll
-
-    low = min(rejected)
-    shift = [r - low for r in rejected]
-    extra = mx.array(shift) if any(shift) else None
-    for c in cache:
-        if isinstance(c, BatchRotatingKVCache):
-            (keys, values, offset, left, max_size, _offset, idx, rotated) = c.state
-            if rotated:
-                raise ValueError("a rotated batch cache rolls back only after a multi-token update")
-            keys, values = keys[..., : idx - low, :], values[..., : idx - low, :]
-            idx, _offset, offset = idx - low, _offset - low, offset - low
-            if extra is not None:
-                keys = dynamic_roll(keys, extra[:, None], axis=2)
-                values = dynamic_roll(values, extra[:, None], axis=2)
-                left = mx.maximum(left, 0) + extra
-                offset = offset - extra
-            c.state = (keys, values, offset, left, max_size, _offset, idx, False)
-        elif isinstance(c, BatchKVCache):
-            c.trim(low)
-            if extra is not None:
-                c.keys = dynamic_roll(c.keys, extra[:, None], axis=2)
-                c.values = dynamic_roll(c.values, extra[:, None], axis=2)
-                c.left_padding = c.left_padding + extra
-                c.offset = c.offset - extra
-        else:
-            raise ValueError(f"speculative decoding cannot roll back rows of a {type(c).__name__}")
 
 
 # --- verify ------------------------------------------------------------------------------------
@@ -524,105 +496,3 @@ def run(model, row, kv, drafter: Drafter, last: int) -> str:
                     return finish
             drafter.extend([t for t, _ in written])
             head, pending_lp = samples[a], logprobs[a]
-
-
-# --- the batched path --------------------------------------------------------------------------
-
-BATCH_ROWS: int | None = None
-"""Rows x tokens a batched verify step may hold; None: the decode kernel's verify rows
-(`fastdecode.VERIFY_ROWS`). Past them the products go to BLAS's many-row path, which reads the
-float32 weights at a fraction of the bandwidth, so the drafts are cut to fit: 2 rows verify up
-to 7 drafts each, 4 rows 3, 8 rows 1, more rows none (plain steps). scripts/bench_speculative.py
-lifts it to measure what wider verify steps would give."""
-
-
-def batch_width(rows: int) -> int:
-    """The most drafts each of `rows` rows may verify in one step."""
-    from mlxlab.models import fastdecode
-
-    limit = BATCH_ROWS if BATCH_ROWS is not None else fastdecode.VERIFY_ROWS
-    return limit // max(rows, 1) - 1
-
-
-@dataclass
-class Written:
-    """What one row of a batched verify step wrote: (token, logprobs) in order, the finish
-    reason mlx-lm's stop rules gave (max_tokens, a stop token) at the last of them, and its
-    cache when it finished there (already cut to end at that token)."""
-
-    tokens: list[tuple[int, object]]
-    finish: str | None = None
-    fed: int = 1
-    """Tokens of this step now in the row's cache (its pending token and the accepted drafts,
-    some of which may follow the finishing token)."""
-    cache: list | None = None
-
-
-def verify_batch(
-    model, gen, drafts: list[list[int]], forced: list[int], drafters: list
-) -> list[Written]:
-    """One speculative step of mlx-lm's GenerationBatch `gen`: each row feeds its pending token
-    (`gen._next_tokens`, sampled and not yet fed) and its drafts ([B, L], rows with fewer drafts
-    padded; the padding is rejected like a wrong draft), samples every position with its own
-    processors and sampler, keeps the drafts its samples confirm, rolls the rest back row by row
-    (`rollback_rows`), and leaves `gen` as its own `next()` would have: the cache holding every
-    token written, `tokens`, the processors' token buffers, the stop matchers and token counts
-    advanced, and `_next_tokens` the rows' next pending tokens. Rows mlx-lm's rules finish are
-    not filtered out here; the caller does that with its own finishes. Returns what each row
-    wrote (its pending token first)."""
-    import mlx.core as mx
-
-    pending = gen._next_tokens.tolist()
-    n = len(pending)
-    width = 1 + max(len(d) for d in drafts)
-    inputs = [[p] + d + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
-    temporal_rows(gen.prompt_cache)
-    logits = forward(model, inputs, gen.prompt_cache)
-    procs = gen.logits_processors or [[] for _ in range(n)]
-    logprobs = [
-        process(logits[i, : 1 + len(drafts[i])], procs[i], gen.tokens[i], [pending[i]] + drafts[i])
-        for i in range(n)
-    ]
-    samplers = [s or gen.fallback_sampler for s in (gen.samplers or [None] * n)]
-    samples: list = [None] * n
-    for s in {id(s): s for s in samplers}.values():  # one call per distinct sampler
-        rows = [i for i in range(n) if samplers[i] is s]
-        out = s(mx.concatenate([logprobs[i] for i in rows], axis=0))
-        at = 0
-        for i in rows:
-            samples[i] = out[at : at + logprobs[i].shape[0]]
-            at += logprobs[i].shape[0]
-    mx.eval(samples)
-    samples = [s.tolist() for s in samples]
-    accepted_n = [accepted(samples[i], drafts[i]) for i in range(n)]
-    rollback_rows(gen.prompt_cache, [width - 1 - a for a in accepted_n])
-
-    results = []
-    nxt, nxt_lp = [], []
-    for i in range(n):
-        a = accepted_n[i]
-        rewind(procs[i], len(drafts[i]) - a)
-        drafters[i].settle(len(drafts[i]), a, forced[i])
-        written = [(pending[i], gen._next_logprobs[i])] + [
-            (drafts[i][j], logprobs[i][j]) for j in range(a)
-        ]
-        tokens = [t for t, _ in written]
-        gen.tokens[i].extend(tokens)
-        gen._token_context[i].update_and_fetch(mx.array(tokens))
-        finish = None
-        fed = len(tokens)
-        for j, t in enumerate(tokens):
-            gen._num_tokens[i] += 1
-            if gen._num_tokens[i] >= gen.max_tokens[i]:
-                finish = "length"
-            if gen._matchers[i].advance(t):
-                finish = "stop"
-            if finish is not None:
-                written = written[: j + 1]
-                break
-        results.append(Written(written, finish, fed))
-        nxt.append(samples[i][a])
-        nxt_lp.append(logprobs[i][a])
-    gen._next_tokens = mx.array(nxt)
-    gen._next_logprobs = nxt_lp
-    return results
