@@ -78,6 +78,19 @@ def test_each_row_is_computed_alike_whatever_rows_come_with_it():
         assert mx.array_equal(together[i], matvec()(x[i : i + 1], w)[0]).item()
 
 
+def test_a_decode_step_of_max_rows_rows_gives_each_row_its_lone_result():
+    """Up to MAX_ROWS one-token rows (a full batch of GRPO's group of 8) go to the kernel, and
+    each row's output is bit for bit the one it gets decoded alone."""
+    layer = nn.Linear(200, 3000)
+    layer.__class__ = fastdecode.DecodeLinear
+    mx.random.seed(5)
+    x = mx.random.normal((fastdecode.MAX_ROWS, 1, 200))
+    together = layer(x)
+    assert not mx.array_equal(together, x @ layer.weight.T + layer.bias).item()  # not BLAS's
+    for i in range(fastdecode.MAX_ROWS):
+        assert mx.array_equal(together[i], layer(x[i : i + 1])[0]).item()
+
+
 def test_gradients_equal_the_matmul_ones():
     mx.random.seed(4)
     x, w = mx.random.normal((2, 1, 32)), mx.random.normal((50, 32))
