@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 
 from mlxlab.errors import UserError
 from mlxlab.serve.config import ServeConfig
-from mlxlab.serve.engine.jobs import Done, Job, Sampling
+from mlxlab.serve.engine.jobs import Done, Failed, Job, Sampling
 from tests.helpers.serve import SYSTEM, make_client
 from tests.test_serve_batch import MAX_TOKENS, prompts, submit_all
 
@@ -94,6 +95,78 @@ def test_chat_and_structured_answers_and_the_counts(servers):
             )
             assert float(line.split()[1]) == stats[f"{name_}_tokens"]
     assert servers["off"][0].get("/stats").json()["speculative"]["drafted_tokens"] == 0
+
+
+def _numbers(gateway) -> dict:
+    """The gateway's counters, speculative counts and its default model's requests."""
+    models = gateway.models
+    return {
+        **{k: v for k, v in gateway.stats().items() if k not in ("queued", "running")},
+        **gateway.speculation_stats(),
+        "requests_of_the_model": models.describe(models.default)["requests"],
+    }
+
+
+def _end(gateway, job: Job) -> tuple:
+    """Run `job` holding a lease; its last event, and `_numbers` and whether the lease was
+    released when that event reached the sink."""
+    got, ended = {}, threading.Event()
+
+    def sink(ev):
+        if isinstance(ev, (Done, Failed)):
+            got.update(ev=ev, numbers=_numbers(gateway), released=not lease.open)
+            ended.set()
+
+    lease = job.lease = gateway.models.acquire(None).result(10)
+    job.sink = sink
+    gateway.submit(job)
+    assert ended.wait(120)
+    return got["ev"], got["numbers"], got["released"]
+
+
+def test_a_job_is_counted_and_its_lease_released_before_its_last_event(servers):
+    """The sink reads the gateway's numbers as each job's last event reaches it: the job is in
+    them already (its counter, tokens, speculative counts, its model's requests) and its lease is
+    released, on every path that ends a job: either lane, cancelled before it started, failed
+    on either lane. (/stats and /metrics read one after the other once disagreed by a job:
+    its Done had been sent before it was counted.)"""
+    for name in ("lookup", "draft-batch"):  # the serial lane, the batched lane
+        gateway = servers[name][1]
+        before = _numbers(gateway)
+        done, now, released = _end(gateway, _jobs()[2])
+        assert isinstance(done, Done) and done.finish_reason in ("length", "stop"), name
+        assert released, name
+        s = done.speculation
+        assert s["drafted_tokens"] > 0
+        assert now == {
+            **before,
+            "requests": before["requests"] + 1,
+            "completed": before["completed"] + 1,
+            "prompt_tokens": before["prompt_tokens"] + done.prompt_tokens,
+            "completion_tokens": before["completion_tokens"] + done.completion_tokens,
+            "verify_steps": before["verify_steps"] + s["verify_steps"],
+            "drafted_tokens": before["drafted_tokens"] + s["drafted_tokens"],
+            "accepted_tokens": before["accepted_tokens"] + s["accepted_tokens"],
+            "forced_tokens": before["forced_tokens"] + s["forced_tokens"],
+            "acceptance_rate": now["acceptance_rate"],
+            "requests_of_the_model": before["requests_of_the_model"] + 1,
+        }, name
+
+        cancelled = _jobs()[0]
+        cancelled.cancelled.set()
+        before = _numbers(gateway)
+        done, now, released = _end(gateway, cancelled)
+        assert isinstance(done, Done) and done.finish_reason == "cancelled" and released, name
+        assert now["cancelled"] == before["cancelled"] + 1, name
+        assert now["requests_of_the_model"] == before["requests_of_the_model"] + 1, name
+
+        unmounted = _jobs()[1]
+        unmounted.adapter = ("nope",)  # fails when it reaches its lane (claim_adapters)
+        before = _numbers(gateway)
+        failed, now, released = _end(gateway, unmounted)
+        assert isinstance(failed, Failed) and failed.status == 400 and released, name
+        assert now["failed"] == before["failed"] + 1, name
+        assert now["requests_of_the_model"] == before["requests_of_the_model"] + 1, name
 
 
 def test_bad_settings_are_one_line_errors():

@@ -445,10 +445,11 @@ class BatchDecoder:
             self.drafters[row.uid] = drafter
 
     def speculation_counts(self) -> speculative.Counts:
-        """Drafted and accepted tokens of every row so far (left or still generating)."""
+        """Drafted and accepted tokens of every row so far (left or still generating); /stats
+        reads it on another thread, so the generating rows are a copy of the engine's dict."""
         total = speculative.Counts()
         total.add(self.speculation)
-        for d in self.drafters.values():
+        for d in list(self.drafters.values()):
             total.add(d.counts)
         return total
 

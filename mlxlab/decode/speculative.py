@@ -38,6 +38,7 @@ are `speculative_batch.py`'s.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,7 +70,9 @@ def check_mode(mode: str, draft_model: str | None = None) -> None:
 
 @dataclass
 class Counts:
-    """Drafted and accepted tokens (a row's, a decoder's, a server's)."""
+    """Drafted and accepted tokens (a row's, a decoder's, a server's). Changed only through
+    `record` and `add`, which hold its lock, as `values` and `as_dict` do: a reader on another
+    thread (/stats, /metrics) sees whole verify steps and whole rows, never half of one."""
 
     steps: int = 0
     """Verify steps (forward passes that checked at least one draft token)."""
@@ -77,20 +80,33 @@ class Counts:
     accepted: int = 0
     forced: int = 0
     """Draft tokens the grammar forced (counted in drafted, and in accepted when written)."""
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
+
+    def record(self, steps: int, drafted: int, accepted: int, forced: int) -> None:
+        with self._lock:
+            self.steps += steps
+            self.drafted += drafted
+            self.accepted += accepted
+            self.forced += forced
 
     def add(self, other: Counts) -> None:
-        self.steps += other.steps
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.forced += other.forced
+        self.record(*other.values())
+
+    def values(self) -> tuple[int, int, int, int]:
+        """(steps, drafted, accepted, forced), read together."""
+        with self._lock:
+            return self.steps, self.drafted, self.accepted, self.forced
 
     def as_dict(self) -> dict:
+        steps, drafted, accepted, forced = self.values()
         return {
-            "verify_steps": self.steps,
-            "drafted_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            "forced_tokens": self.forced,
-            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "verify_steps": steps,
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "forced_tokens": forced,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         }
 
 
@@ -305,11 +321,7 @@ class Drafter:
         """A verify step's outcome: counted, the next draft length adapted, `rate` updated."""
         if drafted == 0:
             return
-        c = self.counts
-        c.steps += 1
-        c.drafted += drafted
-        c.accepted += accepted
-        c.forced += min(forced, accepted)
+        self.counts.record(1, drafted, accepted, min(forced, accepted))
         free = drafted - forced  # the drafter's own
         if free <= 0:
             return

@@ -330,7 +330,6 @@ class Gateway:
 
     def _cancelled_before_start(self, job: Job) -> bool:
         if job.cancelled.is_set():
-            job.sink(Done("cancelled", len(job.prompt), 0, 0))
             self._finish(job, None, None)
             return True
         return False
@@ -352,8 +351,6 @@ class Gateway:
             return
         self.running = job
         done, error = None, None
-        # counted before the run: its answer reaches the client from inside it, and /stats read
-        # right after that answer must already count it
         self.served_serial += 1
         try:
             done = self.lanes_of(job).serial.run(job)
@@ -368,10 +365,12 @@ class Gateway:
             self._finish(job, done, error)
 
     def _finish(self, job: Job, done: Done | None, error: str | Failed | None) -> None:
-        """Count a job that left the engine; `error` is sent to it (a message: a 500)."""
+        """A job left the engine: count it, release its lease, then send its last event: `done`,
+        or `error` (a message: a 500), or with neither (cancelled before it started) a Done of
+        no tokens. Every path that ends a job comes here, and the event goes last, so a client
+        that reads /stats or /metrics right after its answer finds the answer counted."""
         if error is not None:
             self.counters["failed"] += 1
-            job.sink(error if isinstance(error, Failed) else Failed(error))
         elif done is None or done.finish_reason == "cancelled":
             self.counters["cancelled"] += 1
         else:
@@ -381,13 +380,8 @@ class Gateway:
             self.counters["completion_tokens"] += done.completion_tokens
             if done.speculation is not None:
                 s = done.speculation
-                self.speculation.add(
-                    Counts(
-                        s["verify_steps"],
-                        s["drafted_tokens"],
-                        s["accepted_tokens"],
-                        s["forced_tokens"],
-                    )
+                self.speculation.record(
+                    s["verify_steps"], s["drafted_tokens"], s["accepted_tokens"], s["forced_tokens"]
                 )
                 log.info(
                     "mlxlab serve: %d tokens in %.2f s; speculative: %d drafted, %d accepted "
@@ -412,6 +406,10 @@ class Gateway:
                 observe(job, done if error is None else None)
             except Exception:  # noqa: BLE001 - an observer's bug costs its numbers, not the job
                 log.exception("mlxlab serve: a job observer failed")
+        if error is not None:
+            job.sink(error if isinstance(error, Failed) else Failed(error))
+        else:
+            job.sink(done if done is not None else Done("cancelled", len(job.prompt), 0, 0))
 
     def batch_stats(self) -> dict:
         b = self.batch

@@ -29,8 +29,9 @@
   until the new one fits beside the rest and the KV of every request in flight; a model that can
   never fit beside the pinned default is a 400 `model_too_large`, one that cannot fit now
   because the others are busy a 503 `insufficient_memory` (Retry-After), after waiting up to
-  `LEASE_WAIT_S` for a busy model's lease to end (a streamed answer's lease is released a moment
-  after its last byte: a request right behind it is not refused for that).
+  `LEASE_WAIT_S` for a busy model's lease to end (a job about to finish). The engine releases
+  a job's lease before it sends the job's last event (`Gateway._finish`), so a request sent
+  right after an answer never finds that answer's lease still held.
 
 The loading itself is engine/loader.py's; the lanes of each loaded model are the gateway's.
 Everything here is guarded by one lock (`Models.lock`): requests (the render thread, the event
@@ -61,7 +62,7 @@ HUB_TTL_S = 10.0
 
 LEASE_WAIT_S = 2.0
 """How long a load that cannot fit only because busy models' leases hold the budget waits for one
-of them to end (a stream's lease outlives its last byte by a moment) before its 503."""
+of them to end (a job about to finish) before its 503."""
 
 RETRY_FAILED_S = 10.0
 """A model that failed to load answers its error for this long, then the next request retries."""

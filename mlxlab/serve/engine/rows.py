@@ -78,7 +78,9 @@ def make_sampling(m: Loaded, job: Job):
 
 class RowOutput:
     """One job's output side, the same in both lanes: token -> (eos, hidden tokens, streaming
-    detokenizer, stop strings, tool/reasoning parser) -> Delta events; `close` sends the Done."""
+    detokenizer, stop strings, tool/reasoning parser) -> Delta events; `close` sends the last
+    Deltas and makes the Done, which the gateway sends once it has counted the job
+    (`Gateway._finish`)."""
 
     def __init__(self, m: Loaded, job: Job):
         self.m, self.job = m, job
@@ -181,6 +183,9 @@ class RowOutput:
         )
 
     def close(self, finish: str) -> Done:
+        """Send what the parser still holds; the job's Done (not sent: `Gateway._finish` sends
+        it after counting the job and releasing its lease, so a client that reads /stats right
+        after its answer sees it counted)."""
         parser = self.parser
         self.detok.finalize()
         if parser.stopped is None and finish != "cancelled":
@@ -191,7 +196,7 @@ class RowOutput:
             # are the whole answer (a small model forced to call repeats its call until cut;
             # "length" would make SDK helpers such as chat.completions.parse raise).
             finish = "tool_calls"
-        done = Done(
+        return Done(
             finish,
             len(self.job.prompt),
             len(self.tokens),
@@ -203,8 +208,6 @@ class RowOutput:
             list(self.tokens),
             self.speculation.as_dict() if self.speculation is not None else None,
         )
-        self.job.sink(done)
-        return done
 
 
 def token_logprobs(tok, token: int, logprobs, top: int) -> list[dict]:
