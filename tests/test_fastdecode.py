@@ -366,26 +366,53 @@ def test_a_verify_steps_tokens_go_to_the_kernel_only_while_verifying():
     assert not mx.array_equal(verified, blas).item()
 
 
-def _stored_in_bfloat16(src, dst):
-    """A copy of the model directory `src` with its weights stored in bfloat16 (as a zoo model's)."""
+def _stored_in_bfloat16(src, dst, tied: bool = False):
+    """A copy of the model directory `src` with its weights stored in bfloat16 (as a zoo model's);
+    `tied`: without its lm_head weight, so the embedding is the LM head (gemma3's mlx-lm model
+    ties them then; the tiny models are stored untied)."""
     import shutil
 
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
         weights = mx.load(str(f))
-        mx.save_safetensors(str(f), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+        mx.save_safetensors(
+            str(f),
+            {
+                k: v.astype(mx.bfloat16)
+                for k, v in weights.items()
+                if not (tied and k == "lm_head.weight")
+            },
+        )
     return dst
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])  # a tied head and an lm_head
+def test_bf16_sources_are_the_weights_that_get_decode_copies(tiny_dir, tmp_path, family):
+    """Every nn.Linear and the LM head: not an embedding that is only looked up (its array
+    would be kept until the load returns for nothing)."""
+    from mlx_lm.utils import load_model
+
+    tied = family == "gemma3"
+    path = _stored_in_bfloat16(tiny_dir(family), tmp_path / family, tied)
+    model, _ = load_model(path, lazy=True)
+    head = fastdecode.lm_head(model)
+    assert (type(head) is nn.Embedding) == tied
+    want = {n for n, m in model.named_modules() if type(m) is nn.Linear or m is head}
+    assert set(fastdecode.bf16_sources(model)) == want
+    assert ("model.embed_tokens" in want) == tied  # an untied embedding is only looked up
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])  # a tied head and an lm_head
 @pytest.mark.parametrize("paced", [False, True])
-def test_weights_stored_in_bf16_are_their_own_decode_copies(tiny_dir, tmp_path, family, paced):
+def test_weights_stored_in_bf16_are_their_own_decode_copies(
+    tiny_dir, tmp_path, monkeypatch, family, paced
+):
     """A float32 model cast up from bf16 files takes the files' arrays as its decode copies (no
     check, no cast back: zoo.load's `bf16_sources`): the same copies and logits as checking
     and casting every weight."""
     from mlxlab.models.zoo import load
 
-    path = str(_stored_in_bfloat16(tiny_dir(family), tmp_path / family))
+    path = str(_stored_in_bfloat16(tiny_dir(family), tmp_path / family, family == "gemma3"))
     slices = []
 
     def pace(fn=None):
@@ -393,7 +420,12 @@ def test_weights_stored_in_bf16_are_their_own_decode_copies(tiny_dir, tmp_path, 
             slices.append(fn)
             return fn()
 
+    def checked_and_cast(w, rounded):
+        raise AssertionError(f"a {w.shape} weight stored in bf16 was checked and cast")
+
+    monkeypatch.setattr(fastdecode, "_decode_copy", checked_and_cast)
     model, _ = load(path, dtype="float32", pace=pace if paced else None)
+    monkeypatch.undo()
     assert fastdecode.head_reads(model) == "bfloat16 (lossless)"
     assert not paced or slices  # every evaluation went through the pace
     assert all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()))

@@ -178,15 +178,20 @@ def _decode_copy(w: mx.array, rounded: bool):
 
 def bf16_sources(model) -> dict[str, mx.array]:
     """Before a model is cast up to float32 (`set_dtype`): name -> weight of each module that
-    `accelerate` switches (exact nn.Linear / nn.Embedding) whose weight is stored in bfloat16.
-    Handed to `use_head_dtype` (`sources`), each is the module's decode copy as it is: its float32
-    weight is this array cast up, so the copy is lossless by construction (no check), and
-    evaluated with the weights it costs no cast (measured on gemma3-270m's paced load: the check
-    and the cast were 2.6 s of the engine thread's 3.9 s; experiments/serving/several_models.md)."""
+    gets a decode copy (`use_head_dtype`: every exact nn.Linear, and the LM head, `lm_head`, a
+    tied nn.Embedding included) whose weight is stored in bfloat16. An embedding that is not
+    the head (a model with an untied `lm_head`) gets no copy, so its array is not kept here: it
+    would stay alive until the load returns, and an unpaced load would read it, for nothing
+    (vocabulary x hidden size x 2 bytes). Handed to `use_head_dtype` (`sources`), each is the
+    module's decode copy as it is: its float32 weight is this array cast up, so the copy is
+    lossless by construction (no check), and evaluated with the weights it costs no cast
+    (measured on gemma3-270m's paced load: the check and the cast were 2.6 s of the engine
+    thread's 3.9 s; experiments/serving/several_models.md)."""
+    head = lm_head(model)
     return {
         name: module["weight"]
         for name, module in model.named_modules()
-        if type(module) in (nn.Linear, nn.Embedding)
+        if (type(module) is nn.Linear or (module is head and type(module) is nn.Embedding))
         and "weight" in module
         and module["weight"].dtype == mx.bfloat16
     }
