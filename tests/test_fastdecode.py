@@ -79,8 +79,9 @@ def test_each_row_is_computed_alike_whatever_rows_come_with_it():
 
 
 def test_a_decode_step_of_max_rows_rows_gives_each_row_its_lone_result():
-    """Up to MAX_ROWS one-token rows (a full batch of GRPO's group of 8) go to the kernel, and
-    each row's output is bit for bit the one it gets decoded alone."""
+    """Up to MAX_ROWS one-token rows (8 with the kernel's AVX-512 loops: a full batch of GRPO's
+    group of 8; else 4) go to the kernel, and each row's output is bit for bit the one it gets
+    decoded alone."""
     layer = nn.Linear(200, 3000)
     layer.__class__ = fastdecode.DecodeLinear
     mx.random.seed(5)

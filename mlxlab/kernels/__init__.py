@@ -53,6 +53,15 @@ def matvec():
     return module.matvec if module is not None else None
 
 
+def matvec_avx512() -> bool:
+    """Whether the decode kernel runs its AVX-512 loops, which take 8 rows of x per pass over a
+    weight row (its other loops, AVX2+FMA on x86-64, take 4): the kernel is loaded, the CPU has
+    AVX-512 F and BW, and they were not turned off (`_kernels.matvec_avx512(0)`: tests and
+    experiments/speculative/verify_cost.py compare the two)."""
+    module = _load()[0]
+    return module is not None and module.matvec_avx512()
+
+
 def train():
     """The training kernels, or None: a module with `cross_entropy(logits, labels) -> [ce, lse]`
     (float32 [N, V] logits), `attention_softmax(scores, scale, window=0, starts=None, *,

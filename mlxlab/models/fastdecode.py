@@ -42,16 +42,18 @@ from mlxlab import kernels
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8
-"""Decode rows up to which products go to the kernel: its AVX-512 loops take 8 rows per pass
-over a weight row, so a batch of 8 reads the (bf16 copies of the) weights once, as one row does.
-Measured 2026-12-06 on the 2-core box while other jobs loaded it (experiments/grpo/README.md,
-"Rollout step profile"): GRPO's rollout of 8 rows ran 5.7x faster with up to 8 rows on the kernel
-than with up to 4 (BLAS then taking the 8-row steps: the float32 head and OpenBLAS's threads,
-which stall when the cores are oversubscribed), 2.95x against the serial path instead of 0.52x.
-Earlier, on a quiet box with float32 weights and before the 8-row pass, a 2048 x 640 projection
-at 8 rows took 0.55 ms on BLAS against 1.22 on the kernel: re-measure quiet before raising this
-further."""
+MAX_ROWS = 8 if kernels.matvec_avx512() else 4
+"""Decode rows up to which products go to the kernel: the rows it takes in one pass over a
+weight row, so a batch of that many reads the (bf16 copies of the) weights once, as one row
+does. 8 where it runs its AVX-512 loops (`kernels.matvec_avx512`, read at import), 4 with its
+other loops (AVX2+FMA): past a pass the weights would be read again, and the 8-row win below was
+measured with AVX-512 only. Measured 2026-12-06 on the 2-core box (AVX-512) while other jobs
+loaded it (experiments/grpo/README.md, "Rollout step profile"): GRPO's rollout of 8 rows ran
+5.7x faster with up to 8 rows on the kernel than with up to 4 (BLAS then taking the 8-row
+steps: the float32 head and OpenBLAS's threads, which stall when the cores are
+oversubscribed), 2.95x against the serial path instead of 0.52x. Earlier, on a quiet box with
+float32 weights and before the 8-row pass, a 2048 x 640 projection at 8 rows took 0.55 ms on
+BLAS against 1.22 on the kernel: re-measure quiet before raising this further."""
 
 
 VERIFY_ROWS = 16
