@@ -62,7 +62,7 @@ kernel (`verifying`): a speculative step checks k draft tokens per row in one fo
 BLAS's many-row path for those few rows reads the weights at a fraction of the bandwidth. The
 kernel's AVX-512 loops take 8 rows per pass over a weight row (its AVX2 loops 4). Measured on
 the 2-core box, shared (`experiments/speculative/verify_cost.py`), a step still grows with its
-rows: one row x 5 tokens ~1.7x a plain step, 4 rows x 4 tokens ~2.5x, and just past this bound
+rows: one row x 5 tokens ~1.7x a plain step, 4 rows x 4 tokens ~2.6x, and just past this bound
 (4 x 5) ~7.8x; the batched lane's draft length weighs those costs
 (`decode/speculative_batch.py` `STEP_COST`)."""
 

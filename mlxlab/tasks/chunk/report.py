@@ -225,9 +225,8 @@ def pass_times(summary: dict) -> str:
 def wall_line(summary: dict, evals: dict[str, dict], wall_s: float) -> str:
     """The report's wall-time line: the whole run, training, and each evaluation with its
     decodes' minutes; a resumed run says which figures are this attempt's."""
-    whole = (
-        "resumed_from_step" in summary
-    )  # training: every attempt's (train/checkpoint.py RunTotals)
+    # training: every attempt's (train/checkpoint.py RunTotals)
+    whole = "resumed_from_step" in summary
     training = training_minutes(summary) if whole else fmt_minutes(summary.get("seconds"))
     line = f"- wall time: {fmt_minutes(wall_s)} in all; training {training}" + "".join(
         f", {k} evaluation {fmt_minutes(eval_seconds(v))}{pass_times(v)}" for k, v in evals.items()
