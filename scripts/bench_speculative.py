@@ -382,11 +382,16 @@ for constrained in (False, True):
         counts = Counts()
         if mode == "uncapped":  # every row drafts its full length, whatever the batch
             from mlxlab.decode import speculative_batch
+            capped = speculative_batch.step_cost
             speculative_batch.step_cost = lambda rows, positions: 1.0
         kw = {} if mode == "before" else {
             "speculative": "off" if mode == "off" else "prompt_lookup", "counts": counts}
         t = time.perf_counter()
-        texts = complete(model, tok, prompts, 256, batch, None, procs, cache=kv, **kw)
+        try:
+            texts = complete(model, tok, prompts, 256, batch, None, procs, cache=kv, **kw)
+        finally:  # the modes after it are measured with the step cost again
+            if mode == "uncapped":
+                speculative_batch.step_cost = capped
         s = time.perf_counter() - t
         key = ("constrained " if constrained else "plain ") + mode
         out[key] = {"seconds": s, "texts": texts, "counts": counts.as_dict()}

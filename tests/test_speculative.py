@@ -5,6 +5,7 @@ models, the batched lane's draft length (speculative_batch.py) and the settings'
 
 from __future__ import annotations
 
+import math
 import random
 
 import mlx.core as mx
@@ -492,6 +493,29 @@ def test_constrained_rows_fast_forward_and_decode_as_plain(gemma, batch_size, wa
             assert made[("prompt_lookup", i)].refused() == made[("off", i)].refused()
 
 
+def test_rows_under_a_grammar_fast_forward_whatever_their_rates(gemma, monkeypatch):
+    """Three rows under a JSON schema whose drafter is never right (rate 0): the tokens the
+    grammar forces are certain, so they are still drafted and verified, and the texts are the
+    plain decode's."""
+    from mlxlab import grammar
+    from mlxlab.decode.offline import complete
+
+    monkeypatch.setattr(spec.Drafter, "rate", property(lambda self: 0.0))
+    model, tok = gemma
+    g = grammar.json_schema(SCHEMA)
+    prompts = [_prompt(s) for s in range(3)]
+
+    def run(mode):
+        counts = spec.Counts()
+        procs = lambda i: [grammar.constrain(g, tok, _width(model, tok))]  # noqa: E731
+        texts = complete(model, tok, prompts, 40, 3, None, procs, speculative=mode, counts=counts)
+        return texts, counts
+
+    ours, counts = run("prompt_lookup")
+    assert counts.forced > 0 and counts.accepted >= counts.forced
+    assert ours == run("off")[0]
+
+
 def test_a_constraint_drafts_its_forced_tokens_then_what_it_allows(gemma):
     from mlxlab import grammar
 
@@ -579,9 +603,10 @@ def test_gemma3_270m_speculative_greedy_is_plain_but_for_near_ties(real_model_di
     assert len(differ) <= max(1, positions // 1000), (differ, positions)
 
 
-def test_the_draft_length_shrinks_with_the_rows_and_the_acceptance_rate():
-    """k maximizes expected tokens per step cost: one row drafts several at a high rate, more
-    rows fewer, a low rate none; past the width where no draft pays, plain steps (k = 0)."""
+def test_the_draft_length_shrinks_with_the_rows_and_the_acceptance_rate(monkeypatch):
+    """k maximizes expected tokens per step cost (the CPU's): one row drafts several at a high
+    rate, more rows fewer, a low rate none; past the width where no draft pays, plain steps."""
+    monkeypatch.setattr(sb, "_cpu", lambda: True)
     ks = [sb.width([(0.86, 8, 0)] * n) for n in (1, 2, 4, 8, 16)]
     assert ks[0] >= 2 and ks == sorted(ks, reverse=True) and ks[-1] == 0
     assert sb.width([(0.05, 8, 0)]) == 0
@@ -591,6 +616,40 @@ def test_the_draft_length_shrinks_with_the_rows_and_the_acceptance_rate():
     # a row without drafts does not stop the others' (it pays the padding the model prices)
     assert sb.width([(0.86, 8, 0), (0.86, 0, 0)]) >= 1
     assert sb.expected_tokens(0.5, 2) == 1.75 and sb.expected_tokens(0.0, 3, 2) == 3.0
+
+
+def test_off_the_cpu_rows_times_positions_stay_within_16(monkeypatch):
+    """No GPU costs are measured: a step costs a plain one up to 16 rows x positions, and none
+    is verified past it (a draft model's drafts at 32 rows would be 32 x k forward passes)."""
+    monkeypatch.setattr(sb, "_cpu", lambda: False)
+    assert [sb.width([(0.86, 8, 0)] * n) for n in (1, 2, 4, 8, 16, 32)] == [8, 7, 3, 1, 0, 0]
+    assert sb.step_cost(4, 4) == 1.0 and sb.step_cost(4, 5) == math.inf
+    assert sb.step_cost(32, 1) == 1.0
+
+
+def test_the_step_cost_is_monotone_and_interpolates_between_row_counts(monkeypatch):
+    from mlxlab.models import fastdecode
+
+    monkeypatch.setattr(sb, "_cpu", lambda: True)
+    monkeypatch.setattr(fastdecode, "VERIFY_ROWS", 64)
+    table = {
+        1: {1: 1.0, 2: 1.2, 3: 1.5},
+        2: {1: 1.0, 2: 1.5, 4: 2.3, 5: 2.15},  # 5 positions measured below 4
+        4: {1: 1.0, 2: 1.7, 4: 2.7, 5: 3.1},
+        8: {1: 1.0, 2: 2.1, 4: 3.5},
+    }
+    monkeypatch.setattr(sb, "STEP_COST", table)
+    assert sb.step_cost(2, 5) == 2.3  # never below fewer positions' cost
+    assert sb.step_cost(2, 3) == pytest.approx(1.9)
+    for p in range(2, 8):
+        costs = [sb.step_cost(2, q) for q in range(1, p + 1)]
+        assert costs == sorted(costs)
+    # unmeasured row counts lie between the measured ones around them, not at the one below
+    assert sb.step_cost(3, 4) == pytest.approx((2.3 + 2.7) / 2)
+    assert sb.step_cost(6, 2) == pytest.approx((1.7 + 2.1) / 2)
+    assert sb.step_cost(7, 4) == pytest.approx(2.7 + 0.75 * (3.5 - 2.7))
+    assert sb.step_cost(12, 2) == sb.step_cost(8, 2) == 2.1  # past the largest: its ratios
+    assert sb.step_cost(8, 8) == pytest.approx(3.5 * 8 / 4)  # past the last: in proportion
 
 
 def test_a_row_acceptance_rate_follows_its_verify_steps():
@@ -609,9 +668,60 @@ def test_a_row_acceptance_rate_follows_its_verify_steps():
     assert d.rate < low
 
 
+def test_a_lone_row_gets_speculation_back_when_its_text_turns_to_copying(monkeypatch):
+    """Three first-draft misses take a lone row's rate below what pays for a draft: its steps
+    are plain. Prompt lookup's would-be drafts are checked on those plain steps (free), so when
+    the row starts copying its prompt the rate climbs back and drafting resumes; free text the
+    lookup has no guess for, or guesses wrong, does not raise it."""
+    monkeypatch.setattr(sb, "_cpu", lambda: True)
+    rng = random.Random(0)
+    passage = [rng.randrange(3, 200) for _ in range(40)]
+    d = spec.Drafter(8, lookup=spec.Lookup(passage))
+    for _ in range(3):
+        d.settle(4, 0, 0)
+    low = d.rate
+    assert sb.width([(low, d.k, 0)]) == 0
+    d.extend([1000 + i for i in range(6)])  # a verify step's tokens: no shadow check
+    assert d.rate == low
+    d.extend([2000 + i for i in range(6)], shadow=True)  # new text: the lookup has no guess
+    assert d.rate == low
+    d.extend(passage[:2] + [3000], shadow=True)  # a guess, wrong
+    assert d.rate < low
+    d.extend(passage[:12], shadow=True)  # copying: its guesses are right from the fourth token on
+    assert d.rate > 0.6 and sb.width([(d.rate, d.k, 0)]) >= 1
+
+
+def test_a_step_no_draft_can_pay_for_leaves_the_pending_tokens_to_mlx_lm(monkeypatch):
+    """Whether drafting can pay is decided before the rows' pending tokens are evaluated, so a
+    plain step stays mlx-lm's pipelined one; a row under a grammar (forced tokens are certain)
+    makes the decoder look at them."""
+    from mlxlab.decode.batch import BatchDecoder
+
+    monkeypatch.setattr(sb, "_cpu", lambda: True)
+
+    class Gen:
+        uids, max_tokens, _num_tokens = [0, 1], [50, 50], [3, 3]
+
+        @property
+        def _next_tokens(self):
+            raise AssertionError("the pending tokens were evaluated")
+
+    d = BatchDecoder.__new__(BatchDecoder)
+    d.gen, d.draft_model = Gen(), None
+    d.drafters = {u: spec.Drafter(8, lookup=spec.Lookup()) for u in (0, 1)}
+    for drafter in d.drafters.values():
+        for _ in range(3):
+            drafter.settle(4, 0, 0)
+    assert d._drafts() is None
+    d.drafters[0].grammars = [object()]
+    with pytest.raises(AssertionError, match="evaluated"):
+        d._drafts()
+
+
 def test_a_wide_batch_takes_plain_steps_and_decodes_as_plain(gemma, monkeypatch):
-    """Ten rows: no draft pays on the measured costs, so plain steps and no drafts. With a flat
-    cost (every row drafts its most) they draft, and still decode as plain."""
+    """Ten rows: no draft pays on the CPU's measured costs, so plain steps and no drafts. With a
+    flat cost (every row drafts its most) they draft, and still decode as plain."""
+    monkeypatch.setattr(sb, "_cpu", lambda: True)
     model, tok = gemma
     prompts = [_prompt(s) for s in range(10)]
     plain, _ = _batch(model, tok, prompts, DecodeSettings(batch=10))

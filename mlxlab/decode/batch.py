@@ -288,7 +288,8 @@ class BatchDecoder:
         uids = list(gen.uids)
         self._select(uids)
         plan = self._drafts() if self.drafters else None
-        if plan is not None and any(d for d, _ in plan):
+        verified = plan is not None and any(d for d, _ in plan)
+        if verified:
             drafters = [self.drafters[u] for u in uids]
             results = speculative_batch.verify_batch(
                 self.model, gen, [d for d, _ in plan], [f for _, f in plan], drafters
@@ -320,8 +321,8 @@ class BatchDecoder:
                 if finish is not None:
                     break
             finish = finish or (w.finish if kept == len(w.tokens) else None)
-            if uid in self.drafters:
-                self.drafters[uid].extend([t for t, _ in w.tokens[:kept]])
+            if uid in self.drafters:  # a plain step's tokens check prompt lookup's rate
+                self.drafters[uid].extend([t for t, _ in w.tokens[:kept]], shadow=not verified)
             if finish is None:
                 continue
             cache = w.cache
@@ -339,35 +340,41 @@ class BatchDecoder:
 
     def _drafts(self) -> list[tuple[list[int], int]] | None:
         """Each generating row's drafts to follow its pending token (none after an end token,
-        nor past max_tokens), cut to the step's width (`speculative_batch.width`, chosen on the
-        rows' most drafts before drafting and on the drafts they have after), and how many of
-        them its grammar forced; None for a plain step."""
+        nor past max_tokens), cut to the step's width (`speculative_batch.width`), and how many
+        of them its grammar forced; None for a plain step. Whether any drafting can pay is asked
+        before the pending tokens are evaluated, on each row's most drafts at its rate (a row
+        under a grammar's as certain: it may force them all), an upper bound: where none can,
+        the step is mlx-lm's own, pipelined. A draft model's own drafts (forward passes each)
+        are capped at the width the rates give; prompt lookup's and a grammar's cost nothing, so
+        the width is chosen on the drafts the rows then have."""
         import mlx.core as mx
 
         gen = self.gen
-        mx.eval(gen._next_tokens)
-        rooms, rates = [], []
-        for i, (uid, token) in enumerate(zip(gen.uids, gen._next_tokens.tolist(), strict=True)):
-            drafter = self.drafters[uid]
-            room = min(gen.max_tokens[i] - gen._num_tokens[i] - 1, drafter.k)
-            rooms.append(0 if token in self.eos else max(room, 0))
-            rates.append(drafter.rate)
-        most = speculative_batch.width([(a, r, 0) for a, r in zip(rates, rooms, strict=True)])
-        if most < 1:  # too many rows for drafts to pay: plain steps, pipelined as mlx-lm's
+        drafters = [self.drafters[u] for u in gen.uids]
+        rooms = [
+            max(min(gen.max_tokens[i] - gen._num_tokens[i] - 1, d.k), 0)
+            for i, d in enumerate(drafters)
+        ]
+        rates = [d.rate for d in drafters]
+        bound = [
+            (1.0 if d.grammars else a, r, 0) for d, a, r in zip(drafters, rates, rooms, strict=True)
+        ]
+        if speculative_batch.width(bound) < 1:  # no drafts can pay: a plain, pipelined step
             return None
+        own = None
+        if self.draft_model is not None:
+            own = speculative_batch.width([(a, r, 0) for a, r in zip(rates, rooms, strict=True)])
+        mx.eval(gen._next_tokens)
         plan = []
-        for uid, token, room in zip(gen.uids, gen._next_tokens.tolist(), rooms, strict=True):
-            if room < 1:
+        tokens = gen._next_tokens.tolist()
+        for uid, drafter, token, room in zip(gen.uids, drafters, tokens, rooms, strict=True):
+            if room < 1 or token in self.eos:
                 plan.append(([], 0))
                 continue
             row = self.rows[uid]
             if self.draft_model is not None:  # a draft sharing the model's adapters: the row's
                 self._select([uid])
-            plan.append(
-                self.drafters[uid].draft(
-                    [token], min(room, most), lambda r=row: r.prompt + r.tokens
-                )
-            )
+            plan.append(drafter.draft([token], room, lambda r=row: r.prompt + r.tokens, own))
         if self.draft_model is not None:
             self._select(gen.uids)
         k = speculative_batch.width([(a, len(d), f) for a, (d, f) in zip(rates, plan, strict=True)])

@@ -254,8 +254,9 @@ def _vocab(tokenizer) -> dict:
 RATE_PRIOR = 0.75
 """A row's acceptance rate before its first verify step: the share of prompt-lookup drafts
 accepted over the copy-heavy benchmark's requests (81-86%, experiments/speculative/README.md),
-rounded down. It counts as RATE_WEIGHT drafts; each verify step after weighs RATE_DECAY times
-the one before, so the estimate follows a row whose text turns from copying to free prose."""
+rounded down. It counts as RATE_WEIGHT drafts; each verify step after (and each plain step's
+shadow check, `Drafter.extend`) weighs RATE_DECAY times the one before, so the estimate follows a
+row whose text turns from copying to free prose, and back."""
 RATE_WEIGHT = 2.0
 RATE_DECAY = 0.8
 
@@ -266,7 +267,9 @@ class Drafter:
     lookup or the draft model's, cut where the grammar refuses one. The length adapts to what the
     row accepts: after a miss, one more than the drafter's tokens accepted; after a full accept,
     doubled (up to `limit`). `rate` estimates the chance that the drafter's next token is accepted
-    once those before it are (the batched lane's draft length weighs it, speculative_batch.py)."""
+    once those before it are (the batched lane's draft length weighs it, speculative_batch.py):
+    from verify steps (`settle`), and for prompt lookup from plain steps too (`extend`), so a row
+    whose drafts stopped paying gets speculation back when its text turns to copying."""
 
     limit: int
     lookup: Lookup | None = None
@@ -286,21 +289,41 @@ class Drafter:
     def rate(self) -> float:
         return self.kept / self.tried
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Tokens written to the row (prompt at the start, then its answer)."""
-        if self.lookup is not None:
+    def extend(self, tokens: Sequence[int], shadow: bool = False) -> None:
+        """Tokens written to the row (prompt at the start, then its answer). `shadow`: they were
+        written by a plain step, which verified no draft: before each token, prompt lookup's
+        would-be first draft (free to make) is checked against it and `rate` updated as by a
+        one-draft verify step (no draft: nothing learnt). Tokens a grammar forced are counted as
+        the lookup's here (the check does not ask the grammar). A draft model's rate is not
+        shadowed (its drafts cost forward passes)."""
+        if self.lookup is None:
+            return
+        if not shadow:
             self.lookup.extend(tokens)
+            return
+        for t in tokens:
+            guess = self.lookup.draft(1)
+            if guess:
+                hit = guess[0] == int(t)
+                self._observe(int(hit), not hit)
+            self.lookup.extend([t])
 
     def draft(
-        self, ahead: Sequence[int], room: int, seq: Callable[[], list[int]]
+        self,
+        ahead: Sequence[int],
+        room: int,
+        seq: Callable[[], list[int]],
+        own: int | None = None,
     ) -> tuple[list[int], int]:
         """(drafts, forced) to follow the row's text and `ahead` (its pending token): at most
-        `room`; `seq()` the row's whole text so far (for a draft model)."""
+        `room`, of which at most `own` (None: no other bound) the drafter's after the grammar's
+        forced ones; `seq()` the row's whole text so far (for a draft model)."""
         k = min(self.k, room)
         if k < 1:
             return [], 0
 
         def propose(forced: list[int], n: int) -> list[int]:
+            n = n if own is None else min(n, own)
             if n < 1:
                 return []
             if self.lookup is not None:
@@ -325,13 +348,17 @@ class Drafter:
         free = drafted - forced  # the drafter's own
         if free <= 0:
             return
-        own = max(accepted - forced, 0)
-        self.kept = RATE_DECAY * self.kept + own
-        self.tried = RATE_DECAY * self.tried + own + (accepted < drafted)
+        self._observe(max(accepted - forced, 0), accepted < drafted)
         if accepted >= drafted:
             self.k = min(self.limit, self.k * 2)
         else:
             self.k = max(1, min(self.limit, max(accepted - forced, 0) + 1))
+
+    def _observe(self, kept: int, missed: bool) -> None:
+        """The drafter's tokens checked in one step: `kept` accepted, then one rejected if
+        `missed`; the earlier steps' weigh RATE_DECAY times less."""
+        self.kept = RATE_DECAY * self.kept + kept
+        self.tried = RATE_DECAY * self.tried + kept + missed
 
 
 def make_drafter(

@@ -9,14 +9,16 @@ lost to plain batched decoding at 4 and 8 clients though 86% of its drafts were 
 (experiments/speculative/README.md). So each step chooses the k that maximizes the tokens it
 expects to write per unit of cost:
 
-    gain(k) = sum over rows of E(row, k) / STEP_COST(rows, 1 + k)
+    gain(k) = sum over rows of E(row, k) / step_cost(rows, 1 + k)
 
 where E(row, k) = 1 + p1 + p1 p2 + ... over the row's first min(k, its drafts) drafts, p = 1 for
 a token the grammar forces and the row's acceptance rate (`Drafter.rate`, a running estimate
-from its own verify steps) for the drafter's. k = 0 is a plain step (mlx-lm's own, pipelined).
-The choice is made twice: before drafting, on each row's most drafts (a draft model's drafts
-cost forward passes: none are made where the batch is too wide for any), and on the drafts the
-rows actually have (prompt lookup often finds fewer, or none).
+from its own verify steps, and for prompt lookup from its plain steps too) for the drafter's.
+k = 0 is a plain step (mlx-lm's own, pipelined). The batch decoder asks before it evaluates the
+rows' pending tokens whether any drafting can pay (each row's most drafts, a grammar's counted
+as certain: an upper bound), caps a draft model's own drafts at the width its rates give (they
+cost forward passes), and chooses k on the drafts the rows then have (prompt lookup often finds
+fewer, or none; a grammar may force several).
 """
 
 from __future__ import annotations
@@ -37,12 +39,25 @@ rows and positions per row: gemma3-270m on the 2-core CPU (AVX-512), prompts of 
 rollback), means of its runs (two for most cells; rounds interleaved over the positions). The
 machine was shared with other jobs (load far above its 2 cores), so the cells are noisy (2 rows
 x 5 positions came out below 2 x 4) and a step's compute weighs more than on an idle machine.
-Between measured positions the cost is interpolated linearly, past the last extrapolated in
-proportion; a row count not measured takes the nearest measured one below it (rows past 4 were
-not measured: the runs were killed on the shared machine). Past the kernel's verify rows (`fastdecode.VERIFY_ROWS`: rows x positions > 16) the
-products fall to BLAS's many-row path, measured at 5-17x a plain step: such steps are never
-taken. The table is a CPU's: off the CPU (MLX on a GPU) a step is taken to cost a plain step
-whatever its positions, an assumption not measured here."""
+`step_cost` reads it monotone in positions (each cell at least the one before it: more
+positions never cost less), interpolated linearly between measured positions and past the last
+in proportion; a row count not measured is interpolated between the measured counts around it,
+and past the largest takes its ratios (rows past 4 were not measured: the runs were killed on
+the shared machine). Past the kernel's verify rows (`fastdecode.VERIFY_ROWS`: rows x positions
+> 16) the products fall to BLAS's many-row path, measured at 5-17x a plain step: such steps are
+never taken. The table is a CPU's: see `step_cost` for other devices."""
+
+GPU_POSITIONS = 16
+"""Off the CPU (MLX on a GPU) the step cost is not measured: a verify step is taken to cost a
+plain step while rows x positions <= GPU_POSITIONS and is never taken past it (the rule before
+the CPU table: at most 16 // rows - 1 drafts a row), so a wide batch, where a draft model's
+drafts are rows x k serial forward passes, takes plain steps until a GPU's costs are measured."""
+
+
+def _cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
 
 
 def _between(points: dict[int, float], x: float) -> float:
@@ -55,19 +70,35 @@ def _between(points: dict[int, float], x: float) -> float:
     return points[xs[-1]] * x / xs[-1]
 
 
-def step_cost(rows: int, positions: int) -> float:
-    """A step of `rows` rows x `positions` positions over a plain step of `rows` (`STEP_COST`);
-    infinite past the kernel's verify rows."""
-    import mlx.core as mx
+def _monotone(points: dict[int, float]) -> dict[int, float]:
+    """The points with each value raised to the largest before it (a running max over x)."""
+    out, top = {}, -math.inf
+    for x in sorted(points):
+        top = max(top, points[x])
+        out[x] = top
+    return out
 
+
+def step_cost(rows: int, positions: int) -> float:
+    """A step of `rows` rows x `positions` positions over a plain step of `rows`: on the CPU
+    from `STEP_COST` (infinite past the kernel's verify rows); elsewhere 1 up to GPU_POSITIONS
+    rows x positions and infinite past it."""
     from mlxlab.models import fastdecode
 
-    if mx.default_device() != mx.cpu:
+    if positions <= 1:
         return 1.0
-    if rows * positions > fastdecode.VERIFY_ROWS and positions > 1:
+    if not _cpu():
+        return 1.0 if rows * positions <= GPU_POSITIONS else math.inf
+    if rows * positions > fastdecode.VERIFY_ROWS:
         return math.inf
-    near = max((r for r in STEP_COST if r <= rows), default=min(STEP_COST))
-    return _between(STEP_COST[near], positions)
+    counts = sorted(STEP_COST)
+    lo = max((r for r in counts if r <= rows), default=counts[0])
+    hi = min((r for r in counts if r >= rows), default=counts[-1])
+    low = _between(_monotone(STEP_COST[lo]), positions)
+    if hi == lo:  # measured, or past the largest measured count (its ratios)
+        return low
+    high = _between(_monotone(STEP_COST[hi]), positions)
+    return low + (high - low) * (rows - lo) / (hi - lo)
 
 
 def expected_tokens(rate: float, drafts: int, forced: int = 0) -> float:
