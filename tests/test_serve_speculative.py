@@ -169,6 +169,21 @@ def test_a_job_is_counted_and_its_lease_released_before_its_last_event(servers):
         assert now["requests_of_the_model"] == before["requests_of_the_model"] + 1, name
 
 
+def test_a_failed_prompt_cache_store_after_an_answer_keeps_the_answer(servers, monkeypatch):
+    """On the serial lane the finished answer is stored in the prompt cache before its Done is
+    sent (so a follow-up request finds it): a store that fails costs that cache entry, never the
+    answer the client already has."""
+    gateway = servers["lookup"][1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the store failed")
+
+    monkeypatch.setattr(gateway.cache, "insert", broken)  # every model's prompt cache
+    done, now, released = _end(gateway, _jobs()[2])
+    assert isinstance(done, Done) and done.finish_reason in ("length", "stop")
+    assert done.completion_tokens > 0 and released
+
+
 def test_bad_settings_are_one_line_errors():
     with pytest.raises(UserError, match="speculative must be one of"):
         ServeConfig(speculative="eagle")

@@ -29,23 +29,24 @@ from dataclasses import dataclass
 from mlxlab.decode.speculative import accepted, forward, process, rewind
 
 STEP_COST: dict[int, dict[int, float]] = {
-    1: {1: 1.0, 2: 1.28, 3: 1.61, 5: 1.73, 9: 5.0, 16: 6.69},
-    2: {1: 1.0, 2: 1.48, 3: 1.62, 4: 2.30, 5: 2.15},
-    4: {1: 1.0, 2: 1.60, 3: 2.57, 4: 2.61},
+    1: {1: 1.0, 2: 1.12, 3: 1.32, 4: 1.36, 5: 1.54, 9: 2.94},
+    2: {1: 1.0, 2: 1.42, 3: 1.70, 4: 1.87, 5: 2.17},
+    4: {1: 1.0, 2: 1.63, 3: 2.05, 4: 2.42},
+    8: {1: 1.0, 2: 1.87},
 }
 """A verify step's time over a plain step of as many rows (mlx-lm's `GenerationBatch.next`), by
-rows and positions per row: gemma3-270m on the 2-core CPU (AVX-512), prompts of 320 tokens,
-`experiments/speculative/verify_cost.py` (forward, each row's logprobs, argmax, a per-row
-rollback), means of its runs (two for most cells; rounds interleaved over the positions). The
-machine was shared with other jobs (load far above its 2 cores), so the cells are noisy (2 rows
-x 5 positions came out below 2 x 4) and a step's compute weighs more than on an idle machine.
+rows and positions per row: gemma3-270m on the 2-core CPU (AVX-512, up to 8 plain rows on the
+kernel: `fastdecode.MAX_ROWS`), prompts of 320 tokens, medians of 3 interleaved rounds of
+`PYTHONPATH=. python experiments/speculative/verify_cost.py --rows 1,2,4,8 --positions
+1,2,3,4,5,9 --reps 3` (forward, each row's logprobs, argmax, a per-row rollback) on a nearly
+idle machine (2026-12-06; plain steps of 1, 2, 4 and 8 rows took 76, 97, 132 and 202 ms).
 `step_cost` reads it monotone in positions (each cell at least the one before it: more
 positions never cost less), interpolated linearly between measured positions and past the last
 in proportion; a row count not measured is interpolated between the measured counts around it,
-and past the largest takes its ratios (rows past 4 were not measured: the runs were killed on
-the shared machine). Past the kernel's verify rows (`fastdecode.VERIFY_ROWS`: rows x positions
-> 16) the products fall to BLAS's many-row path, measured at 5-17x a plain step: such steps are
-never taken. The table is a CPU's: see `step_cost` for other devices."""
+and past the largest takes its ratios. Past the kernel's verify rows (`fastdecode.VERIFY_ROWS`:
+rows x positions > 16) the products fall to BLAS's many-row path (measured: 4 rows x 5
+positions 3.44x, 8 x 9 4.80x): such steps are never taken. The table is a CPU's: see
+`step_cost` for other devices."""
 
 GPU_POSITIONS = 16
 """Off the CPU (MLX on a GPU) the step cost is not measured: a verify step is taken to cost a
