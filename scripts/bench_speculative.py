@@ -356,7 +356,6 @@ from mlxlab.models.zoo import load
 from mlxlab.lora import io as lora_io
 from mlxlab.decode.offline import complete
 from mlxlab.decode.prompt_cache import PromptCache
-from mlxlab.decode.speculative import Counts
 from mlxlab import grammar
 from mlxlab.tasks.chunk import evaluate as ev
 from mlxlab.tasks.chunk.prompt import read_cases
@@ -379,7 +378,10 @@ out = {"windows": len(prompts), "prefill_s": prefill}
 for constrained in (False, True):
     procs = (lambda i: [grammar.constrain(grammars[i], tok, width)]) if constrained else None
     for mode in modes:
-        counts = Counts()
+        counts = None
+        if mode != "before":  # the tree before speculation has no counts
+            from mlxlab.decode.speculative import Counts
+            counts = Counts()
         if mode == "uncapped":  # every row drafts its full length, whatever the batch
             from mlxlab.decode import speculative_batch
             capped = speculative_batch.step_cost
@@ -394,7 +396,7 @@ for constrained in (False, True):
                 speculative_batch.step_cost = capped
         s = time.perf_counter() - t
         key = ("constrained " if constrained else "plain ") + mode
-        out[key] = {"seconds": s, "texts": texts, "counts": counts.as_dict()}
+        out[key] = {"seconds": s, "texts": texts, "counts": counts and counts.as_dict()}
 print(json.dumps(out))
 """
 
@@ -403,7 +405,7 @@ def chunk(args) -> dict:
     if not args.chunk_run:
         raise SystemExit("--only chunk needs --chunk-run (a chunk_seg4 run directory)")
     out: dict = {}
-    for batch in (1, 8, 32):
+    for batch in (int(b) for b in args.chunk_batches.split(",")):
         rows = {}
         for side, cwd, modes in (
             ("before", worktree(args.before), "before"),
@@ -460,6 +462,7 @@ def main() -> None:
     ap.add_argument("--only", default="serial,concurrent,mlx-lm")
     ap.add_argument("--chunk-run", help="a chunk_seg4 run directory (adapter + data)")
     ap.add_argument("--chunk-cases", type=int, default=6)
+    ap.add_argument("--chunk-batches", default="1,8,32", help="batch sizes of the chunk part")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     results = {}
