@@ -90,7 +90,7 @@ MLXLAB_DISPATCH_WITH(
 // the same tail and fold) and the results are bit for bit the AVX2 path's. It takes up to 8 rows
 // of x per pass over a weight row (one weight load per 8 fused multiply-adds), which a verify
 // step's few tokens per row use; they still cost more than one row (measured on the 2-core box:
-// 1 row x 5 positions ~1.7x a plain step, 4 x 4 ~2.6x; decode/speculative_batch.py STEP_COST).
+// 1 row x 5 positions ~1.5x a plain step, 4 x 4 ~2.4x; decode/speculative_batch.py STEP_COST).
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));

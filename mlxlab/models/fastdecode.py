@@ -61,9 +61,9 @@ VERIFY_ROWS = 16
 kernel (`verifying`): a speculative step checks k draft tokens per row in one forward pass, and
 BLAS's many-row path for those few rows reads the weights at a fraction of the bandwidth. The
 kernel's AVX-512 loops take 8 rows per pass over a weight row (its AVX2 loops 4). Measured on
-the 2-core box, shared (`experiments/speculative/verify_cost.py`), a step still grows with its
-rows: one row x 5 tokens ~1.7x a plain step, 4 rows x 4 tokens ~2.6x, and just past this bound
-(4 x 5) ~7.8x; the batched lane's draft length weighs those costs
+the 2-core box, nearly idle (`experiments/speculative/verify_cost.py`), a step still grows with
+its rows: one row x 5 tokens ~1.5x a plain step, 4 rows x 4 tokens ~2.4x, and just past this
+bound (4 x 5) ~3.4x; the batched lane's draft length weighs those costs
 (`decode/speculative_batch.py` `STEP_COST`)."""
 
 _verify_rows = 0  # > 0 inside `verifying`
