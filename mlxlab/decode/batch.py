@@ -175,12 +175,9 @@ class BatchDecoder:
         ]
 
     def _store(self, row: Row, tokens: list[int], cache, kind: str) -> None:
-        try:  # a failed cache insert must not touch the row's answer
-            self.cache.insert(
-                row.namespace, tokens, cache, kind=kind, copy_cache=False, evict=self.evict
-            )
-        except Exception:  # noqa: BLE001
-            log.exception("mlxlab decode: storing a row's KV in the prompt cache failed")
+        self.cache.store(
+            row.namespace, tokens, cache, kind=kind, copy_cache=False, evict=self.evict
+        )
 
     def _close(self, row: Row, finish: str, cache=None) -> None:
         """The row leaves: its `done` is called, then (not cancelled) prompt + completion is

@@ -19,10 +19,13 @@ exactly the prefix of the next turn of a chat.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
+
+log = logging.getLogger(__name__)
 
 
 class PromptCache:
@@ -74,6 +77,15 @@ class PromptCache:
         with self._lock:
             self._lru.insert_cache(namespace, list(tokens), entry, cache_type=kind)
             self.inserts += 1
+
+    def store(self, namespace, tokens: list[int], cache, **kw) -> None:
+        """`insert`, for a decoder storing a row's KV as it goes (a prompt checkpoint, a finished
+        answer): a failure is logged and costs a later request its cache hit, never the row's
+        answer."""
+        try:
+            self.insert(namespace, tokens, cache, **kw)
+        except Exception:  # noqa: BLE001
+            log.exception("mlxlab decode: storing a row's KV in the prompt cache failed")
 
     def stats(self) -> dict:
         with self._lock:

@@ -95,7 +95,8 @@ def _finish(row: Row, finish: str, cache, kv, evict: bool) -> str:
     row.done(finish, row.tokens)
     if finish != "cancelled" and cache is not None and row.store_completion:
         # The cache holds prompt + every token generated (each was fed as the next was computed).
-        cache.insert(row.namespace, row.prompt + row.tokens, kv, copy_cache=False, evict=evict)
+        # Best effort (`store`): the answer is whole and its `done` called.
+        cache.store(row.namespace, row.prompt + row.tokens, kv, copy_cache=False, evict=evict)
     return finish
 
 

@@ -5,8 +5,6 @@ client gone, or the server aborting it) stops before the next prefill chunk or t
 
 from __future__ import annotations
 
-import logging
-
 from mlxlab.decode.batch import Row
 from mlxlab.decode.serial import run_serial
 from mlxlab.serve.engine.jobs import AdapterSpec, Done, Job
@@ -14,8 +12,6 @@ from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.rows import RowOutput, cache_namespace, claim_adapters, make_sampling
 from mlxlab.serve.engine.settings import EngineSettings
 from mlxlab.serve.engine.vision import run as run_vision
-
-log = logging.getLogger(__name__)
 
 
 class SerialLane:
@@ -70,19 +66,12 @@ class SerialLane:
             started=lambda cached: setattr(job, "cached_tokens", cached),
             logprobs=bool(job.logprobs),  # RowOutput.feed reads them only then
         )
-        try:
-            run_serial(
-                m.model,
-                row,
-                self.cfg.decode,
-                m.cache,
-                make_cache=m.kv.make_cache,
-                draft_model=m.draft,
-            )
-        except Exception:
-            if not closed:
-                raise
-            # the answer is whole (its Done is built): what failed after it is the prompt
-            # cache's store, which costs a later request its cache hit, not this answer
-            log.exception("mlxlab serve: storing a finished answer in the prompt cache failed")
+        run_serial(
+            m.model,
+            row,
+            self.cfg.decode,
+            m.cache,
+            make_cache=m.kv.make_cache,
+            draft_model=m.draft,
+        )
         return closed[0]
