@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -733,6 +734,15 @@ def test_an_adapter_from_a_task_run_sets_the_window_budget(tiny_dir, tmp_path):
         tmp_path / "local", ChunkDataConfig(train=3, valid=1, test=1, window_messages=6)
     )
     assert dataset.built_window_messages(local) == 6  # what eval chunk reads such an adapter in
+    from mlxlab.tasks.chunk.cli import trained_shift_hints
+
+    assert trained_shift_hints(run) == ""  # the run's dataset was built without hints
+    (elsewhere / "build.json").write_text(json.dumps({"shift_hints": "all-minilm-l6-v2"}))
+    assert trained_shift_hints(run) == "all-minilm-l6-v2"
+    shutil.rmtree(run / "data")
+    gone = "task:\n  name: chunk\n  data:\n    shift_hints: my-embedder\n"
+    (run / "config.yaml").write_text(gone + f"data:\n  train: {tmp_path / 'gone'}\n")
+    assert trained_shift_hints(run) == "my-embedder"  # no dataset left: the run's setting
     (run / "config.yaml").write_text("model: x\n")  # a plain training run
     assert task_run(run / "adapter") is None
 

@@ -94,6 +94,11 @@ def evaluate(cfg: ChunkEvalConfig) -> dict:
                 source="window_messages is the adapter's run's: set window_messages, or lower "
                 "window_overlap",
             )
+    if cfg.shift_hints == "auto":
+        inherited = trained_shift_hints(run_dir) if run_dir is not None else ""
+        cfg.shift_hints = inherited or "off"
+        if inherited:
+            log.info(f"shift_hints={inherited}: the prompts the adapter was trained on")
     summary = evaluate_model(
         model, tokenizer, records, cfg, out, "chunk", dataset.training_labels(data)
     )
@@ -210,6 +215,28 @@ def run_eval_setting(run_dir: Path, key: str) -> int:
         return max(0, int(((task.get("eval") or {}).get(key)) or 0))
     except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
         return 0
+
+
+def trained_shift_hints(run_dir: Path) -> str:
+    """The topic-shift hints a chunk-task run's prompts showed (its dataset's build.json; without
+    the dataset, its config's task.data.shift_hints): "" for none."""
+    trained_data = run_data(run_dir)
+    if trained_data is not None:
+        return dataset.built_shift_hints(trained_data)
+    return run_data_setting(run_dir, "shift_hints")
+
+
+def run_data_setting(run_dir: Path, key: str) -> str:
+    """A chunk-task run's task.data.<key> from its config.yaml (a string), "" when it has none:
+    what the run's dataset was built with when the dataset itself is gone."""
+    import yaml
+
+    try:
+        task = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("task") or {}
+        value = (task.get("data") or {}).get(key)
+    except (OSError, yaml.YAMLError, AttributeError, TypeError):
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def trained_window(run_dir: Path, tokenizer) -> int:

@@ -101,6 +101,12 @@ class ChunkDataConfig:
     topic. Evaluation reads every conversation with more in windows of as many messages
     (EvalSettings.window_messages, by default the adapter's training dataset's), each boundary
     one window's own decision (windows.py `merge_local`)."""
+    shift_hints: str = ""
+    """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory):
+    every example's prompt shows, after the uuid of each message that opens an exchange, the
+    exchange's sentence-vector similarity with the one before and the topic-shift detector's
+    reading of it (shifts.py `with_hints`); an adapter trained on such a dataset is evaluated
+    with the same hints (EvalSettings.shift_hints). Empty: no hints."""
 
     def __post_init__(self):
         for key in ("train", "valid", "test", "sharegpt", "sharegpt_valid", "sharegpt_test"):
@@ -209,6 +215,11 @@ class EvalSettings:
     more chunks). Chosen, never on the test split, as the best on an 80-conversation validation
     build (topics disjoint from the training and test splits') that also scores well on 14
     realistic hand-written chats (experiments/chunk_seg4/topic-shifts.md)."""
+
+    shift_hints: str = "auto"
+    """Show each exchange's topic-shift hint in the prompts (ChunkDataConfig.shift_hints): auto,
+    as the adapter's training dataset did (in a chunk-task run, and in `eval chunk` with an
+    adapter from one; otherwise none); off; or the embedding model that computes them."""
 
     auto_max_tokens: ClassVar[bool] = False  # max_tokens=0 may mean "as the adapter's run"
 

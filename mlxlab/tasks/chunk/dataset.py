@@ -185,8 +185,13 @@ def write_dataset(out_dir, cfg: ChunkDataConfig | None = None, log=None) -> Path
         per_split = {}
         for split, cases in data.items():
             (tmp / f"{split}.cases.json").write_text(json.dumps(cases, indent=1) + "\n")
+            shown_cases = cases
+            if cfg.shift_hints:
+                from mlxlab.tasks.chunk.shifts import with_hints
+
+                shown_cases = with_hints(cases, cfg.shift_hints)
             with (tmp / f"{split}.jsonl").open("w") as f:
-                for case in cases:
+                for case in shown_cases:
                     for ex in training_examples(case, cfg):
                         f.write(json.dumps(ex) + "\n")
             per_split[split] = stats(cases)
@@ -214,6 +219,13 @@ def built_window_messages(data) -> int:
         return max(0, int(build_settings(data).get("window_messages") or 0))
     except (ValueError, TypeError):
         return 0
+
+
+def built_shift_hints(data) -> str:
+    """The embedding model a chunk dataset directory's prompts show topic-shift hints of (its
+    build.json `shift_hints`); "" for none or no build.json."""
+    hints = build_settings(data).get("shift_hints")
+    return hints if isinstance(hints, str) else ""
 
 
 def read_split(data, settings) -> list[dict]:

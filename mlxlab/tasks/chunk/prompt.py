@@ -32,7 +32,12 @@ TRUNCATED = "\n[...]"
 
 
 def message_block(m: dict) -> str:
-    return f"[{m['sender']}] (uuid: {m['uuid']})\n{m['text']}\n"
+    """A message as the prompt shows it; with a topic-shift hint (shifts.py `with_hints`) after
+    its uuid."""
+    hint = m.get("shift_hint")
+    return (
+        f"[{m['sender']}] (uuid: {m['uuid']})" + (f" {hint}" if hint else "") + f"\n{m['text']}\n"
+    )
 
 
 def shown(messages: list[dict]) -> list[dict]:
@@ -96,6 +101,7 @@ def read_cases(path) -> list[dict]:
                 raise UserError(f"{where}: message {j}: sender and text must be strings")
             m.setdefault("sender", "user")
             m.setdefault("text", "")
+            m.pop("shift_hint", None)  # only shifts.py `with_hints` writes one
         if not shown(msgs):
             raise UserError(f"{where}: no message has text")
         uuids = [m["uuid"] for m in shown(msgs)]

@@ -116,6 +116,46 @@ def chunk_starts(cases: list[dict], model: str, rule: Rule = Rule()) -> list[lis
     return out
 
 
+HINT_KEY = "shift_hint"
+"""The message field (never in a dataset's cases on disk) whose text the prompt shows after the
+message's uuid (prompt.py `message_block`)."""
+
+
+def hint_text(similarity: float, rule: Rule, median: float) -> str:
+    """What the prompt says of an exchange's similarity with the one before: the cosine, and
+    whether `rule` (with the conversation's `median` similarity) would start a chunk there."""
+    new = similarity < rule.floor or similarity < min(rule.cap, median - rule.drop)
+    verdict = "likely a new topic" if new else "likely the same topic"
+    return f"(similarity to the previous exchange: {similarity:.2f}, {verdict})"
+
+
+def with_hints(cases: list[dict], model: str, rule: Rule = Rule()) -> list[dict]:
+    """Copies of `cases` in which each exchange after the first carries, on the message that
+    opens it, the detector's reading of it (`hint_text`, under `HINT_KEY`): an input the adapter
+    reads, so that where a topic changes it need not judge from the texts alone; the answer is
+    still the model's. Training (a dataset built with `shift_hints`) and evaluation (an adapter
+    trained on one) annotate their cases the same way, with embedding model `model`."""
+    from mlxlab.embed.model import Embedder
+
+    embedder = Embedder(model)
+    out = []
+    for case in cases:
+        msgs = shown(case["messages"])
+        groups = exchanges(msgs)
+        hints: dict[str, str] = {}
+        if len(groups) > 1:
+            sims = similarities(groups, message_vectors(embedder, msgs))
+            median = float(np.median(sims))
+            for g, s in zip(groups[1:], sims, strict=True):
+                hints[msgs[g[0]]["uuid"]] = hint_text(float(s), rule, median)
+        messages = [
+            {**m, HINT_KEY: hints[m["uuid"]]} if m.get("uuid") in hints else m
+            for m in case["messages"]
+        ]
+        out.append({**case, "messages": messages})
+    return out
+
+
 def shift_rule(settings):
     """The topic-shift detector's `Rule` from EvalSettings' shift_drop, shift_cap, shift_floor."""
     return Rule(float(settings.shift_drop), float(settings.shift_cap), float(settings.shift_floor))

@@ -153,6 +153,10 @@ class ChunkTask(Hooks):
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
             window = dataset.training_window(data_dir, run.tokenizer)
             settings = dataclasses.replace(settings, max_prompt_tokens=window)
+        if settings.shift_hints == "auto":  # the hints the training prompts showed
+            settings = dataclasses.replace(
+                settings, shift_hints=dataset.built_shift_hints(data_dir) or "off"
+            )
         if not settings.window_messages:  # as many messages as a training example
             cap = dataset.built_window_messages(data_dir) or WINDOW_MESSAGES
             settings = dataclasses.replace(settings, window_messages=cap)
