@@ -129,25 +129,37 @@ def hint_text(similarity: float, rule: Rule, median: float) -> str:
     return f"(similarity to the previous exchange: {similarity:.2f}, {verdict})"
 
 
-def with_hints(cases: list[dict], model: str, rule: Rule = Rule()) -> list[dict]:
+HINT_TOKENS = 64
+"""A message's first tokens that its hint's vector reads: as many as the joins' segments were cut
+with (segments.py), whose cached vectors the training conversations' messages mostly have."""
+
+
+def with_hints(cases: list[dict], model: str, rule: Rule = Rule(), cache="default") -> list[dict]:
     """Copies of `cases` in which each exchange after the first carries, on the message that
     opens it, the detector's reading of it (`hint_text`, under `HINT_KEY`): an input the adapter
     reads, so that where a topic changes it need not judge from the texts alone; the answer is
     still the model's. Training (a dataset built with `shift_hints`) and evaluation (an adapter
-    trained on one) annotate their cases the same way, with embedding model `model`."""
+    trained on one) annotate their cases the same way, with embedding model `model`: each
+    message's first `HINT_TOKENS` tokens, padding cut (segments.py `text_vectors`, the vectors
+    kept in `cache`, by default the sentence-vector cache under MLXLAB_HOME)."""
     from mlxlab.embed.model import Embedder
+    from mlxlab.tasks.chunk.segments import VectorCache, text_vectors
 
     embedder = Embedder(model)
-    out = []
-    for case in cases:
-        msgs = shown(case["messages"])
+    store = VectorCache(model, cache) if cache else None
+    shown_msgs = [shown(case["messages"]) for case in cases]
+    texts = [m["text"] for msgs in shown_msgs for m in msgs]
+    vectors = text_vectors(embedder, texts, HINT_TOKENS, store)
+    out, at = [], 0
+    for case, msgs in zip(cases, shown_msgs, strict=True):
         groups = exchanges(msgs)
         hints: dict[str, str] = {}
         if len(groups) > 1:
-            sims = similarities(groups, message_vectors(embedder, msgs))
+            sims = similarities(groups, vectors[at : at + len(msgs)])
             median = float(np.median(sims))
-            for g, s in zip(groups[1:], sims, strict=True):
-                hints[msgs[g[0]]["uuid"]] = hint_text(float(s), rule, median)
+            for g, sim in zip(groups[1:], sims, strict=True):
+                hints[msgs[g[0]]["uuid"]] = hint_text(float(sim), rule, median)
+        at += len(msgs)
         messages = [
             {**m, HINT_KEY: hints[m["uuid"]]} if m.get("uuid") in hints else m
             for m in case["messages"]
