@@ -146,9 +146,15 @@ def is_right(text: str, uuids: list[str], gold: list[dict], conversation_uuid) -
 
 def sft_windows(sft_data: Path) -> list:
     """The (case, messages, gold) windows of the SFT run's training split, as it trained on them
-    (its build.json's settings)."""
-    dcfg = _data_config(json.loads((sft_data / "build.json").read_text()))
+    (its build.json's settings; with its topic-shift hints when it was built with them)."""
+    build = json.loads((sft_data / "build.json").read_text())
+    dcfg = _data_config(build)
     cases = json.loads((sft_data / "train.cases.json").read_text())
+    hints = build.get("shift_hints")
+    if isinstance(hints, str) and hints:
+        from mlxlab.tasks.chunk.shifts import with_hints
+
+        cases = with_hints(cases, hints)
     return [(c, msgs, gold) for c in cases for msgs, gold in training_windows(c, dcfg)]
 
 
