@@ -285,6 +285,12 @@ def test_hints_mark_each_exchange_after_the_first(tiny_dir):
         "(similarity to the previous exchange: 0.50, likely a new topic)"
     )  # 0.5 is below the cap and the median less the drop
     assert "same topic" in shifts.hint_text(0.5, shifts.Rule(), 0.6)
+    # an embedding model given as a directory: the same hints, its vectors kept nowhere
+    (by_dir,) = shifts.with_hints([case], str(tiny_dir("bert")), shifts.Rule(0.0, 1.0, 1.0))
+    assert by_dir == hinted
+    line = report.decoding_line(EvalSettings(), {"tuned": {"shift_hints": "tiny-bert"}})
+    assert "topic-shift hint (tiny-bert vectors of each message's first 64 tokens" in line
+    assert "hint" not in report.decoding_line(EvalSettings(), {"tuned": {}})
 
 
 def test_read_cases_drops_a_hint_the_file_carries(tmp_path):
@@ -311,6 +317,11 @@ def test_a_dataset_built_with_hints_shows_them_in_training_and_evaluation(
     hinted = dataset.write_dataset(
         tmp_path / "hinted", ChunkDataConfig(**{**vars(cfg), "shift_hints": "tiny-bert"})
     )
+    with pytest.raises(UserError, match="not an embedding model"):  # before anything is built
+        dataset.write_dataset(
+            tmp_path / "bad", ChunkDataConfig(**{**vars(cfg), "shift_hints": "tiny-gemma3"})
+        )
+    assert not (tmp_path / "bad").exists()
     assert dataset.built_shift_hints(hinted) == "tiny-bert"
     assert dataset.built_shift_hints(plain) == "" == dataset.built_shift_hints(tmp_path)
     assert "shift_hint" not in (hinted / "train.cases.json").read_text()

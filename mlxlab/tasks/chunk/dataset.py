@@ -179,6 +179,10 @@ def write_dataset(out_dir, cfg: ChunkDataConfig | None = None, log=None) -> Path
     from mlxlab.fsutil import atomic_dir
 
     cfg = cfg or ChunkDataConfig()
+    if cfg.shift_hints:  # a wrong embedding model fails now, not after the sources are built
+        from mlxlab.tasks.chunk.shifts import check_model
+
+        check_model(cfg.shift_hints)
 
     def write(tmp: Path) -> None:
         data, card = sources(cfg, log)
@@ -226,6 +230,15 @@ def built_shift_hints(data) -> str:
     build.json `shift_hints`); "" for none or no build.json."""
     hints = build_settings(data).get("shift_hints")
     return hints if isinstance(hints, str) else ""
+
+
+def eval_shift_hints(setting: str, data_dir) -> str:
+    """The embedding model whose topic-shift hints an evaluation shows: EvalSettings.shift_hints
+    as set, or for auto the dataset's (`built_shift_hints` of `data_dir`, the one the adapter
+    trained on); "" for none."""
+    if setting == "auto":
+        return built_shift_hints(data_dir) if data_dir is not None else ""
+    return "" if setting == "off" else setting
 
 
 def read_split(data, settings) -> list[dict]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from mlxlab.config import DataConfig, TrainConfig, to_dict
 from mlxlab.errors import UserError
 from mlxlab.tasks.chunk.config import ChunkDataConfig, ChunkPrefConfig
-from mlxlab.tasks.chunk.dataset import dataset_dir
+from mlxlab.tasks.chunk.dataset import built_shift_hints, dataset_dir
 from mlxlab.tasks.chunk.prompt import answer, conversation_uuid, prompt
 from mlxlab.tasks.chunk.reward import prompt_record
 from mlxlab.tasks.chunk.scoring import score_case
@@ -150,8 +150,8 @@ def sft_windows(sft_data: Path) -> list:
     build = json.loads((sft_data / "build.json").read_text())
     dcfg = _data_config(build)
     cases = json.loads((sft_data / "train.cases.json").read_text())
-    hints = build.get("shift_hints")
-    if isinstance(hints, str) and hints:
+    hints = built_shift_hints(sft_data)
+    if hints:
         from mlxlab.tasks.chunk.shifts import with_hints
 
         cases = with_hints(cases, hints)

@@ -92,10 +92,13 @@ class ChunkTask(Hooks):
         check_window_messages(cap or WINDOW_MESSAGES, self.cfg.eval.window_overlap, "", source)
 
     def before_lora(self, run: Run) -> None:
-        if self.cfg.eval.shifts:  # a wrong embedding model fails now, not after training
-            from mlxlab.tasks.chunk.shifts import check_model
+        data_dir = dataset.dataset_dir(run.data.train)
+        hints = dataset.eval_shift_hints(self.cfg.eval.shift_hints, data_dir)
+        for model in (self.cfg.eval.shifts, hints):
+            if model:  # a wrong embedding model fails now, not after training
+                from mlxlab.tasks.chunk.shifts import check_model
 
-            check_model(self.cfg.eval.shifts)
+                check_model(model)
         if self.cfg.eval_base:
             self.evaluate_splits(run, "base")
 
@@ -153,10 +156,8 @@ class ChunkTask(Hooks):
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
             window = dataset.training_window(data_dir, run.tokenizer)
             settings = dataclasses.replace(settings, max_prompt_tokens=window)
-        if settings.shift_hints == "auto":  # the hints the training prompts showed
-            settings = dataclasses.replace(
-                settings, shift_hints=dataset.built_shift_hints(data_dir) or "off"
-            )
+        hints = dataset.eval_shift_hints(settings.shift_hints, data_dir)  # as training showed
+        settings = dataclasses.replace(settings, shift_hints=hints or "off")
         if not settings.window_messages:  # as many messages as a training example
             cap = dataset.built_window_messages(data_dir) or WINDOW_MESSAGES
             settings = dataclasses.replace(settings, window_messages=cap)
