@@ -144,13 +144,23 @@ def test_a_windowed_case_s_fixed_starts_are_named_by_the_windows_that_own_them()
     assert win.fixed_labels(ws, ["no"] * 4, starts, None) == dict.fromkeys(starts)
 
 
-def test_a_wrong_embedding_model_stops_a_task_run_before_training():
+def test_a_wrong_embedding_model_stops_a_task_run_before_training(tmp_path):
+    from types import SimpleNamespace
+
     from mlxlab.tasks.chunk.config import ChunkTaskConfig
     from mlxlab.tasks.chunk.task import ChunkTask
 
     task = ChunkTask(ChunkTaskConfig(eval=EvalSettings(shifts="tiny-gemma3"), eval_base=False))
     with pytest.raises(UserError, match="not an embedding model"):
         task.before_lora(None)  # the hook that runs before the first step
+    # the hints a prebuilt dataset's prompts show (auto), or the ones set, are checked too
+    (tmp_path / "build.json").write_text(json.dumps({"shift_hints": "tiny-gemma3"}))
+    run = SimpleNamespace(data=SimpleNamespace(train=str(tmp_path / "train.jsonl")))
+    task = ChunkTask(ChunkTaskConfig(eval_base=False))
+    with pytest.raises(UserError, match="not an embedding model"):
+        task.before_lora(run)
+    task = ChunkTask(ChunkTaskConfig(eval=EvalSettings(shift_hints="off"), eval_base=False))
+    task.before_lora(run)  # off: the dataset's hints are not shown, nothing to check
     with pytest.raises(UserError, match="unknown model"):
         shifts.check_model("no-such-model")
 

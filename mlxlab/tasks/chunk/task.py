@@ -92,13 +92,14 @@ class ChunkTask(Hooks):
         check_window_messages(cap or WINDOW_MESSAGES, self.cfg.eval.window_overlap, "", source)
 
     def before_lora(self, run: Run) -> None:
+        from mlxlab.tasks.chunk.shifts import check_model
+
+        if self.cfg.eval.shifts:  # a wrong embedding model fails now, not after training
+            check_model(self.cfg.eval.shifts)
         data_dir = dataset.dataset_dir(run.data.train)
         hints = dataset.eval_shift_hints(self.cfg.eval.shift_hints, data_dir)
-        for model in (self.cfg.eval.shifts, hints):
-            if model:  # a wrong embedding model fails now, not after training
-                from mlxlab.tasks.chunk.shifts import check_model
-
-                check_model(model)
+        if hints:  # the hints the evaluations will show (the dataset's, or as set)
+            check_model(hints)
         if self.cfg.eval_base:
             self.evaluate_splits(run, "base")
 
