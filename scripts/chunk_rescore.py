@@ -2,8 +2,7 @@
 each case (`window_outputs`, `window_refused`) merged and scored by the current code.
 
     python scripts/chunk_rescore.py RESULTS_JSONL CASES [--train DIR] [--budget 1800]
-        [--overlap 2] [--window-messages 4] [--shifts all-minilm-l6-v2] [--shift-hints MODEL]
-        [--places]
+        [--overlap 2] [--window-messages 4] [--shifts all-minilm-l6-v2] [--places]
     python scripts/chunk_rescore.py --committed [--write]
 
 RESULTS_JSONL holds the per-case rows an evaluation wrote (`eval chunk out=`, a task run's
@@ -12,9 +11,7 @@ chunk dataset). The windows are planned again as the evaluation planned them (`p
 with the budget, overlap and message cap it used: `--window-messages 0` for an adapter of whole
 conversations), so the saved answers line up with them. `--train DIR` (a dataset directory)
 adds the memorized-label share; `--shifts MODEL` re-runs the topic-shift detector for a
-shift-boundaries decode's rows (`--shifts saved`: the starts its windows' answers were held to);
-`--shift-hints MODEL` plans the windows of prompts that showed topic-shift hints (an adapter
-trained on a dataset built with shift_hints: its evaluation's summary names the model). Prints the summary; `--places` also prints, place by place,
+shift-boundaries decode's rows (`--shifts saved`: the starts its windows' answers were held to). Prints the summary; `--places` also prints, place by place,
 where a window's answer starts a chunk against where gold does (found, missed, false split) and
 the windows whose answers stop short.
 
@@ -64,7 +61,7 @@ def read_cases(source: str) -> list[dict]:
     return read_split(Path(path), EvalSettings(split=split or "test"))
 
 
-def rescore(rows, cases, tokenizer, budget, overlap, cap, train_labels=None, shifts="", hints=""):
+def rescore(rows, cases, tokenizer, budget, overlap, cap, train_labels=None, shifts=""):
     """The rows `score_windows` gives for the saved answers, and the windows they were read in."""
     from mlxlab.tasks.chunk.evaluate import score_windows
     from mlxlab.tasks.chunk.windows import plan_windows
@@ -73,10 +70,6 @@ def rescore(rows, cases, tokenizer, budget, overlap, cap, train_labels=None, shi
     ids = [r["id"] for r in rows]
     if ids != [c.get("id") for c in cases]:
         sys.exit(f"the rows' ids are not the cases': {ids[:3]}... against the cases' own")
-    if hints:  # the prompts as the evaluation showed them (scoring reads the same cases)
-        from mlxlab.tasks.chunk.shifts import with_hints
-
-        cases = with_hints(cases, hints)
     windows = plan_windows(cases, tokenizer, budget, overlap, cap or None)
     texts, refused = [], []
     for i, row in enumerate(rows):
@@ -206,7 +199,6 @@ def main() -> None:
     ap.add_argument("--overlap", type=int, default=2)
     ap.add_argument("--window-messages", type=int, default=4)
     ap.add_argument("--shifts", default="")
-    ap.add_argument("--shift-hints", default="", help="the embedding model of the prompts' hints")
     ap.add_argument("--places", action="store_true")
     ap.add_argument("--model", default="gemma3-270m", help="whose tokenizer planned the windows")
     ap.add_argument("--committed", action="store_true")
@@ -224,15 +216,7 @@ def main() -> None:
     cases = read_cases(args.cases)
     labels = training_labels(args.train) if args.train else None
     new, windows = rescore(
-        rows,
-        cases,
-        tokenizer,
-        args.budget,
-        args.overlap,
-        args.window_messages,
-        labels,
-        args.shifts,
-        args.shift_hints,
+        rows, cases, tokenizer, args.budget, args.overlap, args.window_messages, labels, args.shifts
     )
     if args.places:
         print(json.dumps(places(rows, cases, windows)))

@@ -106,13 +106,9 @@ def test_check_refuses_records_the_reward_cannot_score():
         assert "record 2" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("hints", ["", "tiny-bert"])
-def test_prompt_records_are_the_sft_examples_prompts(tiny_dir, tmp_path, hints):
+def test_prompt_records_are_the_sft_examples_prompts(tiny_dir, tmp_path):
     """The data step's records render (prompts.py, as GRPO reads them) to exactly the prompt
-    part of the SFT run's training examples, and carry the gold the reward scores 1.0; an SFT
-    dataset built with topic-shift hints gives prompts with the same hints."""
-    if hints:
-        tiny_dir("bert")
+    part of the SFT run's training examples, and carry the gold the reward scores 1.0."""
     from mlx_lm.utils import load_tokenizer
 
     from mlxlab.data.datasets import tokenize
@@ -122,14 +118,10 @@ def test_prompt_records_are_the_sft_examples_prompts(tiny_dir, tmp_path, hints):
 
     data = dataset.write_dataset(
         tmp_path / "sft" / "data",
-        ChunkDataConfig(train=4, valid=1, test=1, train_topic_weights=[0, 1], shift_hints=hints),
+        ChunkDataConfig(train=4, valid=1, test=1, train_topic_weights=[0, 1]),
     )
     tokenizer = load_tokenizer(tiny_dir("gemma3"))
     records, stats = pref.build_prompts(data, ChunkPrefConfig(examples=5, multi_share=0.6))
-    hinted = sum(
-        "similarity to the previous exchange" in r["messages"][0]["content"] for r in records
-    )
-    assert (hinted >= 3) if hints else hinted == 0
     assert stats["examples"] == len(records) == 5 and stats["multi_chunk_examples"] == 3
     assert sum(len(r["chunks"]) >= 2 for r in records) == 3
     assert stats["windows"] == len((data / "train.jsonl").read_text().splitlines())

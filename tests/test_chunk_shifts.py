@@ -144,23 +144,13 @@ def test_a_windowed_case_s_fixed_starts_are_named_by_the_windows_that_own_them()
     assert win.fixed_labels(ws, ["no"] * 4, starts, None) == dict.fromkeys(starts)
 
 
-def test_a_wrong_embedding_model_stops_a_task_run_before_training(tmp_path):
-    from types import SimpleNamespace
-
+def test_a_wrong_embedding_model_stops_a_task_run_before_training():
     from mlxlab.tasks.chunk.config import ChunkTaskConfig
     from mlxlab.tasks.chunk.task import ChunkTask
 
     task = ChunkTask(ChunkTaskConfig(eval=EvalSettings(shifts="tiny-gemma3"), eval_base=False))
     with pytest.raises(UserError, match="not an embedding model"):
         task.before_lora(None)  # the hook that runs before the first step
-    # the hints a prebuilt dataset's prompts show (auto), or the ones set, are checked too
-    (tmp_path / "build.json").write_text(json.dumps({"shift_hints": "tiny-gemma3"}))
-    run = SimpleNamespace(data=SimpleNamespace(train=str(tmp_path / "train.jsonl")))
-    task = ChunkTask(ChunkTaskConfig(eval_base=False))
-    with pytest.raises(UserError, match="not an embedding model"):
-        task.before_lora(run)
-    task = ChunkTask(ChunkTaskConfig(eval=EvalSettings(shift_hints="off"), eval_base=False))
-    task.before_lora(run)  # off: the dataset's hints are not shown, nothing to check
     with pytest.raises(UserError, match="unknown model"):
         shifts.check_model("no-such-model")
 
@@ -267,93 +257,3 @@ def test_boundary_f1_and_spans():
     assert scoring.score_case(json.dumps({"chunks": GOLD}), U, GOLD[::-1]).label_pairs == [
         [g["label"], g["label"]] for g in GOLD
     ]
-
-
-def test_hints_mark_each_exchange_after_the_first(tiny_dir):
-    """with_hints: the message that opens each exchange after the first shows its similarity and
-    the rule's reading of it after its uuid; the cases given are not changed; a hint a user's file
-    carries is dropped on reading."""
-    tiny_dir("bert")
-    case = {"id": "c", "name": "t", "messages": _msgs("uaua")}
-    for m, text in zip(case["messages"], ["cats", "cats purr", "tax law", "tax"], strict=True):
-        m["text"] = text
-    (hinted,) = shifts.with_hints([case], "tiny-bert", shifts.Rule(0.0, 1.0, 1.0))
-    assert "shift_hint" not in json.dumps(case)  # the input is untouched
-    marked = [m["uuid"] for m in hinted["messages"] if m.get("shift_hint")]
-    assert marked == ["m2"]
-    hint = hinted["messages"][2]["shift_hint"]
-    assert hint.startswith("(similarity to the previous exchange: ")
-    assert hint.endswith(", likely a new topic)")
-    (never,) = shifts.with_hints([case], "tiny-bert", shifts.Rule(2.0, -1.0, -1.0))
-    assert never["messages"][2]["shift_hint"].endswith(", likely the same topic)")
-    text = pr.prompt(hinted)
-    assert f"[user] (uuid: m2) {hint}\ntax law\n" in text and text.count("similarity to") == 1
-    assert pr.prompt(case).count("similarity to") == 0
-    (one,) = shifts.with_hints([{"messages": _msgs("ua")}], "tiny-bert")  # one exchange: none
-    assert not any("shift_hint" in m for m in one["messages"])
-    assert shifts.hint_text(0.5, shifts.Rule(), 0.9) == (
-        "(similarity to the previous exchange: 0.50, likely a new topic)"
-    )  # 0.5 is below the cap and the median less the drop
-    assert "same topic" in shifts.hint_text(0.5, shifts.Rule(), 0.6)
-    # an embedding model given as a directory: the same hints, its vectors kept nowhere
-    (by_dir,) = shifts.with_hints([case], str(tiny_dir("bert")), shifts.Rule(0.0, 1.0, 1.0))
-    assert by_dir == hinted
-    line = report.decoding_line(EvalSettings(), {"tuned": {"shift_hints": "tiny-bert"}})
-    assert "topic-shift hint (tiny-bert vectors of each message's first 64 tokens" in line
-    assert "hint" not in report.decoding_line(EvalSettings(), {"tuned": {}})
-
-
-def test_read_cases_drops_a_hint_the_file_carries(tmp_path):
-    path = tmp_path / "c.json"
-    msgs = _msgs("ua")
-    msgs[0]["shift_hint"] = "(likely a new topic)"
-    path.write_text(json.dumps([{"id": "c", "messages": msgs}]))
-    assert "shift_hint" not in pr.read_cases(path)[0]["messages"][0]
-
-
-def test_a_dataset_built_with_hints_shows_them_in_training_and_evaluation(
-    tiny_dir, tmp_path, monkeypatch
-):
-    """shift_hints on the dataset: its training prompts carry the hints (its cases on disk do
-    not), build.json names the model, and an evaluation with that setting reads its prompts
-    with them (the summary says so); off reads them without."""
-    from mlx_lm.utils import load
-
-    tiny_dir("bert")
-    cfg = ChunkDataConfig(
-        train=3, valid=1, test=2, median_pairs=3, max_message_chars=200, topic_weights=[0, 1]
-    )
-    plain = dataset.write_dataset(tmp_path / "plain", cfg)
-    hinted = dataset.write_dataset(
-        tmp_path / "hinted", ChunkDataConfig(**{**vars(cfg), "shift_hints": "tiny-bert"})
-    )
-    with pytest.raises(UserError, match="not an embedding model"):  # before anything is built
-        dataset.write_dataset(
-            tmp_path / "bad", ChunkDataConfig(**{**vars(cfg), "shift_hints": "tiny-gemma3"})
-        )
-    assert not (tmp_path / "bad").exists()
-    assert dataset.built_shift_hints(hinted) == "tiny-bert"
-    assert dataset.built_shift_hints(plain) == "" == dataset.built_shift_hints(tmp_path)
-    assert "shift_hint" not in (hinted / "train.cases.json").read_text()
-    assert (hinted / "train.cases.json").read_text() == (plain / "train.cases.json").read_text()
-    assert "similarity to the previous exchange" not in (plain / "train.jsonl").read_text()
-    examples = [json.loads(x) for x in (hinted / "train.jsonl").open()]
-    prompts = [e["messages"][0]["content"] for e in examples]
-    assert sum("similarity to the previous exchange: " in p for p in prompts) >= len(prompts) // 2
-    model, tokenizer = load(str(tiny_dir("gemma3")))
-    records = dataset.read_split(hinted, EvalSettings())
-    seen = []
-    real = ev.evaluate
-
-    def spy(model, tokenizer, records, *args, **kwargs):
-        seen.append(pr.prompt(records[0]))
-        return real(model, tokenizer, records, *args, **kwargs)
-
-    monkeypatch.setattr(ev, "evaluate", spy)
-    for hints in ("tiny-bert", "off"):
-        settings = EvalSettings(max_tokens=8, batch_size=2, shift_hints=hints)
-        out = tmp_path / f"{hints}.jsonl"
-        summary = ev.evaluate_model(model, tokenizer, records, settings, out, "tiny")
-        assert summary.get("shift_hints") == (None if hints == "off" else hints)
-    assert "similarity to the previous exchange" in seen[0]
-    assert "similarity to the previous exchange" not in seen[1]

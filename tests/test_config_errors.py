@@ -123,11 +123,8 @@ FREE = {
         "grpo.rewards",  # format-checked (a built-in name or module:function)
     },
     "diag": {"model", "adapter", "out"},
-    "data chunk": {"out", "shift_hints"},
-    "eval chunk": {
-        *("model", "adapter", "data", "out", "label_model", "shifts", "draft_model"),
-        "shift_hints",
-    },
+    "data chunk": {"out"},
+    "eval chunk": {"model", "adapter", "data", "out", "label_model", "shifts", "draft_model"},
     "serve": {"model", "host", "adapter_root", "draft_model"}
     | {"api_key", "api_key_file", "admin_key", "allowed_hosts", "cors_origins"}  # format-checked
     | {"runs_dir"}
@@ -137,14 +134,8 @@ FREE = {
     "transcribe": {"file", "model", "language", "prompt", "out"},
 }
 TASK_FREE = {
-    "chunk": {
-        *("report", "eval.label_model", "eval.shifts", "eval.draft_model"),
-        *("eval.shift_hints", "data.shift_hints"),
-    },
-    "chunk_pref": {
-        *("report", "sft", "eval.label_model", "eval.shifts", "eval.draft_model"),
-        "eval.shift_hints",
-    },
+    "chunk": {"report", "eval.label_model", "eval.shifts", "eval.draft_model"},
+    "chunk_pref": {"report", "sft", "eval.label_model", "eval.shifts", "eval.draft_model"},
 }
 
 

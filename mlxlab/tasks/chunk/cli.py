@@ -24,8 +24,7 @@ cases go next to `out`, named `<stem>.constrained.jsonl`; with `shifts=MODEL` on
 detector of shifts.py says, the model writing only the labels, into `<stem>.shifts.jsonl`, and a
 line with the detector's own boundary F1). With an adapter from a chunk-task run, and unless set:
 the dataset that run trained on, windows as long as its training prompts and of as many
-messages, the topic-shift hints its prompts showed (`shift_hints`: its dataset's), and the run's
-own max_tokens, so its table is reproduced. Without either, the chunk
+messages, and the run's own max_tokens, so its table is reproduced. Without either, the chunk
 dataset built with its defaults.
 """
 
@@ -70,15 +69,6 @@ def evaluate(cfg: ChunkEvalConfig) -> dict:
         return decisions(cfg, data)
     cfg.max_tokens = max_tokens_for(cfg, run_dir)
     records = dataset.read_split(data, cfg)  # read (and fail on bad data) before the model loads
-    if cfg.shift_hints == "auto":  # the prompts as the adapter's run trained on them
-        inherited = trained_shift_hints(run_dir) if run_dir is not None else ""
-        cfg.shift_hints = inherited or "off"
-        if inherited:
-            log.info(f"shift_hints={inherited}: the prompts the adapter was trained on")
-    if cfg.shift_hints != "off":  # a wrong embedding model fails before the model loads
-        from mlxlab.tasks.chunk.shifts import check_model
-
-        check_model(cfg.shift_hints)
     out = output_file(cfg.out, f"eval_chunk_{cfg.split}.jsonl")  # and a bad out= too
     model, tokenizer = load(cfg.model, cfg.dtype)
     name = cfg.model
@@ -220,31 +210,6 @@ def run_eval_setting(run_dir: Path, key: str) -> int:
         return max(0, int(((task.get("eval") or {}).get(key)) or 0))
     except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
         return 0
-
-
-def trained_shift_hints(run_dir: Path) -> str:
-    """The topic-shift hints a chunk-task run's prompts showed: its dataset's build.json; when
-    that dataset is gone, the task.data.shift_hints of a run that built its own (a run given a
-    prebuilt data.train: a warning, none); "" for none."""
-    import yaml
-
-    trained_data = run_data(run_dir)
-    if trained_data is not None:
-        return dataset.built_shift_hints(trained_data)
-    try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        given = (saved.get("data") or {}).get("train")
-        task_data = (saved.get("task") or {}).get("data") or {}
-    except (OSError, yaml.YAMLError, AttributeError, TypeError):
-        return ""
-    if given:
-        log.warning(
-            f"warning: the dataset {run_dir} trained on ({given}) is gone, so whether its prompts "
-            "showed topic-shift hints is unknown: none shown (set shift_hints=MODEL if they did)"
-        )
-        return ""
-    hints = task_data.get("shift_hints") if isinstance(task_data, dict) else None
-    return hints if isinstance(hints, str) else ""
 
 
 def trained_window(run_dir: Path, tokenizer) -> int:

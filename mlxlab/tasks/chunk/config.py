@@ -101,14 +101,6 @@ class ChunkDataConfig:
     topic. Evaluation reads every conversation with more in windows of as many messages
     (EvalSettings.window_messages, by default the adapter's training dataset's), each boundary
     one window's own decision (windows.py `merge_local`)."""
-    shift_hints: str = ""
-    """An embedding model (a zoo name, e.g. all-minilm-l6-v2, or an MLX embedding directory):
-    every example's prompt shows, after the uuid of each message that opens an exchange, the
-    exchange's similarity with the one before (sentence vectors of each message's first 64
-    tokens, shifts.py `HINT_TOKENS`) and whether the detector's default rule would start a chunk
-    there (shifts.py `with_hints`; eval.shift_drop, cap and floor do not change it); an adapter
-    trained on such a dataset is evaluated with the same hints (EvalSettings.shift_hints).
-    Empty: no hints."""
 
     def __post_init__(self):
         for key in ("train", "valid", "test", "sharegpt", "sharegpt_valid", "sharegpt_test"):
@@ -216,13 +208,7 @@ class EvalSettings:
     conversation's median similarity less shift_drop (a smaller drop, a higher cap or floor:
     more chunks). Chosen, never on the test split, as the best on an 80-conversation validation
     build (topics disjoint from the training and test splits') that also scores well on 14
-    realistic hand-written chats (experiments/chunk_seg4/topic-shifts.md). They set the `shifts`
-    decode's rule only; the prompts' hints (shift_hints) always read the default rule."""
-
-    shift_hints: str = "auto"
-    """Show each exchange's topic-shift hint in the prompts (ChunkDataConfig.shift_hints): auto,
-    as the adapter's training dataset did (in a chunk-task run, and in `eval chunk` with an
-    adapter from one; otherwise none); off; or the embedding model that computes them."""
+    realistic hand-written chats (experiments/chunk_seg4/topic-shifts.md)."""
 
     auto_max_tokens: ClassVar[bool] = False  # max_tokens=0 may mean "as the adapter's run"
 

@@ -179,23 +179,14 @@ def write_dataset(out_dir, cfg: ChunkDataConfig | None = None, log=None) -> Path
     from mlxlab.fsutil import atomic_dir
 
     cfg = cfg or ChunkDataConfig()
-    if cfg.shift_hints:  # a wrong embedding model fails now, not after the sources are built
-        from mlxlab.tasks.chunk.shifts import check_model
-
-        check_model(cfg.shift_hints)
 
     def write(tmp: Path) -> None:
         data, card = sources(cfg, log)
         per_split = {}
         for split, cases in data.items():
             (tmp / f"{split}.cases.json").write_text(json.dumps(cases, indent=1) + "\n")
-            shown_cases = cases
-            if cfg.shift_hints:
-                from mlxlab.tasks.chunk.shifts import with_hints
-
-                shown_cases = with_hints(cases, cfg.shift_hints)
             with (tmp / f"{split}.jsonl").open("w") as f:
-                for case in shown_cases:
+                for case in cases:
                     for ex in training_examples(case, cfg):
                         f.write(json.dumps(ex) + "\n")
             per_split[split] = stats(cases)
@@ -223,22 +214,6 @@ def built_window_messages(data) -> int:
         return max(0, int(build_settings(data).get("window_messages") or 0))
     except (ValueError, TypeError):
         return 0
-
-
-def built_shift_hints(data) -> str:
-    """The embedding model a chunk dataset directory's prompts show topic-shift hints of (its
-    build.json `shift_hints`); "" for none or no build.json."""
-    hints = build_settings(data).get("shift_hints")
-    return hints if isinstance(hints, str) else ""
-
-
-def eval_shift_hints(setting: str, data_dir) -> str:
-    """The embedding model whose topic-shift hints an evaluation shows: EvalSettings.shift_hints
-    as set, or for auto the dataset's (`built_shift_hints` of `data_dir`, the one the adapter
-    trained on); "" for none."""
-    if setting == "auto":
-        return built_shift_hints(data_dir) if data_dir is not None else ""
-    return "" if setting == "off" else setting
 
 
 def read_split(data, settings) -> list[dict]:

@@ -239,13 +239,6 @@ def evaluate_model(
 
     mx.reset_peak_memory()
 
-    hints = getattr(settings, "shift_hints", "")
-    hints = "" if hints in ("auto", "off") else hints
-    if hints:  # the prompts show each exchange's topic-shift hint, as the adapter trained with
-        from mlxlab.tasks.chunk.shifts import with_hints
-
-        records = with_hints(records, hints)
-
     speculation = None
     if getattr(settings, "speculative", "off") != "off":
         from mlxlab.decode.speculative import Counts, load_draft
@@ -327,7 +320,5 @@ def evaluate_model(
             f"({stats['hits']} lookups found a prefix, {stats['misses']} none), "
             f"{stats['entries']} prompts held in {stats['bytes'] / 1e9:.2f} GB"
         )
-    if hints:
-        summary["shift_hints"] = hints
     summary["peak_mem_gb"] = round(mx.get_peak_memory() / 1e9, 3)
     return summary

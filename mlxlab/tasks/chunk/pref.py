@@ -28,7 +28,7 @@ from pathlib import Path
 from mlxlab.config import DataConfig, TrainConfig, to_dict
 from mlxlab.errors import UserError
 from mlxlab.tasks.chunk.config import ChunkDataConfig, ChunkPrefConfig
-from mlxlab.tasks.chunk.dataset import built_shift_hints, dataset_dir
+from mlxlab.tasks.chunk.dataset import dataset_dir
 from mlxlab.tasks.chunk.prompt import answer, conversation_uuid, prompt
 from mlxlab.tasks.chunk.reward import prompt_record
 from mlxlab.tasks.chunk.scoring import score_case
@@ -146,15 +146,9 @@ def is_right(text: str, uuids: list[str], gold: list[dict], conversation_uuid) -
 
 def sft_windows(sft_data: Path) -> list:
     """The (case, messages, gold) windows of the SFT run's training split, as it trained on them
-    (its build.json's settings; with its topic-shift hints when it was built with them)."""
-    build = json.loads((sft_data / "build.json").read_text())
-    dcfg = _data_config(build)
+    (its build.json's settings)."""
+    dcfg = _data_config(json.loads((sft_data / "build.json").read_text()))
     cases = json.loads((sft_data / "train.cases.json").read_text())
-    hints = built_shift_hints(sft_data)
-    if hints:
-        from mlxlab.tasks.chunk.shifts import with_hints
-
-        cases = with_hints(cases, hints)
     return [(c, msgs, gold) for c in cases for msgs, gold in training_windows(c, dcfg)]
 
 

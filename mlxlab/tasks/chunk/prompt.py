@@ -30,19 +30,9 @@ KEYS = ("label", "start_message_uuid", "end_message_uuid")
 
 TRUNCATED = "\n[...]"
 
-HINT_KEY = "shift_hint"
-"""A message's topic-shift hint (shifts.py `with_hints`), shown after its uuid; only
-`with_hints` writes one (never into a dataset's cases on disk; `read_cases` drops one a file
-carries)."""
-
 
 def message_block(m: dict) -> str:
-    """A message as the prompt shows it; with a topic-shift hint (shifts.py `with_hints`) after
-    its uuid."""
-    hint = m.get(HINT_KEY)
-    return (
-        f"[{m['sender']}] (uuid: {m['uuid']})" + (f" {hint}" if hint else "") + f"\n{m['text']}\n"
-    )
+    return f"[{m['sender']}] (uuid: {m['uuid']})\n{m['text']}\n"
 
 
 def shown(messages: list[dict]) -> list[dict]:
@@ -106,7 +96,6 @@ def read_cases(path) -> list[dict]:
                 raise UserError(f"{where}: message {j}: sender and text must be strings")
             m.setdefault("sender", "user")
             m.setdefault("text", "")
-            m.pop(HINT_KEY, None)  # only shifts.py `with_hints` writes one
         if not shown(msgs):
             raise UserError(f"{where}: no message has text")
         uuids = [m["uuid"] for m in shown(msgs)]

@@ -42,29 +42,12 @@ def overruled_note(summary: dict) -> str:
     return f"; the grammar overruled the model in {n} of {total} windows, {unread} merged as unread"
 
 
-def decoding_line(settings, evals: dict | None = None) -> str:
-    """How a split was decoded: split, max_tokens, batch, the topic-shift hints the prompts
-    showed (as `evals`' summaries say), and the further decodes."""
+def decoding_line(settings) -> str:
+    """How a split was decoded: split, max_tokens, batch, and the further decodes."""
     line = (
         f"- evaluation: {settings.split} split, greedy, max_tokens {settings.max_tokens}, batch "
         f"{settings.batch_size}"
     )
-    hints = next(
-        (
-            e["shift_hints"]
-            for e in (evals or {}).values()
-            if isinstance(e, dict) and e.get("shift_hints")
-        ),
-        "",
-    )
-    if hints:
-        from mlxlab.tasks.chunk.shifts import HINT_TOKENS
-
-        line += (
-            f"; every prompt shows each exchange's topic-shift hint ({hints} vectors of each "
-            f"message's first {HINT_TOKENS} tokens: the similarity with the exchange before and "
-            "the rule's reading), as in training"
-        )
     if settings.constrained:
         line += (
             "; also decoded under the answer's grammar (rows marked constrained: its chunks in "
@@ -354,7 +337,7 @@ def report(run, task, summary: dict, evals: dict[str, dict], command: str | None
         f"{cfg.optim.name} lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup}, {cfg.optim.schedule}, "
         f"max_seq_length {cfg.data.max_seq_length}",
         f"- data: {json.dumps(dataclasses.asdict(task.data))}",
-        decoding_line(task.eval, evals),
+        decoding_line(task.eval),
         machine_line(),
         "",
         f"## Result ({task.eval.split} split"
@@ -471,7 +454,7 @@ def pref_report(run, task, summary: dict, evals: dict, command: str | None = Non
         f"max_seq_length {cfg.data.max_seq_length}",
         f"- gradients: {how}",
         data_line,
-        decoding_line(task.eval, evals),
+        decoding_line(task.eval),
         machine_line(),
         "",
         f"## Result ({task.eval.split} split, topics never seen in training)",

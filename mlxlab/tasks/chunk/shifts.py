@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlxlab.tasks.chunk.prompt import HINT_KEY, is_user, shown
+from mlxlab.tasks.chunk.prompt import is_user, shown
 from mlxlab.tasks.chunk.scoring import boundary_f1, case_gold_spans, spans_of
 
 
@@ -38,11 +38,6 @@ class Rule:
     drop: float = 0.15
     cap: float = 0.6
     floor: float = 0.3
-
-    def starts_chunk(self, similarity: float, median: float) -> bool:
-        """Whether an exchange of `similarity` with the one before starts a chunk in a
-        conversation whose median similarity is `median`."""
-        return similarity < self.floor or similarity < min(self.cap, median - self.drop)
 
     def __str__(self) -> str:
         return (
@@ -86,8 +81,8 @@ def starts_from_vectors(groups: list[list[int]], vectors: np.ndarray, rule: Rule
     sims = similarities(groups, vectors)
     if not len(sims):
         return [0]
-    median = float(np.median(sims))
-    return [0] + [groups[j + 1][0] for j, s in enumerate(sims) if rule.starts_chunk(s, median)]
+    cut = min(rule.cap, float(np.median(sims)) - rule.drop)
+    return [0] + [groups[j + 1][0] for j, s in enumerate(sims) if s < rule.floor or s < cut]
 
 
 def check_model(model: str) -> None:
@@ -118,59 +113,6 @@ def chunk_starts(cases: list[dict], model: str, rule: Rule = Rule()) -> list[lis
             continue
         vectors = message_vectors(embedder, msgs)
         out.append(starts_from_vectors(exchanges(msgs), vectors, rule))
-    return out
-
-
-def hint_text(similarity: float, rule: Rule, median: float) -> str:
-    """What the prompt says of an exchange's similarity with the one before: the cosine, and
-    whether `rule` (with the conversation's `median` similarity) would start a chunk there."""
-    new = rule.starts_chunk(similarity, median)
-    verdict = "likely a new topic" if new else "likely the same topic"
-    return f"(similarity to the previous exchange: {similarity:.2f}, {verdict})"
-
-
-HINT_TOKENS = 64
-"""A message's first tokens that its hint's vector reads (the detector's own decode,
-`message_vectors`, reads the model's whole input): as many as the joins' segments were cut with
-(segments.py USER_TOKENS and ASSISTANT_TOKENS), whose cached vectors the training conversations'
-messages mostly have. On the dev set the rule reads 64-token vectors at boundary F1 0.579, 128 at
-0.556, whole inputs at 0.602 (experiments/chunk_seg4/shift-hints.md)."""
-
-
-def with_hints(cases: list[dict], model: str, rule: Rule = Rule(), cache="default") -> list[dict]:
-    """Copies of `cases` in which each exchange after the first carries, on the message that
-    opens it, the detector's reading of it (`hint_text`, under prompt.py `HINT_KEY`; the vectors
-    of each message's first `HINT_TOKENS` tokens): an input the adapter
-    reads, so that where a topic changes it need not judge from the texts alone; the answer is
-    still the model's. Training (a dataset built with `shift_hints`) and evaluation (an adapter
-    trained on one) annotate their cases the same way, with embedding model `model`: each
-    message's first `HINT_TOKENS` tokens, padding cut (segments.py `text_vectors`; for a zoo
-    model the vectors are kept in `cache`, by default the sentence-vector cache under
-    MLXLAB_HOME, where the joins keep theirs; a directory's are not kept)."""
-    from mlxlab.embed.model import Embedder
-    from mlxlab.models import zoo
-    from mlxlab.tasks.chunk.segments import VectorCache, text_vectors
-
-    embedder = Embedder(model)
-    store = VectorCache(model, cache) if cache and model in zoo.ZOO else None
-    shown_msgs = [shown(case["messages"]) for case in cases]
-    texts = [m["text"] for msgs in shown_msgs for m in msgs]
-    vectors = text_vectors(embedder, texts, HINT_TOKENS, store)
-    out, at = [], 0
-    for case, msgs in zip(cases, shown_msgs, strict=True):
-        groups = exchanges(msgs)
-        hints: dict[str, str] = {}
-        if len(groups) > 1:
-            sims = similarities(groups, vectors[at : at + len(msgs)])
-            median = float(np.median(sims))
-            for g, sim in zip(groups[1:], sims, strict=True):
-                hints[msgs[g[0]]["uuid"]] = hint_text(float(sim), rule, median)
-        at += len(msgs)
-        messages = [
-            {**m, HINT_KEY: hints[m["uuid"]]} if m.get("uuid") in hints else m
-            for m in case["messages"]
-        ]
-        out.append({**case, "messages": messages})
     return out
 
 

@@ -92,14 +92,10 @@ class ChunkTask(Hooks):
         check_window_messages(cap or WINDOW_MESSAGES, self.cfg.eval.window_overlap, "", source)
 
     def before_lora(self, run: Run) -> None:
-        from mlxlab.tasks.chunk.shifts import check_model
-
         if self.cfg.eval.shifts:  # a wrong embedding model fails now, not after training
+            from mlxlab.tasks.chunk.shifts import check_model
+
             check_model(self.cfg.eval.shifts)
-        data_dir = dataset.dataset_dir(run.data.train)
-        hints = dataset.eval_shift_hints(self.cfg.eval.shift_hints, data_dir)
-        if hints:  # the hints the evaluations will show (the dataset's, or as set)
-            check_model(hints)
         if self.cfg.eval_base:
             self.evaluate_splits(run, "base")
 
@@ -157,8 +153,6 @@ class ChunkTask(Hooks):
         if not settings.max_prompt_tokens:  # windows as long as the training examples' prompts
             window = dataset.training_window(data_dir, run.tokenizer)
             settings = dataclasses.replace(settings, max_prompt_tokens=window)
-        hints = dataset.eval_shift_hints(settings.shift_hints, data_dir)  # as training showed
-        settings = dataclasses.replace(settings, shift_hints=hints or "off")
         if not settings.window_messages:  # as many messages as a training example
             cap = dataset.built_window_messages(data_dir) or WINDOW_MESSAGES
             settings = dataclasses.replace(settings, window_messages=cap)
