@@ -1,7 +1,7 @@
 """Hydra CLI glue: compose/run a command's config.
 
 Each command's schema is the dataclass it registered (mlxlab/registry.py: the framework's in
-`mlxlab/config.py`, the server's in `serve/config.py`, a `data`/`eval` verb's in its task's
+`mlxlab/config.py`, `train`'s in `train/config.py`, the server's in `serve/config.py`, a `data`/`eval` verb's in its task's
 package), stored in Hydra's ConfigStore as `<command>_schema`; `configs/<command>.yaml` composes
 it. `run_hydra` is what every command's
 `main(argv)` calls: positional words become overrides, free text needs no Hydra quoting, and a

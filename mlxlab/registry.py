@@ -25,6 +25,7 @@ from mlxlab.errors import UserError
 
 PROVIDERS = (
     "mlxlab.config",
+    "mlxlab.train.config",
     "mlxlab.diag.config",
     "mlxlab.audio.config",
     "mlxlab.serve.config",

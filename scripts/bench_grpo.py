@@ -266,11 +266,12 @@ def memory_worker(a) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from mlxlab.config import BackwardConfig, GRPOConfig, LoraConfig, TrainConfig
+    from mlxlab.config import BackwardConfig, LoraConfig
     from mlxlab.data.prompts import Prompt
     from mlxlab.lora import apply as lora
     from mlxlab.models.zoo import load
     from mlxlab.train.backward import make_grad_fn
+    from mlxlab.train.config import GRPOConfig, TrainConfig
     from mlxlab.train.grpo import loop
     from mlxlab.train.grpo import losses as L
     from mlxlab.train.grpo.rollout import Completion

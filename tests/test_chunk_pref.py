@@ -64,7 +64,7 @@ def test_config_errors(tmp_path):
         cp.sft_dir(ChunkPrefConfig(sft=str(tmp_path)))
     with pytest.raises(UserError, match="multi_share"):
         ChunkPrefConfig(multi_share=2)
-    from mlxlab.config import TrainConfig
+    from mlxlab.train.config import TrainConfig
 
     with pytest.raises(UserError, match="objective=dpo, objective=orpo or objective=grpo"):
         cp.ChunkPrefTask(ChunkPrefConfig()).train_config(TrainConfig())
@@ -73,7 +73,7 @@ def test_config_errors(tmp_path):
 def test_grpo_trains_from_the_sft_adapter_and_warns_without_a_chunk_reward(tmp_path, caplog):
     import dataclasses
 
-    from mlxlab.config import GRPOConfig, TrainConfig
+    from mlxlab.train.config import GRPOConfig, TrainConfig
 
     sft = tmp_path / "sft"
     (sft / "adapter").mkdir(parents=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxlab import cli, config, registry
+from mlxlab.train.config import TrainConfig
 
 VERBS = [(c, t) for c in ("data", "eval") for t in sorted(registry.verbs(c))]
 
@@ -56,18 +57,18 @@ def test_quickstart_points_at_the_bundled_data():
     cfg = cli.compose("train", ["+exp=quickstart"])
     assert (Path(cfg.data.train) / "train.jsonl").is_file()
     with pytest.raises(config.UserError, match="unknown TrainConfig keys: bogus"):
-        config.from_dict(config.TrainConfig, {"bogus": 1})
+        config.from_dict(TrainConfig, {"bogus": 1})
 
 
 def test_the_task_is_a_config_group_not_trainer_fields():
     import dataclasses
 
-    assert "task" not in {f.name for f in dataclasses.fields(config.TrainConfig)}
+    assert "task" not in {f.name for f in dataclasses.fields(TrainConfig)}
     assert cli.compose("train", ["+exp=quickstart"]).task is None
     seg4 = cli.compose("train", ["+exp=chunk_seg4", "task.eval.cases=2", "iters=3"])
     assert seg4.task["name"] == "chunk" and seg4.task["eval"]["cases"] == 2 and seg4.iters == 3
     assert seg4.task["report"] == "experiments/chunk_seg4/README.md"
-    assert type(seg4.train_config()) is config.TrainConfig
+    assert type(seg4.train_config()) is TrainConfig
     hooks = registry.hooks_for(seg4.task)
     assert hooks.cfg.eval.max_tokens == 256 and hooks.config()["name"] == "chunk"
     # one decode per split: the grammar's and the shift boundaries' decodes are opt-in

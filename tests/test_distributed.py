@@ -171,8 +171,9 @@ def test_distributed_config_errors(overrides, message):
 
 
 def test_resume_refuses_a_checkpoint_of_another_world(tiny_dir, tmp_path):
-    from mlxlab.config import DataConfig, LoraConfig, TrainConfig
+    from mlxlab.config import DataConfig, LoraConfig
     from mlxlab.train.cli import run
+    from mlxlab.train.config import TrainConfig
 
     tiny_dir("llama")
     cfg = dict(

@@ -13,11 +13,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxlab  # noqa: F401
-from mlxlab.config import GRPOConfig, TrainConfig, UserError
+from mlxlab.config import UserError
 from mlxlab.data.prompts import Prompt
 from mlxlab.models import tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import trainer
+from mlxlab.train.config import GRPOConfig, TrainConfig
 from mlxlab.train.grpo import loop
 from mlxlab.train.grpo import losses as L
 from tests.helpers.grpo_case import REWARDS, G, case_config, rollout_case

@@ -114,9 +114,10 @@ def test_train_generate_and_lora_check_take_a_repo_id(tiny_dir, hub_env, monkeyp
     import io
 
     from mlxlab import generate
-    from mlxlab.config import DataConfig, GenerateConfig, LoraConfig, LoraToolConfig, TrainConfig
+    from mlxlab.config import DataConfig, GenerateConfig, LoraConfig, LoraToolConfig
     from mlxlab.lora import cli as lora_cli
     from mlxlab.train.cli import run as train
+    from mlxlab.train.config import TrainConfig
     from tests.helpers.cli import REPO as CHECKOUT
 
     write_cache(hub_env, REPO, tiny_dir("qwen3"))

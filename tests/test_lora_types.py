@@ -16,14 +16,7 @@ from mlx.utils import tree_flatten
 
 import mlxlab  # noqa: F401
 from mlxlab import kernels
-from mlxlab.config import (
-    BackwardConfig,
-    DataConfig,
-    LoraConfig,
-    OptimConfig,
-    TrainConfig,
-    UserError,
-)
+from mlxlab.config import BackwardConfig, DataConfig, LoraConfig, OptimConfig, UserError
 from mlxlab.data import batches as B
 from mlxlab.lora import apply as lora
 from mlxlab.lora import io as lora_io
@@ -31,6 +24,7 @@ from mlxlab.models import tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import objectives as obj
 from mlxlab.train import trainer
+from mlxlab.train.config import TrainConfig
 from tests.helpers.training import QUICKSTART, assert_same, examples, run_losses
 
 KINDS = ["dora", "full"]

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 import mlxlab  # noqa: F401  (BLAS before MLX)
-from mlxlab.config import BackwardConfig, DataConfig, LoraConfig, OptimConfig, TrainConfig
+from mlxlab.config import BackwardConfig, DataConfig, LoraConfig, OptimConfig
+from mlxlab.train.config import TrainConfig
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "mlxlab" / "data" / "quickstart"
 RTOL = 1e-5

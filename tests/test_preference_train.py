@@ -168,7 +168,8 @@ def write_pairs(out_dir, n_train: int = 24, n_valid: int = 6):
 
 
 def _pair_cfg(tmp_path, objective: str, **kw):
-    from mlxlab.config import DataConfig, LoraConfig, OptimConfig, TrainConfig
+    from mlxlab.config import DataConfig, LoraConfig, OptimConfig
+    from mlxlab.train.config import TrainConfig
 
     base = dict(
         model="tiny-llama",
@@ -237,7 +238,8 @@ def _dpo(**kw):
 
 def test_preference_config_errors(tmp_path):
     from mlxlab.cli import compose
-    from mlxlab.config import DataConfig, TrainConfig, UserError
+    from mlxlab.config import DataConfig, UserError
+    from mlxlab.train.config import TrainConfig
 
     with pytest.raises(UserError, match="objective must be one of"):
         TrainConfig(objective="kto")

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 import mlxlab  # noqa: F401
-from mlxlab.config import BackwardConfig, DataConfig, LoraConfig, OptimConfig, TrainConfig
+from mlxlab.config import BackwardConfig, DataConfig, LoraConfig, OptimConfig
 from mlxlab.data import batches as B
 from mlxlab.lora import apply as lora
 from mlxlab.lora import io as lora_io
 from mlxlab.models import tiny
 from mlxlab.train import backward as bw
 from mlxlab.train import trainer
+from mlxlab.train.config import TrainConfig
 from tests.helpers.training import QUICKSTART, assert_same, examples, run_losses
 
 QUANTS = [(4, 32), (8, 64)]

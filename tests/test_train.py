@@ -15,11 +15,12 @@ import pytest
 
 import mlxlab  # noqa: F401
 from mlxlab import kernels
-from mlxlab.config import DataConfig, LoraConfig, OptimConfig, TrainConfig, UserError
+from mlxlab.config import DataConfig, LoraConfig, OptimConfig, UserError
 from mlxlab.data import batches as B
 from mlxlab.data import datasets as D
 from mlxlab.models import tiny
 from mlxlab.train import losses
+from mlxlab.train.config import TrainConfig
 from tests.helpers.training import QUICKSTART, examples, run_losses
 
 

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from mlxlab.cli import packaged_data
-from mlxlab.config import DataConfig, LoraConfig, OptimConfig, TrainConfig
+from mlxlab.config import DataConfig, LoraConfig, OptimConfig
+from mlxlab.train.config import TrainConfig
 from tests.helpers.cli import REPO
 from tests.helpers.serve import make_adapter, start_server
 

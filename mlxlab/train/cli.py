@@ -14,7 +14,7 @@ itself is `mlxlab.train.job.run`; a `task` node is handed to the task that regis
 from __future__ import annotations
 
 from mlxlab.cli import command_overrides, run_hydra
-from mlxlab.config import TrainCommandConfig, TrainConfig
+from mlxlab.train.config import TrainCommandConfig, TrainConfig
 
 
 def run(cfg: TrainConfig | TrainCommandConfig, command: str | None = None) -> dict:

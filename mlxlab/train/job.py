@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxlab.config import DataConfig, TrainConfig, to_dict
+from mlxlab.config import DataConfig, to_dict
 from mlxlab.errors import UserError
+from mlxlab.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,13 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from mlxlab.config import OptimConfig, TrainConfig
+from mlxlab.config import OptimConfig
 from mlxlab.data.batches import Batch, BatchSampler
 from mlxlab.errors import UserError
 from mlxlab.fsutil import atomic_write_text
 from mlxlab.lora.apply import LoraPlan
 from mlxlab.train import checkpoint
+from mlxlab.train.config import TrainConfig
 from mlxlab.train.flops import model_shapes, step_flops
 from mlxlab.train.losses import response_ce
 from mlxlab.train.objectives import METRICS

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlxlab.config import GRPOConfig, TrainConfig
 from mlxlab.data.prompts import Prompt
+from mlxlab.train.config import GRPOConfig, TrainConfig
 from mlxlab.train.grpo.rollout import Completion
 from tests.helpers.lora_model import lora_model
 

@@ -25,7 +25,7 @@ import shutil
 import time
 from pathlib import Path
 
-from mlxlab.config import DataConfig, TrainConfig, to_dict
+from mlxlab.config import DataConfig, to_dict
 from mlxlab.errors import UserError
 from mlxlab.tasks.chunk.config import ChunkDataConfig, ChunkPrefConfig
 from mlxlab.tasks.chunk.dataset import dataset_dir
@@ -34,6 +34,7 @@ from mlxlab.tasks.chunk.reward import prompt_record
 from mlxlab.tasks.chunk.scoring import score_case
 from mlxlab.tasks.chunk.task import ChunkTask
 from mlxlab.tasks.chunk.windows import training_windows
+from mlxlab.train.config import TrainConfig
 from mlxlab.train.job import Run
 
 log = logging.getLogger(__name__)
