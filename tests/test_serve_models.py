@@ -1,9 +1,9 @@
-"""Several models behind one server (serve `models.NAME=SPEC`, engine/models.py, engine/loader.py):
-tiny models of three families answer alternately and in parallel with the texts they give served
-alone; an unknown model is a 404 on every protocol; eviction under a small budget and reload; idle
-unload; a load that fails leaves the others serving; a model too large is refused; paced loads;
-leases; /v1/models, /stats and /metrics per model. Adapters on several models (mount lists) and
-shared tokenizers: tests/test_serve_mounts.py."""
+"""Several models behind one server (serve `models.NAME=SPEC`, engine/entries.py, engine/models.py,
+engine/loader.py): tiny models of three families answer alternately and in parallel with the
+texts they give served alone; an unknown model is a 404 on every protocol; eviction under a small
+budget and reload; idle unload; a load that fails leaves the others serving; a model too large is
+refused; paced loads; leases; /v1/models, /stats and /metrics per model. Adapters on several
+models (mount lists) and shared tokenizers: tests/test_serve_mounts.py."""
 
 from __future__ import annotations
 
@@ -186,7 +186,8 @@ def test_a_model_that_cannot_fit_is_refused(tiny_dir):
 def test_a_load_plan_counts_the_kv_of_every_request_in_flight():
     """Batched rows hold their KV together: the plan sums every lease's, not the largest."""
     from mlxlab.serve.config import ServeConfig
-    from mlxlab.serve.engine.models import Lease, ModelError, Models
+    from mlxlab.serve.engine.entries import ModelError
+    from mlxlab.serve.engine.models import Lease, Models
 
     gb = 10**9
     models = Models(ServeConfig(model="a", models={"b": "b-spec"}, memory_budget_gb=10).engine())
@@ -209,7 +210,8 @@ def test_a_load_plan_waits_for_a_lease_about_to_end():
     """Room held only by a busy model's lease: the plan waits (up to `wait_s`) for a lease to
     end and plans again, rather than refusing; with none ending in time it is the 503."""
     from mlxlab.serve.config import ServeConfig
-    from mlxlab.serve.engine.models import Lease, ModelError, Models
+    from mlxlab.serve.engine.entries import ModelError
+    from mlxlab.serve.engine.models import Lease, Models
 
     gb = 10**9
     models = Models(ServeConfig(model="a", models={"b": "b-spec"}, memory_budget_gb=10).engine())
@@ -364,13 +366,13 @@ def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     write_cache(tmp_path / "hub", "tiny-org/llama", tiny_dir("llama"))
     from mlxlab.models import zoo
-    from mlxlab.serve.engine import models
+    from mlxlab.serve.engine import entries
 
     scans, reads = [], []
-    real_scan, real_facts = zoo.hub_cached, models.facts
+    real_scan, real_facts = zoo.hub_cached, entries.facts
     monkeypatch.setattr(zoo, "hub_cached", lambda: scans.append(1) or real_scan())
-    monkeypatch.setattr(models, "facts", lambda *a: reads.append(a[0]) or real_facts(*a))
-    monkeypatch.setattr(models, "HUB_TTL_S", 3600.0)
+    monkeypatch.setattr(entries, "facts", lambda *a: reads.append(a[0]) or real_facts(*a))
+    monkeypatch.setattr(entries, "HUB_TTL_S", 3600.0)
     client, gateway = make_client(models_from_cache=True)
     try:
         cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
@@ -387,7 +389,7 @@ def test_models_from_the_hugging_face_cache(tiny_dir, tmp_path, monkeypatch, alo
         )
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert len(scans) == 1  # the 404 too
-        monkeypatch.setattr(models, "HUB_TTL_S", 0.0)  # past its time: scanned again
+        monkeypatch.setattr(entries, "HUB_TTL_S", 0.0)  # past its time: scanned again
         client.get("/v1/models")
         assert len(scans) == 2
     finally:

@@ -163,7 +163,7 @@ class Live:
 
     @staticmethod
     def _models(s: dict):
-        """Per chat model (serve `models.NAME=`, engine/models.py): loaded or not, its loads,
+        """Per chat model (serve `models.NAME=`, engine/entries.py): loaded or not, its loads,
         their seconds, evictions, idle unloads, failed loads, requests and tokens."""
         yield gauge(
             "mlxlab_models_weights_bytes", "Weights of the loaded models", s["weights_bytes"]

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from mlxlab.serve.engine.adapters import adapter_error_code
+from mlxlab.serve.engine.entries import ModelError
 from mlxlab.serve.engine.gateway import Gateway
 from mlxlab.serve.engine.jobs import AdapterSpec
 from mlxlab.serve.engine.loaded import Loaded
-from mlxlab.serve.engine.models import Lease, ModelError
+from mlxlab.serve.engine.models import Lease
 from mlxlab.serve.http import APIError, error_type
 
 

@@ -18,7 +18,7 @@ from mlxlab.lora import io as lora_io
 from mlxlab.serve import sidecars
 from mlxlab.serve.admin.protocol import Health, MountRequest
 from mlxlab.serve.engine.adapters import Adapters
-from mlxlab.serve.engine.models import ModelError
+from mlxlab.serve.engine.entries import ModelError
 from mlxlab.serve.http import APIError, protocol_route
 from mlxlab.serve.metrics import CONTENT_TYPE
 from mlxlab.serve.model_choice import lease_for, model_error, ready_loaded
@@ -52,7 +52,7 @@ async def health(request: Request):
 
 
 CARD_FIELDS = ("default", "state", "loaded", "size_bytes", "context_length", "vision")
-"""What a chat model's /v1/models entry says beside OpenAI's fields (engine/models.py)."""
+"""What a chat model's /v1/models entry says beside OpenAI's fields (engine/entries.py `describe`)."""
 
 
 def model_card(request: Request, info: dict) -> dict:

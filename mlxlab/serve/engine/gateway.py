@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from mlxlab.decode.speculative import Counts
 from mlxlab.serve.engine.batch import BatchLane, batchable
+from mlxlab.serve.engine.entries import Entry
 from mlxlab.serve.engine.jobs import (
     Done,
     Failed,
@@ -40,7 +41,7 @@ from mlxlab.serve.engine.jobs import (
 )
 from mlxlab.serve.engine.loaded import Loaded
 from mlxlab.serve.engine.loader import Loader
-from mlxlab.serve.engine.models import Entry, Models
+from mlxlab.serve.engine.models import Models
 from mlxlab.serve.engine.rows import heal_random_state
 from mlxlab.serve.engine.serial import SerialLane
 from mlxlab.serve.engine.settings import EngineSettings

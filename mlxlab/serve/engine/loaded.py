@@ -36,7 +36,7 @@ class Loaded:
     vocabulary while loading, in a thread `start` joins (the default model: no request pays for
     it); an on-demand model's is built by the loader thread (`grammar_vocab`) before it serves.
     `remount`: id -> path of adapters mounted at runtime on an earlier load of this model
-    (engine/models.py's mount list), mounted after `cfg.adapters` if still under the adapter
+    (engine/entries.py's mount list), mounted after `cfg.adapters` if still under the adapter
     root; one that fails or is not is logged and listed in its registry's `not_remounted`
     (which the model's entry keeps) instead of failing the load."""
 

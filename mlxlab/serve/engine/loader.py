@@ -27,8 +27,9 @@ import time
 
 from mlxlab.models import zoo
 from mlxlab.serve.engine.catalog import planned_bytes
+from mlxlab.serve.engine.entries import Entry, ModelError
 from mlxlab.serve.engine.loaded import Loaded
-from mlxlab.serve.engine.models import LEASE_WAIT_S, Entry, ModelError
+from mlxlab.serve.engine.models import LEASE_WAIT_S
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ class EngineSettings:
     max_queue: int = 16
     """Jobs waiting for the engine beyond which new ones are refused (QueueFull)."""
     models: dict[str, str] = field(default_factory=dict)
-    """Further models requests may name, name -> spec (engine/models.py)."""
+    """Further models requests may name, name -> spec (engine/entries.py)."""
     model_adapters: dict[str, dict[str, str]] = field(default_factory=dict)
     """Adapters mounted on each load of a model of `models`, name -> (id -> directory)."""
     models_from_cache: bool = False
