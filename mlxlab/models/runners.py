@@ -53,7 +53,7 @@ class Runner:
     def context(self, h: mx.array, segments: mx.array | None = None) -> Context:
         """The Context of a batch whose hidden states look like `h` (only its shape and dtype are
         read): what a segment-pipeline stage that holds no embedding builds (Gemma 4's per-layer
-        inputs, which need the tokens' embeddings, it receives: train/pipeline.py)."""
+        inputs, which need the tokens' embeddings, it receives: train/pipeline_stage.py)."""
         return Context(masks=self._masks(h) if segments is None else self.packed_masks(segments))
 
     def window(self, i: int) -> int | None:

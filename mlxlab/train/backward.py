@@ -211,7 +211,7 @@ def _grad_tree(model, flat: dict[str, mx.array]):
 
 class Segments:
     """The segmented backward's steps, one segment at a time: `segmented_backward` runs them all
-    in one process, the segment pipeline (train/pipeline.py) runs each rank's on that rank, so
+    in one process, the segment pipeline (train/pipeline_stage.py) runs each rank's on that rank, so
     both compute the same numbers. `objective` (a PairObjective) puts its pair head on the last
     segment instead of the SFT loss."""
 

@@ -241,7 +241,7 @@ def load(s: Start) -> Prepared:
     data_cfg = s.hooks.prepare_data(cfg.data, s.run_dir)
     train_path, valid_path = resolve_paths(data_cfg)
     # No bf16 copy of the LM head for decode: training's products are many-row ones (BLAS).
-    # A pipeline stage loads lazily: the layers it does not hold are never read (pipeline.py).
+    # A pipeline stage loads lazily: the layers it does not hold are never read (pipeline_stage.py).
     model, tokenizer = load_model(cfg.model, cfg.dtype, decode_head="exact", lazy=s.pipeline)
     if cfg.objective == "grpo":  # prompts: the completions are the policy's own
         import functools

@@ -15,7 +15,7 @@ Its peers then see the connection drop and stop too, each with its own one-line 
 
 Arrays whose shapes a receiver does not know travel behind a header of their dtypes and shapes
 (`encode` / `decode`); `share` sends a rank's arrays to every rank that way (the segment
-pipeline's boundaries and gathered checkpoints, train/pipeline.py).
+pipeline's boundaries and gathered checkpoints, train/pipeline_stage.py and pipeline.py).
 """
 
 from __future__ import annotations
