@@ -300,8 +300,8 @@ class BackwardConfig:
             raise UserError("backward.plan=auto needs backward.memory_target_gb")
 
 
-MAX_LOSS_WEIGHT = 1e6  # a loss weight's bound (`loss_weights`, boundary_weight): float32
-# sums of weighted losses stay finite
+MAX_LOSS_WEIGHT = 1e6  # a loss weight's bound (`loss_weights`): float32 sums of weighted losses
+# stay finite
 
 
 DIST_BACKENDS = ("any", "ring", "mpi", "jaccl", "nccl")

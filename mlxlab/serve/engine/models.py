@@ -28,7 +28,6 @@ loop), the loader thread and the engine thread all come here.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -37,8 +36,6 @@ from concurrent.futures import Future
 from mlxlab.serve.engine.admission import RESERVE_BYTES
 from mlxlab.serve.engine.entries import HOLDING, Entries, Entry, ModelError
 from mlxlab.serve.engine.settings import EngineSettings
-
-log = logging.getLogger(__name__)
 
 LEASE_WAIT_S = 2.0
 """How long a load that cannot fit only because busy models' leases hold the budget waits for one
