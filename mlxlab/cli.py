@@ -1,9 +1,9 @@
 """Hydra CLI glue: compose/run a command's config.
 
 Each command's schema is the dataclass it registered (mlxlab/registry.py: the framework's in
-`mlxlab/config.py`, `train`'s in `train/config.py`, the server's in `serve/config.py`, a `data`/`eval` verb's in its task's
-package), stored in Hydra's ConfigStore as `<command>_schema`; `configs/<command>.yaml` composes
-it. `run_hydra` is what every command's
+`mlxlab/config.py`, `train`'s in `train/config.py`, the server's in `serve/config.py`, a
+`data`/`eval` verb's in its task's package), stored in Hydra's ConfigStore as
+`<command>_schema`; `configs/<command>.yaml` composes it. `run_hydra` is what every command's
 `main(argv)` calls: positional words become overrides, free text needs no Hydra quoting, and a
 bad value (UserError, or a ValueError while the config is built) is one line on stderr and exit 1.
 Tests and notebooks use `compose(name, overrides)`. Only this module touches Hydra/OmegaConf.

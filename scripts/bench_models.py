@@ -153,6 +153,7 @@ def main() -> None:
         # the default's decode alone, then with `third` loading meanwhile (`other` is loaded:
         # `third` evicts it again and loads while the default generates)
         alone = stream(url, args.default, args.decode_tokens)["times"]
+        loads_before = stats(url)["third"]["loads"]
         load: dict = {}
 
         def load_third(n: int) -> None:
@@ -169,6 +170,11 @@ def main() -> None:
         beside = stream(url, args.default, args.decode_tokens, on_token=load_third)["times"]
         load["thread"].join()
         loaded = stats(url)["third"]
+        if "end" not in load or loaded["loads"] != loads_before + 1:
+            raise SystemExit(
+                f"`third` did not load while the default answered ({loaded}): a load longer "
+                "than a request waits for one (600 s) at this --load-share?"
+            )
 
         # the tokens that arrived while `third` was asked for (until its first token: on the
         # serial lane that follows the default's answer) and while its load itself ran (the
@@ -181,6 +187,7 @@ def main() -> None:
             solo = (len(idx) - 1) / (alone[idx[-1]] - alone[idx[0]])
             return solo, during, len(idx)
 
+        # (`last_load_seconds` counts from the loader's start, a few ms after the request's)
         # where the time went: the longest gaps between tokens while the load ran, against the
         # same tokens' gaps in the answer alone (one long stall points at an unpaced step)
         end = load["start"] + loaded["last_load_seconds"]

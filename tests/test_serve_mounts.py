@@ -1,8 +1,8 @@
 """Mount lists and shared tokenizers of several models behind one server (engine/entries.py,
 engine/models.py, engine/loader.py, admin/router.py): adapters mounted on a model other than the
-default (POST /v1/adapters `model`, serve model_adapters.) answer as on that model served alone, are mounted
-again when it reloads after an eviction (or reported, not_remounted, where their files have gone
-or left the adapter root); an unmount while the model loads waits for the load; copies of a
+default (POST /v1/adapters `model`, serve model_adapters.) answer as on that model served alone, are
+mounted again when it reloads after an eviction (or reported, not_remounted, where their files have
+gone or left the adapter root); an unmount while the model loads waits for the load; copies of a
 model share one tokenizer."""
 
 from __future__ import annotations

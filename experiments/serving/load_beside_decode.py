@@ -68,13 +68,24 @@ def paced_load(mode: str, share: float, dec: Decoder) -> tuple[float, float, lis
     ran: list[float] = []
 
     def pace(fn=None):
+        # as engine/pacer.py: a slice is the time since the last one ended plus fn's own run,
+        # not its wait for the decoder to reach a step's end
         nonlocal mark
-        began = time.perf_counter()
+        took = [0.0]
+
+        def timed():
+            began = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                took[0] = time.perf_counter() - began
+
+        asked = time.perf_counter()
         out = None
         if fn is not None:
-            out = fn() if mode == "own-stream" else dec.between(fn)
-        ran.append(time.perf_counter() - began)
-        time.sleep((time.perf_counter() - mark) * (1 / share - 1))
+            out = timed() if mode == "own-stream" else dec.between(timed)
+        ran.append(took[0])
+        time.sleep(((asked - mark) + took[0]) * (1 / share - 1))
         mark = time.perf_counter()
         return out
 
