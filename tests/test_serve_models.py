@@ -170,39 +170,6 @@ def test_eviction_under_a_small_budget_and_reload(tiny_dir, alone):
         gateway.stop()
 
 
-def test_an_eviction_is_a_paced_slice(tiny_dir):
-    """The detach of an evicted model runs between two decode steps as a slice of the pacer's
-    (engine/pacer.py), so a load_share below 1 waits out its time too."""
-    w = {f: weights(tiny_dir, f) for f in ("gemma3", "llama", "qwen2")}
-    budget = RESERVE_BYTES + w["gemma3"] + max(w["llama"], w["qwen2"]) + 600_000
-    client, gateway = make_client(models=SMALL, memory_budget_gb=budget / 1e9, prefill_step=16)
-    try:
-        pacer, detach = gateway.models.pacer, gateway.detach
-        inside = threading.local()
-        run, paced = pacer.run, []
-
-        def marked_run(fn):
-            def marked():
-                inside.on = True
-                try:
-                    return fn()
-                finally:
-                    inside.on = False
-
-            return run(marked)
-
-        def recording_detach(e, reason):
-            paced.append((e.name, reason, getattr(inside, "on", False)))
-            return detach(e, reason)
-
-        pacer.run, gateway.detach = marked_run, recording_detach
-        complete(client, "small", PROMPTS[0], 8)
-        complete(client, "qwen", PROMPTS[1], 8)  # evicts `small`
-        assert paced == [("small", "lru", True)]
-    finally:
-        gateway.stop()
-
-
 def test_a_model_that_cannot_fit_is_refused(tiny_dir):
     budget = RESERVE_BYTES + weights(tiny_dir, "gemma3") + 100_000
     client, gateway = make_client(models=SMALL, memory_budget_gb=budget / 1e9, prefill_step=16)

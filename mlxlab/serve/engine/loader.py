@@ -108,12 +108,9 @@ class Loader:
 
     def _unload(self, e: Entry, reason: str) -> None:
         """Detach `e`'s lanes and model on the engine thread and free its memory (`reason`: lru
-        or idle): a slice of its own (engine/pacer.py), since it runs between two of the other
-        models' decode steps like a weight slice (~0.2 s for gemma3-270m, most of it freeing)."""
-        pacer = self.models.pacer
+        or idle)."""
         try:
-            pacer.start()
-            pacer.pace(lambda: self.gateway.detach(e, reason))
+            self.gateway.between(lambda: self.gateway.detach(e, reason)).result()
         finally:
             if e.state == "evicting":  # the engine did not get to it (stopped, or it failed)
                 self.models.unloaded(e, reason)

@@ -1,11 +1,11 @@
 """Loads give way to generation. A model loads in slices (`zoo.load(pace=...)`): the loader thread
-(engine/loader.py) only reads files and builds the lazy model; every slice of MLX work (its weights
-evaluated ~32 MB at a time, the decode copies: one slice for those read with the weights, one each
-for those checked and cast; a VLM's vision tower; the detach of a model it evicts) runs on the
-engine thread between two decode steps (`run`: the gateway's `between`), since MLX must not
-evaluate on two threads at once. After each slice, while the engine is generating for other models,
-the loader waits so that the load takes at most `share` of the time (`serve.load_share`): a slice
-of s seconds is followed by s * (1/share - 1) seconds of waiting, cut short the moment the engine
+(engine/loader.py) only reads files and builds the lazy model; every slice of MLX work (its
+weights evaluated ~32 MB at a time, the decode copies: one slice for those read with the
+weights, one each for those checked and cast; a VLM's vision tower) runs on the engine thread
+between two decode steps (`run`: the gateway's `between`), since MLX must not evaluate on
+two threads at once. After each slice, while the engine is generating for other models, the
+loader waits so that the load takes at most `share` of the time (`serve.load_share`): a slice of
+s seconds is followed by s * (1/share - 1) seconds of waiting, cut short the moment the engine
 goes idle. With nothing generating a load runs at full speed.
 
 Why it is needed: a slice run on the engine thread delays every other model's next decode step
