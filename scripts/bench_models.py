@@ -21,8 +21,8 @@ temperature 0 measure:
   Target: >= 0.97x. `serve.load_share` paces the load (`--load-share`): the decode loses about
   that share of its time while the load runs, and the load takes 1/share times its work. The
   answer should outlast the load (`--decode-tokens`): a load's first steps cost what they cost
-  (the detach of the evicted model, the largest weight's cast: one slice each), and a window
-  shorter than the load measures them without the waits that pay them back;
+  (the detach of the evicted model, unpaced; the largest weight's cast, one slice), and a window
+  shorter than the load measures them without the waits that follow;
 - the longest gaps between tokens while the load ran, against the same gaps alone.
 
 Prints a table; `--json` writes the numbers.
@@ -200,7 +200,7 @@ def main() -> None:
             for g, a, i in gaps[:6]
         ]
         solo, during, n = ratio(load["end"])
-        load_solo, load_during, load_n = ratio(load["start"] + loaded["last_load_seconds"])
+        load_solo, load_during, load_n = ratio(end)
         out.update(
             third_load_s=loaded["last_load_seconds"],
             decode_alone_tok_s=solo,
