@@ -219,6 +219,34 @@ def test_the_serial_path_is_generate_steps_and_stops_within_a_prefill_step(tiny)
     assert out["y"] == ("cancelled", []) and len(asked) == 3
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_prompt_cache_that_fails_to_store_costs_no_answer(tiny, batched, monkeypatch):
+    """Every store of a row's KV (its system checkpoint, its prompt, prompt + completion) is best
+    effort on both paths: a cache whose insert raises leaves the answer a run without a cache
+    gives."""
+    model, tok = tiny
+    p = _prompts(1, seed=9, lo=40, hi=40)[0]
+    out: dict = {}
+    settings = DecodeSettings(prefill_step=16, batch=2)
+    run_serial(model, _row(p, 6, out, "plain"), settings)
+    cache = PromptCache(1 << 30)
+    tried = []
+
+    def broken(*args, **kwargs):
+        tried.append(1)
+        raise RuntimeError("the store failed")
+
+    monkeypatch.setattr(cache, "insert", broken)
+    row = _row(p, 6, out, "x", namespace="a", checkpoint=10)
+    if batched:
+        d = BatchDecoder(model, set(tok.eos_token_ids), settings, cache)
+        d.add(row)
+        d.run()
+    else:
+        assert run_serial(model, row, settings, cache) == "length"
+    assert out["x"] == out["plain"] and len(tried) == 3  # checkpoint, prompt, completion
+
+
 def _generate_step_run(model, prompt, max_tokens):
     """generate_step's tokens for `prompt` and the cache it leaves (prompt + tokens fed)."""
     import mlx.core as mx

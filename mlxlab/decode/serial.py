@@ -52,8 +52,8 @@ def run_serial(
         if not prefill(model, kv, row.prompt[start:stop], settings.prefill_step, row.cancelled):
             row.done("cancelled", row.tokens)
             return "cancelled"
-        if cache is not None:
-            cache.insert(row.namespace, row.prompt[:stop], kv, kind=kind, evict=evict)
+        if cache is not None:  # best effort (`store`): a failed checkpoint costs a later hit
+            cache.store(row.namespace, row.prompt[:stop], kv, kind=kind, evict=evict)
     if row.cancelled():
         row.done("cancelled", row.tokens)
         return "cancelled"
