@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--min-messages", type=int, default=6)
     ap.add_argument("--exclude", type=Path, nargs="*", default=[])
     args = ap.parse_args()
+    repo = Path(__file__).resolve().parents[1]
+    if args.out.resolve().is_relative_to(repo):
+        raise SystemExit(f"{args.out}: outside the repository, please (the texts carry no licence)")
     skip = set()
     for path in args.exclude:
         skip |= set(json.loads(path.read_text())["conversations"])
@@ -53,7 +56,9 @@ def main() -> None:
     chosen = []
     for lo, hi, share in bins:
         pool = sorted((c for c in convs if lo <= len(c.messages) <= hi), key=lambda c: c.id)
-        chosen += rng.sample(pool, min(len(pool), round(args.count * share / total)))
+        want = round(args.count * share / total)
+        chosen += rng.sample(pool, min(len(pool), want))
+        print(f"{lo}-{hi} messages: {min(len(pool), want)} of {want} wanted ({len(pool)} there)")
     rng.shuffle(chosen)
     args.out.mkdir(parents=True, exist_ok=True)
     index = {c.id: {"parts": list(c.parts), "messages": len(c.messages)} for c in chosen}
