@@ -57,8 +57,9 @@ def main() -> None:
     for lo, hi, share in bins:
         pool = sorted((c for c in convs if lo <= len(c.messages) <= hi), key=lambda c: c.id)
         want = round(args.count * share / total)
-        chosen += rng.sample(pool, min(len(pool), want))
-        print(f"{lo}-{hi} messages: {min(len(pool), want)} of {want} wanted ({len(pool)} there)")
+        picked = rng.sample(pool, min(len(pool), want))
+        chosen += picked
+        print(f"{lo}-{hi} messages: {len(picked)} of {want} wanted ({len(pool)} there)")
     rng.shuffle(chosen)
     args.out.mkdir(parents=True, exist_ok=True)
     index = {c.id: {"parts": list(c.parts), "messages": len(c.messages)} for c in chosen}
