@@ -942,6 +942,24 @@ def gemma_tokenizer(tiny_dir):
     return load(str(tiny_dir("gemma3")))[1]
 
 
+def test_a_label_word_is_what_str_split_reads_as_one():
+    """grammar.py LABEL_WORD's characters, raw or as json.dumps escapes them, are exactly those
+    neither a quote, backslash, control character nor whitespace: the scorers count a label's
+    words with str.split, so a label the grammar allows has the words they count."""
+    import re
+
+    word = re.compile(ag.LABEL_WORD)
+    for c in range(0x10000):
+        ch = chr(c)
+        if 0xD800 <= c < 0xE000:
+            continue
+        ok = not ch.isspace() and c > 0x20 and not 0x7F <= c <= 0xA0
+        escaped = json.dumps(ch)[1:-1]
+        assert bool(word.fullmatch(escaped)) == ok, hex(c)
+        if ch not in '"\\':
+            assert bool(word.fullmatch(ch)) == ok, hex(c)
+
+
 def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
     """The constrained decode's grammar: the gold answer, any cover in order, and any such
     answer closed early are allowed; a gap, an overlap, a short or generic-length label, a
@@ -972,9 +990,21 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
         [{**a, "label": "Assert"}, b],  # one word
         [{**a, "label": " ".join(["word"] * 13)}, b],  # 13 words
         [{**a, "label": "The  assert"}, b],  # two spaces
+        # whitespace the scorers split words at, escaped or not: 13 words to them
+        [{**a, "label": " ".join(["word"] * 11) + "\rmore"}, b],
+        [{**a, "label": " ".join(["word"] * 11) + "\u00a0more"}, b],
+        [{**a, "label": " ".join(["word"] * 11) + "\u3000more"}, b],
     ]
     for chunks in bad:
         assert not _allows(grammar, gemma_tokenizer, pr.answer(chunks)), chunks
+
+    def unescaped(chunks):  # as a model may write it: the answer's layout, characters raw
+        return json.dumps(
+            {"chunks": [{k: c[k] for k in pr.KEYS} for c in chunks]}, ensure_ascii=False
+        )
+
+    assert not _allows(grammar, gemma_tokenizer, unescaped(bad[-1]))
+    assert _allows(grammar, gemma_tokenizer, unescaped([{**a, "label": "Caf\u00e9 au lait"}, b]))
     assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}))  # keys reordered
     assert not _allows(grammar, gemma_tokenizer, json.dumps({"chunks": GOLD}, indent=1))
     odd = ['say "hi"', "back\\slash", "caf\u00e9 \u65e5\u672c"]  # uuids from anyone's JSON

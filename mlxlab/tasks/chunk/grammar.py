@@ -7,9 +7,20 @@ import json
 
 from mlxlab.tasks.chunk.prompt import KEYS
 
-# A label word as the grammar allows it: characters other than a quote, backslash, control
-# character or space, or a JSON escape (training answers are json.dumps': "\u2014" for a dash).
-LABEL_WORD = r'(?:[^"\\\x00-\x1f\x7f ]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4}){1,40}'
+# A label word as the grammar allows it: characters that are not a quote, backslash, control
+# character or whitespace (`str.split`'s, which the scorers count words by: `\u1680`, `\u3000`,
+# ...), or a JSON escape that is neither: `\"`, `\\`, or `\u` and four lower-case hex digits
+# (as json.dumps writes what training answers escape, "\u2014" for a dash) of a character past
+# `\u00a0` that is not whitespace. So a label the grammar allows has the 2-12 words the scorers
+# count (an escaped `\r` or `\u00a0` would split a word where the grammar saw none).
+_ESCAPED = (
+    r"00(?:a[1-9a-f]|[b-f][0-9a-f])|0[1-9a-f][0-9a-f]{2}"  # \u00a1-\u0fff
+    r"|1(?:[0-57-9a-f][0-9a-f]{2}|6(?:[0-79a-f][0-9a-f]|8[1-9a-f]))"  # \u1000-\u1fff but \u1680
+    r"|2(?:[1-9a-f][0-9a-f]{2}|0(?:0[b-f]|[1346-9a-f][0-9a-f]|2[0-7a-e]|5[0-9a-e]))"  # \u2000-\u2fff
+    r"|3(?:0(?:0[1-9a-f]|[1-9a-f][0-9a-f])|[1-9a-f][0-9a-f]{2})|[4-9a-f][0-9a-f]{3}"  # \u3001-
+)
+_RAW = r'[^"\\\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]'
+LABEL_WORD = rf'(?:{_RAW}|\\["\\]|\\u(?:{_ESCAPED})){{1,40}}'
 
 
 def answer_grammar(uuids: list[str], fixed: list[int] | None = None) -> str:
