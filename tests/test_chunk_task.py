@@ -943,9 +943,11 @@ def gemma_tokenizer(tiny_dir):
 
 
 def test_a_label_word_is_what_str_split_reads_as_one():
-    """grammar.py LABEL_WORD's characters, raw or as json.dumps escapes them, are exactly those
-    neither a quote, backslash, control character nor whitespace: the scorers count a label's
-    words with str.split, so a label the grammar allows has the words they count."""
+    """grammar.py LABEL_WORD's characters, raw, are exactly those that are not a quote,
+    backslash, control character or whitespace; escaped as json.dumps writes them, those and the
+    quote and backslash: the scorers count a label's words with str.split, so a label the grammar
+    allows has the words they count (the basic plane here; json.dumps writes others as two
+    escapes, which the grammar allows)."""
     import re
 
     word = re.compile(ag.LABEL_WORD)

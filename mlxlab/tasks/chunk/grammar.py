@@ -9,14 +9,16 @@ from mlxlab.tasks.chunk.prompt import KEYS
 
 # A label word as the grammar allows it: characters that are not a quote, backslash, control
 # character or whitespace (`str.split`'s, which the scorers count words by: `\u1680`, `\u3000`,
-# ...), or a JSON escape that is neither: `\"`, `\\`, or `\u` and four lower-case hex digits
-# (as json.dumps writes what training answers escape, "\u2014" for a dash) of a character past
-# `\u00a0` that is not whitespace. So a label the grammar allows has the 2-12 words the scorers
-# count (an escaped `\r` or `\u00a0` would split a word where the grammar saw none).
+# ...), or a JSON escape as json.dumps writes it of a character that is not a control character
+# or whitespace: `\"`, `\\`, or `\u` and four lower-case hex digits of a character past
+# `\u00a0` (training answers write "\u2014" for a dash). So a label the grammar allows has the
+# 2-12 words the scorers count (an escaped `\r` or `\u00a0` would split a word where the grammar
+# saw none).
 _ESCAPED = (
     r"00(?:a[1-9a-f]|[b-f][0-9a-f])|0[1-9a-f][0-9a-f]{2}"  # \u00a1-\u0fff
     r"|1(?:[0-57-9a-f][0-9a-f]{2}|6(?:[0-79a-f][0-9a-f]|8[1-9a-f]))"  # \u1000-\u1fff but \u1680
-    r"|2(?:[1-9a-f][0-9a-f]{2}|0(?:0[b-f]|[1346-9a-f][0-9a-f]|2[0-7a-e]|5[0-9a-e]))"  # \u2000-\u2fff
+    # \u2000-\u2fff but its whitespace (\u2000-\u200a, \u2028, \u2029, \u202f, \u205f)
+    r"|2(?:[1-9a-f][0-9a-f]{2}|0(?:0[b-f]|[1346-9a-f][0-9a-f]|2[0-7a-e]|5[0-9a-e]))"
     r"|3(?:0(?:0[1-9a-f]|[1-9a-f][0-9a-f])|[1-9a-f][0-9a-f]{2})|[4-9a-f][0-9a-f]{3}"  # \u3001-
 )
 _RAW = r'[^"\\\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]'
