@@ -1000,10 +1000,8 @@ def test_answer_grammar_allows_covers_of_the_conversation_only(gemma_tokenizer):
     for chunks in bad:
         assert not _allows(grammar, gemma_tokenizer, pr.answer(chunks)), chunks
 
-    def unescaped(chunks):  # as a model may write it: the answer's layout, characters raw
-        return json.dumps(
-            {"chunks": [{k: c[k] for k in pr.KEYS} for c in chunks]}, ensure_ascii=False
-        )
+    def unescaped(chunks):  # pr.answer as a model may write it: characters raw, not escaped
+        return json.dumps(json.loads(pr.answer(chunks)), ensure_ascii=False)
 
     assert not _allows(grammar, gemma_tokenizer, unescaped(bad[-1]))
     assert _allows(grammar, gemma_tokenizer, unescaped([{**a, "label": "Caf\u00e9 au lait"}, b]))
