@@ -1,5 +1,5 @@
-"""Writes that never leave a half-written file or directory where a good one was; a file's
-SHA-256, read in blocks."""
+"""Writes that never leave a half-written file or directory where a good one was, and that two
+processes building the same directory do not break; a file's SHA-256, read in blocks."""
 
 from __future__ import annotations
 
@@ -7,10 +7,21 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mlxlab.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock between processes
+    fcntl = None
+
+_locks: dict[str, threading.RLock] = {}
+_depth: dict[str, int] = {}
+_locks_guard = threading.Lock()
 
 
 def writable_dir(path: Path) -> Path:
@@ -64,30 +75,67 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
+@contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    """Hold the right to build `out`: one thread of one process at a time (an advisory lock
+    on a file named by the path's hash, released when the process dies). Re-entrant in a thread, so a
+    caller that checks `out` under the lock can build it with `atomic_dir`, which takes it too."""
+    out = Path(out).absolute()
+    key = str(out)
+    with _locks_guard:
+        lock = _locks.setdefault(key, threading.RLock())
+    with lock:
+        if _depth.get(key, 0):
+            _depth[key] += 1
+            try:
+                yield
+            finally:
+                _depth[key] -= 1
+            return
+        # The lock file lives in the temp dir, not beside `out` (users' directories stay clean).
+        locks = (
+            Path(tempfile.gettempdir())
+            / f"mlxlab-locks-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        )
+        locks.mkdir(mode=0o700, exist_ok=True)
+        with open(locks / hashlib.sha256(key.encode()).hexdigest()[:32], "a") as f:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            _depth[key] = 1
+            try:
+                yield
+            finally:
+                _depth[key] = 0
+                if fcntl is not None:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def atomic_dir(out: Path, write: Callable[[Path], object]) -> Path:
     """Build a directory with `write(tmp)` in a temp sibling, then move it into place.
 
     An existing `out` is swapped out only after the new one is complete; stale temp siblings
-    from an interrupted earlier run are removed first.
+    from an interrupted earlier run are removed first. Under `build_lock`: a second process
+    building the same directory waits instead of removing the first one's temp as stale.
     """
     out = Path(out).absolute()
     parent = writable_dir(out.parent)
-    for stale in parent.glob(f".tmp-{out.name}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-"))
-    tmp.chmod(0o755)
-    try:
-        write(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-old-"))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with build_lock(out):
+        for stale in parent.glob(f".tmp-{out.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-"))
+        tmp.chmod(0o755)
+        try:
+            write(tmp)
+            if out.exists():
+                old = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-old-"))
+                os.replace(out, old / "x")
+                os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
 
 

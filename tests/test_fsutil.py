@@ -1,12 +1,17 @@
-"""Output paths are checked before a command does its work; a file's SHA-256 (mlxlab/fsutil.py)."""
+"""Output paths are checked before a command does its work; directories built whole, one builder at
+a time; a file's SHA-256 (mlxlab/fsutil.py)."""
 
 import hashlib
 import os
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import output_file, sha256_file
+from mlxlab.fsutil import atomic_dir, build_lock, output_file, sha256_file
 
 
 def test_output_file_resolves_names_and_directories(tmp_path, monkeypatch):
@@ -62,3 +67,42 @@ def test_sha256_file_reads_in_blocks_to_the_whole_files_digest(tmp_path):
         path = tmp_path / name  # "blocks": 5,120,000 bytes, more than one 4 MiB read
         path.write_bytes(data)
         assert sha256_file(path) == hashlib.sha256(data).hexdigest()
+
+
+def test_two_builders_of_one_directory_take_turns(tmp_path):
+    """Found by a probe: a second server converting the same model removed the first one's
+    temp directory as stale and the first failed. Builders now take turns; both results are
+    whole, and nothing but the directory is left beside it."""
+    out = tmp_path / "model"
+    seen = []
+
+    def write(tmp):
+        (tmp / "a").write_text("1")
+        time.sleep(0.3)  # the other builder starts meanwhile
+        seen.append((tmp / "a").read_text())
+
+    threads = [threading.Thread(target=atomic_dir, args=(out, write)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == ["1", "1"] and (out / "a").read_text() == "1"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+@pytest.mark.slow
+def test_a_build_lock_holds_off_another_process(tmp_path):
+    out = tmp_path / "model"
+    code = (
+        "import sys, time; from mlxlab.fsutil import build_lock\n"
+        "with build_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(2)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    t0 = time.perf_counter()
+    with build_lock(out):
+        waited = time.perf_counter() - t0
+    holder.wait()
+    assert waited > 1.0

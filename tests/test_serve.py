@@ -6,6 +6,8 @@ import json
 import threading
 
 import pytest
+from anthropic.types import ModelInfo as AnthropicModel
+from openai.types import Model as OpenAIModel
 
 from mlxlab.serve import ask, pipeline
 from mlxlab.serve.config import ServeConfig
@@ -44,6 +46,10 @@ def test_status_endpoints_and_request_ids(server):
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "tiny-gemma3" and models["data"][0]["context_length"] > 0
     assert client.get("/v1/models/tiny-gemma3").json()["id"] == "tiny-gemma3"
+    # One body for both SDKs (found by a client-SDK probe: Anthropic's types refused it).
+    assert models["first_id"] == models["last_id"] == "tiny-gemma3" and not models["has_more"]
+    for card in (models["data"][0], client.get("/v1/models/tiny-gemma3").json()):
+        assert OpenAIModel.model_validate(card).id == AnthropicModel.model_validate(card).id
     missing = client.get("/v1/models/other")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     stats = client.get("/stats").json()
@@ -239,6 +245,10 @@ def test_seeded_sampling_is_reproducible(server):
         ([1, 2, 3], None),
         ({"messages": [{"role": "user", "content": "x"}], "seed": 2**64}, "seed"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"١٢": 1}}, "logit_bias"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"9" * 5001: 1}},
+            "logit_bias",
+        ),
         # found by a bad-input battery: each was a 500
         (b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', None),
         (

@@ -158,6 +158,15 @@ def test_a_call_cut_by_max_tokens_after_complete_calls_is_dropped():
         events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), split(first + cut))
         assert events == [] and [c["name"] for c in p.calls] == ["get_weather"]
         assert p.cut_call == '\n{"name": "get_weather", "'
+    # Cut inside the next call's start marker (found by a client-SDK probe: content "\n<"
+    # came with the calls, before them on Anthropic's side): not content either.
+    for partial in ("\n<", "\n<tool_", " <tool_call"):
+        for split in (chars, lambda s: [s]):
+            events, p = run(
+                OutputParser(tool=syntax("json_tools"), tools=TOOLS), split(first + partial)
+            )
+            assert events == [] and [c["name"] for c in p.calls] == ["get_weather"]
+            assert p.cut_call == ""
     # Alone, an unterminated call is still released as text (the answer is a cut prefix).
     events, p = run(OutputParser(tool=syntax("json_tools"), tools=TOOLS), chars(cut))
     assert p.calls == [] and text(events) == cut

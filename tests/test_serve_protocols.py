@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types.responses import Response
 
 from mlxlab.serve.responses.store import ResponseStore
 from tests.helpers.serve import SYSTEM, make_client, named_events
@@ -95,7 +96,10 @@ def test_usage_with_cached_input_adds_up_on_every_protocol(client):
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     resp = {"instructions": SYSTEM, "input": user[0]["content"], "max_output_tokens": 3}
     for _ in range(2):
-        u = client.post("/v1/responses", json={**resp, "temperature": 0}).json()["usage"]
+        body = client.post("/v1/responses", json={**resp, "temperature": 0}).json()
+    # The installed openai SDK's own type reads it strictly (its usage fields are required).
+    Response.model_validate(body)
+    u = body["usage"]
     cached = u["input_tokens_details"]["cached_tokens"]
     assert 0 < cached < u["input_tokens"] == total
     assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import atomic_dir, sha256_file, writable_dir
+from mlxlab.fsutil import atomic_dir, build_lock, sha256_file, writable_dir
 from mlxlab.models.tokenizers import TOKENIZER_PATTERNS, shared_tokenizer
 from mlxlab.runtime import home
 
@@ -160,9 +160,12 @@ def pull(name: str, force: bool = False) -> Path:
     if is_complete(out) and not force:
         return out
     _writable(models_dir())
-    if out.exists():  # force, or a directory left incomplete by hand: rebuild it
-        shutil.rmtree(out)
-    return ZOO[name].build(out)
+    with build_lock(out):  # another process may be building it: wait, then use its result
+        if is_complete(out) and not force:
+            return out
+        if out.exists():  # force, or a directory left incomplete by hand: rebuild it
+            shutil.rmtree(out)
+        return ZOO[name].build(out)
 
 
 def convert_gguf(

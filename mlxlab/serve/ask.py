@@ -236,7 +236,8 @@ def resolve_sampling(ask: SamplingAsk, cfg: ServeConfig, loaded: Loaded) -> Samp
     if ask.logit_bias:
         bias = {}
         for k, v in ask.logit_bias.items():
-            if not (k.isascii() and k.isdigit()) or int(k) >= loaded.tokenizer.vocab_size:
+            vocab = loaded.tokenizer.vocab_size
+            if not (k.isascii() and k.isdigit()) or len(k) > 12 or int(k) >= vocab:
                 raise APIError(
                     400, f"logit_bias key {k!r} is not a token id of this model", param="logit_bias"
                 )

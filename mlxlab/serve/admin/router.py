@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -82,20 +83,43 @@ async def chat_cards(request: Request) -> list[dict]:
     return [model_card(request, info) for info in listing]
 
 
+def both_shapes(card: dict) -> dict:
+    """A /v1/models entry that reads as OpenAI's `Model` and as Anthropic's `ModelInfo` (whose
+    SDK requires `type`, `display_name`, `created_at` as RFC 3339 and `lifecycle`)."""
+    created = datetime.fromtimestamp(card["created"], timezone.utc)
+    context = card.get("context_length")
+    return {
+        **card,
+        "type": "model",
+        "display_name": card["id"],
+        "created_at": created.isoformat().replace("+00:00", "Z"),
+        "lifecycle": "active",
+        **({"max_input_tokens": context} if context else {}),
+    }
+
+
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [*(await chat_cards(request)), *sidecars.cards(request)]}
+    """OpenAI's list and Anthropic's page in one body (`first_id`, `last_id`, `has_more`)."""
+    cards = [both_shapes(c) for c in [*(await chat_cards(request)), *sidecars.cards(request)]]
+    return {
+        "object": "list",
+        "data": cards,
+        "first_id": cards[0]["id"] if cards else None,
+        "last_id": cards[-1]["id"] if cards else None,
+        "has_more": False,
+    }
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
     beside = next((c for c in sidecars.cards(request) if c["id"] == model_id), None)
     if beside is not None:
-        return beside
+        return both_shapes(beside)
     card = next((c for c in await chat_cards(request) if c["id"] == model_id), None)
     if card is None:
         raise model_error(request.app.state.gateway.models.not_found(model_id))
-    return card
+    return both_shapes(card)
 
 
 @router.get("/openapi.json", include_in_schema=False)

@@ -12,8 +12,9 @@ incomplete UTF-8 never reaches it) and returns `(kind, text)` deltas, kind "cont
   <tool_call|>`, Qwen/Hermes `<tool_call>{json}</tool_call>`, MiniCPM `<function name=...>`).
   Markup that does not parse, or names a tool the request did not offer, is released as plain
   content instead, so a malformed call is never an error; whitespace between or after calls
-  is not content; a call cut by the end of generation (max_tokens) after complete calls is
-  dropped (`cut_call`), the complete ones being the answer (finish reason `tool_calls`);
+  is not content; a call cut by the end of generation (max_tokens) after complete calls, even
+  inside its start marker, is dropped (`cut_call`), the complete ones being the answer (finish
+  reason `tool_calls`);
 - the reasoning markers: text between think-start and think-end is "reasoning".
 
 Stop sequences are matched on decoded text (so one spanning tokens fires) in content and
@@ -189,7 +190,12 @@ class OutputParser:
             return out
         if self.state == "tool":
             self._close_tool(self.pending, out, "")
-        elif self.pending and not (self.calls and not self.pending.strip()):
+        elif self.calls and self.tool.start.startswith(self.pending.strip()):
+            # After complete calls: whitespace, or the start marker of a further call that
+            # the end of generation cut before it was whole (`\n<` of `<tool_call>`).
+            if self.pending.strip():
+                self.cut_call = ""
+        elif self.pending:
             out.append((self.state, self.pending))
         self.pending = ""
         return out

@@ -96,7 +96,12 @@ class Draft:
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
             usage={
                 "input_tokens": done.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": done.cached_tokens},
+                # cache_write_tokens (required by openai>=3): OpenAI bills explicit cache
+                # writes; this server's prompt cache has no such writes, so 0.
+                "input_tokens_details": {
+                    "cached_tokens": done.cached_tokens,
+                    "cache_write_tokens": 0,
+                },
                 "output_tokens": done.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": done.prompt_tokens + done.completion_tokens,
