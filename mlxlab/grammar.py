@@ -93,6 +93,129 @@ def _mentions(schema, keys) -> bool:
     return False
 
 
+class RecursiveRef(GrammarError):
+    """A schema whose local `$ref`s refer back to themselves: it cannot be inlined."""
+
+
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not schemas: never rewritten
+_ANNOTATIONS = ("title", "description", "$comment", "default", "examples")
+MAX_INLINED_NODES = 20_000
+
+
+def _pointer(root, ref: str, what: str):
+    """What the local reference `ref` ("#", "#/$defs/x", "#/properties/a/items") points to."""
+    from urllib.parse import unquote
+
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise GrammarError(f"{what}: $ref {ref!r} points at nothing in the schema") from None
+    return node
+
+
+def inline_refs(schema, what: str = "json schema"):
+    """`schema` with every local `$ref` replaced by what it points to (`$defs` and `definitions`
+    then dropped), so that a part of it stands alone (a tool's parameters embedded in a call's
+    grammar, where `#/...` would resolve against the call) and `closed` can close its objects.
+    A reference beside other keywords becomes `allOf` when they overlap. A schema without local
+    references is returned as it is; a recursive one raises `RecursiveRef`; one that grows past
+    MAX_INLINED_NODES once inlined raises GrammarError."""
+    try:
+        if not _mentions(schema, ("$ref",)):
+            return schema
+    except RecursionError:
+        raise GrammarError(f"{what}: the schema is nested too deeply") from None
+    count = 0
+
+    def walk(node, stack):
+        nonlocal count
+        count += 1
+        if count > MAX_INLINED_NODES:
+            raise GrammarError(f"{what}: the schema is too large once its $refs are inlined")
+        if isinstance(node, list):
+            return [walk(v, stack) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {
+            k: (v if k in _NOT_SCHEMAS else walk(v, stack))
+            for k, v in node.items()
+            if k not in ("$ref", "$defs", "definitions")
+        }
+        ref = node.get("$ref")
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            if "$ref" in node:
+                out["$ref"] = ref  # not local: left for llguidance to refuse by name
+            return out
+        if ref in stack:
+            raise RecursiveRef(f"{what}: $ref {ref!r} refers to itself (a recursive schema)")
+        target = walk(_pointer(schema, ref, what), stack | {ref})
+        if not isinstance(target, dict):  # true / false schemas
+            return target if not out else {"allOf": [target, out]}
+        checks = {k: v for k, v in out.items() if k not in _ANNOTATIONS}
+        if set(checks) & set(target):
+            return {"allOf": [target, checks], **{k: out[k] for k in out if k not in checks}}
+        return {**target, **out}
+
+    try:
+        return walk(schema, frozenset())
+    except RecursionError:
+        raise GrammarError(f"{what}: the schema is nested too deeply") from None
+
+
+def has_finite_value(schema) -> bool:
+    """Whether some finite JSON value can satisfy `schema`'s structure: False when a chain of
+    local `$ref`s must recurse forever (`{"properties": {"a": {"$ref": "#"}}, "required":
+    ["a"]}`), which a grammar cannot end. A least fixpoint over the references (each assumed
+    unsatisfiable until shown otherwise); constraints other than structure are not judged."""
+    refs: dict[str, bool] = {}
+
+    def finite(node) -> bool:
+        if not isinstance(node, dict):
+            return node is not False
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not refs.get(ref, False):
+            return False
+        if any(not finite(s) for s in node.get("allOf") or []):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if node.get(key) and not any(finite(s) for s in node[key]):
+                return False
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if any(k in props and not finite(props[k]) for k in node.get("required") or []):
+            return False
+        if isinstance(node.get("items"), dict) and int(node.get("minItems") or 0) > 0:
+            return finite(node["items"])
+        return True
+
+    def local_refs(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+                yield node["$ref"]
+            for k, v in node.items():
+                if k not in _NOT_SCHEMAS:
+                    yield from local_refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from local_refs(v)
+
+    names = set(local_refs(schema))
+    changed = True
+    while changed:
+        changed = False
+        for ref in names:
+            if not refs.get(ref):
+                try:
+                    ok = finite(_pointer(schema, ref, "schema"))
+                except GrammarError:
+                    ok = False
+                if ok:
+                    refs[ref], changed = True, True
+    return finite(schema)
+
+
 def closed(schema):
     """`schema` with `additionalProperties: false` wherever an object declares `properties` and
     says nothing about others: what is generated is then the declared properties only (still
@@ -126,13 +249,21 @@ _NESTED = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "co
 
 def json_schema(schema: dict, what: str = "json schema") -> Grammar:
     """Output that parses as JSON and validates against `schema` (objects generate their declared
-    properties only, see `closed`)."""
+    properties only, see `closed`, after local `$ref`s are inlined unless they recurse)."""
     import llguidance
 
     if not isinstance(schema, dict):
         raise GrammarError(f"{what}: a JSON schema must be an object")
     try:
-        text = llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_STYLE)
+        flat = inline_refs(schema, what)
+    except RecursiveRef:  # llguidance follows a recursive reference from the schema's root
+        if not has_finite_value(schema):
+            raise GrammarError(
+                f"{what}: its $refs recurse without end (no finite JSON value satisfies it)"
+            ) from None
+        flat = schema
+    try:
+        text = llguidance.LLMatcher.grammar_from_json_schema(closed(flat), defaults=JSON_STYLE)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"{what}: {e}") from None
     except RecursionError:  # `closed` walks the schema: deeper than Python's stack
@@ -177,7 +308,13 @@ def lark(text: str, what: str = "grammar") -> Grammar:
 
 
 def embedded_json(schema: dict) -> str:
-    """`schema` as a Lark rule body (`%json {...}`) in the same JSON style as `json_schema`."""
+    """`schema` as a Lark rule body (`%json {...}`) in the same JSON style as `json_schema`
+    (its `$ref`s resolve against `schema` itself: pass a whole schema, or one `inline_refs`
+    made stand alone)."""
+    try:
+        schema = inline_refs(schema)
+    except RecursiveRef:
+        pass
     schema = closed(schema)
     return "%json " + json.dumps(
         {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}

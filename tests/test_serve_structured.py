@@ -167,6 +167,31 @@ def test_tool_choice_forces_a_call_whose_arguments_validate(client, choice, name
     assert auto["finish_reason"] != "tool_calls"  # unforced, the random model does not call
 
 
+def test_a_forced_call_with_local_refs_in_its_schema_answers(client):
+    """Pydantic writes `$defs` and `$ref`: a forced call whose schema has them is a call that
+    validates (a bad-input probe had a 400 that named a pointer into the call's grammar)."""
+    params = {
+        "type": "object",
+        "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+        "required": ["loc"],
+        "$defs": {
+            "Loc": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+            }
+        },
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    c = chat(client, tools=tools, tool_choice="required", parallel_tool_calls=False)["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    args = json.loads(c["message"]["tool_calls"][0]["function"]["arguments"])
+    jsonschema.validate(args, params)
+    assert set(args["loc"]) == {"city"}  # the inlined object is closed
+    same = chat(client, response_format=fmt(params))["choices"][0]["message"]["content"]
+    assert set(json.loads(same)["loc"]) == {"city"}  # and so is a response_format's
+
+
 def test_anthropic_tool_choice_any_and_tool(client):
     tools = [
         {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
@@ -322,6 +347,37 @@ def test_auto_with_a_schema_allows_a_call_or_the_json(client):
             {"response_format": fmt(DEEP)},
             "response_format.json_schema.schema",
             "nested too deeply",
+        ),
+        # no finite value (a probe got 200, finish "stop", content '{"'): refused up front
+        (
+            {"response_format": fmt({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})},
+            "response_format.json_schema.schema",
+            "recurse without end",
+        ),
+        (
+            {
+                "response_format": fmt(
+                    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+                )
+            },
+            "response_format.json_schema.schema",
+            "recurse without end",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "t",
+                            "parameters": {"type": "object", "properties": {"a": {"$ref": "#"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[0]",
+            "recursive parameter schema",
         ),
     ],
 )

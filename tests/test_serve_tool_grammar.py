@@ -4,14 +4,16 @@ mlx-lm's own parser for that family and their arguments validate against the too
 from __future__ import annotations
 
 import importlib
+import json
 
 import jsonschema
 import numpy as np
 import pytest
 
 from mlxlab import grammar as G
-from mlxlab.serve import tool_grammar
-from mlxlab.serve.engine.output import ToolSyntax
+from mlxlab.serve import structured, tool_grammar
+from mlxlab.serve.engine.output import ToolSyntax, _as_parsed
+from mlxlab.serve.http import APIError
 
 TOOLS = [
     (
@@ -103,3 +105,98 @@ def test_sampled_calls_parse_with_mlx_lm_and_validate(tokenizer, family):
         jsonschema.validate(call["arguments"], schemas[call["name"]])
         names.add(call["name"])
     assert names == set(schemas)  # both tools come up
+
+
+# A pydantic-style schema: local references into $defs, definitions and properties (found by a
+# bad-input probe: nested under the call's `arguments`, `#/$defs/...` pointed at nothing, 400).
+REFS = {
+    "type": "object",
+    "properties": {
+        "home": {"$ref": "#/$defs/Place", "description": "where"},
+        "away": {"$ref": "#/definitions/Place2"},
+        "again": {"$ref": "#/properties/home"},
+    },
+    "required": ["home", "away"],
+    "$defs": {
+        "Place": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        }
+    },
+    "definitions": {"Place2": {"$ref": "#/$defs/Place"}},
+}
+
+
+@pytest.mark.parametrize("family", sorted(tool_grammar.BUILDERS))
+def test_a_schema_with_local_refs_is_inlined_for_every_family(tokenizer, family):
+    start, end = MARKERS[family]
+    parser = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
+    syntax = ToolSyntax(start, end, parser.parse_tool_call, family)
+    tools = [{"type": "function", "function": {"name": "trip", "parameters": REFS}}]
+    specs = structured._tool_specs(tools)
+    assert "$ref" not in json.dumps(specs) and "$defs" not in json.dumps(specs)
+    rules = tool_grammar.Rules()
+    tool_grammar.BUILDERS[family](rules, syntax, specs, tokenizer)
+    grammar = G.lark("start: call\n" + "\n".join(rules.lines) + "\n", family)
+    for seed in range(6):
+        text = sample(grammar, tokenizer, seed)
+        # read as the server reads it (OutputParser hands the parser the inlined tools)
+        call = parser.parse_tool_call(text[len(start) : len(text) - len(end)], _as_parsed(tools))
+        jsonschema.validate(call["arguments"], REFS)
+        assert set(call["arguments"]["home"]) == {"city"}  # closed once inlined
+
+
+def test_inline_refs_merges_allofs_and_refuses_recursion():
+    flat = G.inline_refs(REFS)
+    place = REFS["$defs"]["Place"]
+    assert flat["properties"]["home"] == {**place, "description": "where"}
+    assert flat["properties"]["again"] == flat["properties"]["home"]
+    assert flat["properties"]["away"] == place and "$defs" not in flat and "definitions" not in flat
+    overlap = {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "type": "integer"}
+    assert G.inline_refs(overlap) == {"allOf": [{"type": "string"}, {"type": "integer"}]}
+    assert G.inline_refs({"type": "string"}) == {"type": "string"}  # nothing to do: as it was
+    for recursive in (
+        {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {"type": "object", "properties": {"a": {"$ref": "#"}}},
+    ):
+        with pytest.raises(G.RecursiveRef, match="recursive"):
+            G.inline_refs(recursive)
+    with pytest.raises(G.GrammarError, match="points at nothing"):
+        G.inline_refs({"properties": {"a": {"$ref": "#/$defs/missing"}}})
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "tree",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+                },
+            },
+        }
+    ]
+    with pytest.raises(APIError, match="recursive") as e:
+        structured._tool_specs(tools)
+    assert e.value.status == 400 and e.value.param == "tools[0]"
+
+
+def test_a_recursive_schema_with_a_way_out_compiles_and_one_without_is_refused():
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    chain = {
+        "$defs": {"n": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/node"}]}},
+        "$ref": "#/$defs/node",
+    }
+    chain["$defs"]["node"] = {
+        "type": "object",
+        "properties": {"next": {"$ref": "#/$defs/n"}},
+        "required": ["next"],
+    }
+    for ok in (tree, {**tree, "required": ["kids"]}, chain):
+        assert G.has_finite_value(ok)
+        G.json_schema(ok)
+    endless = {**tree, "required": ["kids"]}
+    endless["properties"] = {"kids": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}}
+    assert not G.has_finite_value(endless)
+    with pytest.raises(G.GrammarError, match="recurse without end"):
+        G.json_schema(endless)

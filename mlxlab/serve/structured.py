@@ -80,8 +80,19 @@ def _tool_specs(tools: list[dict]) -> list[tuple[str, dict]]:
                 param=f"tools[{i}]",
                 code="invalid_schema",
             )
+        what = f"tools[{i}] ({fn['name']}): parameters"
         try:
-            G.json_schema(params, f"tools[{i}] ({fn['name']}): parameters")
+            G.json_schema(params, what)
+            # The markup builders embed the parameters (or parts of them) inside the call's
+            # grammar, where `#/...` would point into the call: references are inlined first.
+            params = G.inline_refs(params, what)
+        except G.RecursiveRef as e:
+            raise APIError(
+                400,
+                f"{e}; a forced tool call cannot embed a recursive parameter schema",
+                param=f"tools[{i}]",
+                code="invalid_schema",
+            ) from None
         except G.GrammarError as e:
             raise APIError(400, str(e), param=f"tools[{i}]", code="invalid_schema") from None
         out.append((fn["name"], G.closed(params)))

@@ -101,7 +101,8 @@ def both_shapes(card: dict) -> dict:
 @router.get("/v1/models")
 async def models(request: Request):
     """OpenAI's list and Anthropic's page in one body (`first_id`, `last_id`, `has_more`)."""
-    cards = [both_shapes(c) for c in [*(await chat_cards(request)), *sidecars.cards(request)]]
+    # (The speech and embedding models' `type` says their kind, as docs/serving.md has it.)
+    cards = [*map(both_shapes, await chat_cards(request)), *sidecars.cards(request)]
     return {
         "object": "list",
         "data": cards,
@@ -115,7 +116,7 @@ async def models(request: Request):
 async def model(model_id: str, request: Request):
     beside = next((c for c in sidecars.cards(request) if c["id"] == model_id), None)
     if beside is not None:
-        return both_shapes(beside)
+        return beside
     card = next((c for c in await chat_cards(request) if c["id"] == model_id), None)
     if card is None:
         raise model_error(request.app.state.gateway.models.not_found(model_id))

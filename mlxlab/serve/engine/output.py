@@ -28,6 +28,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlxlab import grammar as G
+
 
 @dataclass(frozen=True)
 class ToolSyntax:
@@ -66,6 +68,24 @@ def _holdback(text: str, markers: list[str]) -> int:
     return best
 
 
+def _as_parsed(tools):
+    """The offered tools as a family's parser reads them: parameters with their local `$ref`s
+    inlined, as the call's grammar has them (MiniCPM's parser converts each value by its
+    property's declared `type`, which a `$ref` hides). A schema that cannot be inlined stays."""
+    out = []
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        if isinstance(params, dict):
+            try:
+                fn = {**fn, "parameters": G.inline_refs(params)}
+                t = {**t, "function": fn} if "function" in t else fn
+            except G.GrammarError:
+                pass
+        out.append(t)
+    return out
+
+
 def _tool_names(tools) -> set[str]:
     names = set()
     for t in tools or []:
@@ -86,7 +106,7 @@ class OutputParser:
     ):
         self.stops = [s for s in (stops or []) if s]
         self.tool = tool if tools else None  # markup is parsed only when tools were offered
-        self.tools = tools
+        self.tools = _as_parsed(tools)
         self.names = _tool_names(tools)
         self.think = think
         self.state = "reasoning" if (reasoning and think) else "content"
