@@ -11,6 +11,7 @@ Tests and notebooks use `compose(name, overrides)`. Only this module touches Hyd
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from importlib import resources
@@ -193,12 +194,58 @@ def command_overrides(argv: list[str]) -> str:
 
 def one_line(error: Exception) -> str:
     """The message of `error` on one line; OmegaConf's (an interpolation that fails to resolve)
-    become `<key>: <the cause>` instead of their multi-line report."""
+    become `<key>: <the cause>` instead of their multi-line report; a heading ending in `:` over
+    a list of problems keeps its first problem and a count of the rest."""
     key, text = getattr(error, "full_key", None), str(getattr(error, "msg", None) or error)
     text = re.sub(r"^\w+ raised while resolving interpolation: ", "", text.strip())
-    lines = text.splitlines()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
+    if len(lines) > 1 and text.endswith(":"):  # a heading over a list of problems: the first
+        more = len(lines) - 2
+        text = f"{text} {lines[1]}" + (f" (and {more} more)" if more else "")
     return f"{key}: {text}" if key else text
+
+
+_HYDRA_NOISE = (
+    "To append to your config",
+    "See https://hydra.cc",
+    "full_key:",
+    "reference_type=",
+    "object_type=",
+    "Config search path",
+    "provider=",
+    "Set the environment variable HYDRA_FULL_ERROR",
+)
+
+
+def hydra_problem(error: BaseException) -> str:
+    """Hydra's report of an override it cannot apply (an unknown key, a value of the wrong type,
+    a config group option that does not exist, a syntax error), on one line: the messages of the
+    error and its causes, less the hints that do not apply here, with a group's options listed."""
+    said, options = [], []
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        listing = False
+        for line in str(error).splitlines():
+            line = line.strip()
+            if not line:
+                listing = False
+            elif line.startswith("Available options"):
+                listing = True
+            elif line.startswith(_HYDRA_NOISE):
+                listing = False
+            elif listing:
+                options.append(line)
+            elif line not in said and line != "None" and "$VALUE" not in line:
+                said.append(line)
+        error = error.__cause__
+    text = "".join(
+        ("" if i == 0 else " " if said[i - 1].endswith((".", ":")) else ": ") + line
+        for i, line in enumerate(said)
+    )
+    text = text or "the overrides could not be applied"
+    return text + (f" (available: {', '.join(options)})" if options else "")
 
 
 def fail(name: str, error: Exception) -> None:
@@ -233,6 +280,9 @@ def run_hydra(
         fail(name, e)
     sys.argv = [f"mlxlab {name}", *(quote_free_text(a) for a in argv)]
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     @hydra.main(config_path=str(config_dir()), config_name=name, version_base=None)
     def _main(cfg):
         try:
@@ -243,5 +293,21 @@ def run_hydra(
             return task(typed)
         except UserError as e:
             fail(name, e)
+        except KeyboardInterrupt:
+            print(f"mlxlab {name}: interrupted", file=sys.stderr)
+            sys.exit(130)
 
-    _main()
+    # Hydra reports an override it cannot apply in several lines with hints that do not apply
+    # here; with HYDRA_FULL_ERROR it raises instead, and the error is said on one line.
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _main()
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"mlxlab {name}: error: {hydra_problem(e)}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before

@@ -163,6 +163,8 @@ class LoraToolConfig:
     format: str = "peft"
     """export: peft (transformers + peft: adapter_config.json, adapter_model.safetensors) | gguf
     (a llama.cpp LoRA adapter, `--lora`)."""
+    force: bool = False
+    """Replace what is already at `out` (refused otherwise, before any work)."""
 
     def __post_init__(self):
         check_choice("action", self.action, ("check", "fuse", "export", "import"), "lora action")
@@ -254,6 +256,16 @@ class OptimConfig:
     def __post_init__(self):
         if self.lr <= 0:
             raise UserError(f"optim.lr must be > 0, got {self.lr}")
+        if self.warmup < 0:
+            raise UserError(f"optim.warmup must be >= 0 steps, got {self.warmup}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise UserError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.weight_decay < 0:
+            raise UserError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise UserError(
+                f"optim.grad_clip must be > 0 (null turns clipping off), got {self.grad_clip}"
+            )
         check_choice("optim.schedule", self.schedule, ("cosine", "constant"))
         names = optimizer_names()
         if str(self.name).lower() not in names:

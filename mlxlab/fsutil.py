@@ -35,6 +35,26 @@ def writable_dir(path: Path) -> Path:
     return path
 
 
+def fresh_output(out: str | os.PathLike, force: bool = False, kind: str = "directory") -> Path:
+    """Where a command will write a new `kind` ("directory" or "file"), checked before any work:
+    something already there (a directory with files in it, a file) is replaced only with
+    `force`, and never the working directory or a directory above it."""
+    path = Path(out).expanduser().absolute()
+    here = Path.cwd().resolve()
+    if path.resolve() == here or path.resolve() in here.parents:
+        raise UserError(f"out={out} is the working directory or holds it; name a new {kind}")
+    if not path.exists() and not path.is_symlink():
+        return path
+    if kind == "file" and path.is_dir():
+        raise UserError(f"out={out} is a directory; name a file")
+    if path.is_dir() and not any(path.iterdir()):
+        return path
+    if not force:
+        what = "a directory that is not empty" if path.is_dir() else "an existing file"
+        raise UserError(f"out={out} is {what}; force=true replaces it")
+    return path
+
+
 def output_file(out: str | os.PathLike | None, default_name: str) -> Path:
     """The file a command will write its result to, checked before any work is done.
 
@@ -50,6 +70,10 @@ def output_file(out: str | os.PathLike | None, default_name: str) -> Path:
     if path.is_dir():
         raise UserError(f"out={raw}: {path} is a directory")
     writable_dir(path.parent)  # the file itself is replaced by a rename: its directory counts
+    try:  # where permissions say yes but the filesystem says no (/proc, a read-only mount)
+        tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-probe-").close()
+    except OSError as e:
+        raise UserError(f"out={raw}: cannot write in {path.parent}: {e.strerror or e}") from e
     return path
 
 

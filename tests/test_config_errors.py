@@ -257,6 +257,15 @@ def test_unknown_dtype_at_run_time_is_a_user_error_too():
         ("eval", "chunk", "split=bogus"),
         ("serve", "kv_quant=bogus"),
         ("train", "data.train=${mlxlab_data:nope}"),  # fails while OmegaConf resolves it
+        # found by a CLI probe: Hydra's own several-line reports, and tracebacks
+        ("train", "lora.rnak=8"),
+        ("train", "iters=abc"),
+        ("train", "+exp=nope"),
+        ("train", "lora.targets=[q,v"),
+        ("generate", "promt=hi"),
+        ("train", "model=tiny-llama", "optim.warmup=-5"),
+        ("train", "model=tiny-llama", "seed=-1"),
+        ("train", "model=tiny-llama", "optim.min_lr=1"),
     ],
     ids=lambda a: "-".join(a).replace("=", "_"),
 )
@@ -266,3 +275,57 @@ def test_bad_value_on_the_command_line_is_one_line(args):
     assert r.returncode == 1, r.stderr
     assert len(lines) == 1 and lines[0].startswith(f"mlxlab {args[0]}: error:"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_hydra_reports_and_problem_lists_are_said_on_one_line():
+    """What `run_hydra` and `fail` print: Hydra's report less its hints, a list's first problem."""
+    from hydra.errors import ConfigCompositionException
+
+    from mlxlab.cli import hydra_problem, one_line
+
+    cause = ValueError(
+        "Value 'abc' of type 'str' could not be converted to Integer\n    full_key: iters\n"
+        "    object_type=TrainCommandConfig"
+    )
+    err = ConfigCompositionException("Error merging override iters=abc")
+    err.__cause__ = cause
+    assert hydra_problem(err) == (
+        "Error merging override iters=abc: Value 'abc' of type 'str' could not be converted to "
+        "Integer"
+    )
+    missing = ConfigCompositionException(
+        "In 'train': Could not find 'exp/nope'\n\nAvailable options in 'exp':\n\tquickstart\n"
+        "\tchunk_seg4\nConfig search path:\n\tprovider=hydra, path=pkg://hydra.conf"
+    )
+    assert hydra_problem(missing) == (
+        "In 'train': Could not find 'exp/nope' (available: quickstart, chunk_seg4)"
+    )
+    listed = UserError("bad training data:\n  a.jsonl:2: invalid JSON\n  a.jsonl:3: no text\n")
+    assert one_line(listed) == "bad training data: a.jsonl:2: invalid JSON (and 1 more)"
+    assert one_line(UserError("one thing\nand a detail")) == "one thing"
+
+
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("val_batches", -1, "val_batches must be >= 0"),
+        ("save_every", -1, "save_every must be >= 0"),
+        ("val_every", -1, "val_every must be >= 0"),
+        ("seed", -1, "seed must be in"),
+        ("optim.warmup", -5, "optim.warmup must be >= 0"),
+        ("optim.min_lr", 1.0, "optim.min_lr must be in"),
+        ("optim.weight_decay", -1.0, "optim.weight_decay must be >= 0"),
+        ("optim.grad_clip", 0.0, "optim.grad_clip must be > 0"),
+    ],
+)
+def test_training_numbers_out_of_range_are_refused_before_anything_runs(field, value, fragment):
+    """A CLI probe found these accepted (a negative val_batches dropped a validation batch,
+    min_lr above lr drove the rate up) or failing later with a traceback (warmup, seed)."""
+    from mlxlab.config import OptimConfig
+    from mlxlab.train.config import TrainConfig
+
+    with pytest.raises(UserError, match=fragment):
+        if field.startswith("optim."):
+            OptimConfig(**{field.split(".")[1]: value})
+        else:
+            TrainConfig(**{field: value})

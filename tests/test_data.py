@@ -87,6 +87,55 @@ def test_bad_lines_are_reported_with_file_and_line(tmp_path):
     assert "mixes formats" in msg
 
 
+def test_records_a_probe_trained_on_or_crashed_on_are_named(tmp_path):
+    """Each trained on the end-of-sequence token alone, on a made-up role, or crashed in the
+    chat template / tokenizer with a traceback."""
+    user = {"role": "user", "content": "hi"}
+    path = _write(
+        tmp_path / "train.jsonl",
+        [
+            {"messages": [user]},
+            {"messages": [user, {"role": "assistant", "content": ""}]},
+            {
+                "messages": [
+                    {"role": "wizard", "content": "x"},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },
+            {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]},
+            {"messages": [{"role": "assistant", "content": "y"}, user]},
+        ],
+    )
+    _line_errors(
+        path,
+        [
+            (1, "a chat needs a prompt and a response"),
+            (2, "the response (the last message) is empty"),
+            (3, "has role 'wizard'"),
+            (4, "messages[0].content must be a string or a list of content parts"),
+            (5, "the last the assistant's"),
+        ],
+    )
+    empty = _write(tmp_path / "c.jsonl", [{"prompt": "q", "completion": ""}])
+    with pytest.raises(UserError, match="'completion' is empty"):
+        D.read_records(empty)
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b'{"text": "ok"}\n\xff\xfe garbage\n')
+    with pytest.raises(UserError, match=r"b.jsonl:2: not UTF-8 text"):
+        D.read_records(binary)
+
+
+def test_a_directory_without_train_jsonl_says_so(tmp_path):
+    from mlxlab.config import DataConfig as Data
+
+    (tmp_path / "valid.jsonl").write_text("")
+    with pytest.raises(UserError, match="no train.jsonl in that directory .it has valid.jsonl"):
+        D.resolve_paths(Data(train=str(tmp_path)))
+    (tmp_path / "train.jsonl").mkdir()
+    with pytest.raises(UserError, match="train.jsonl is not a file"):
+        D.resolve_paths(Data(train=str(tmp_path)))
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(UserError, match="no such data file"):
         D.read_records(tmp_path / "nope.jsonl")

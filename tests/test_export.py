@@ -103,6 +103,22 @@ def test_export_and_import_refusals(tiny_dir, tmp_path):
     with pytest.raises(UserError, match="modules_to_save"):
         export.import_peft(peft, base, tmp_path / "i")
     assert not (tmp_path / "i").exists() and not (tmp_path / "p").exists()
+    # found by a CLI probe (each was a traceback): an adapter in mlx-lm's layout, a truncated
+    # weights file, a lora_alpha of the wrong type; and a metadata file that is not JSON
+    with pytest.raises(UserError, match="mlx-lm's layout already"):
+        export.import_peft(dora / "a", base, tmp_path / "i")
+    weights = peft / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:5])
+    with pytest.raises(UserError, match="unreadable PEFT adapter"):
+        export.import_peft(peft, base, tmp_path / "i")
+    weights.write_bytes(whole)
+    (peft / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": "x"}))
+    with pytest.raises(UserError, match="lora_alpha='x'"):
+        export.import_peft(peft, base, tmp_path / "i")
+    (dora / "a" / "mlxlab_adapter.json").write_text("xx")
+    with pytest.raises(UserError, match="mlxlab_adapter.json is not readable JSON"):
+        lora_io.read_plan(dora / "a", base)
     with pytest.raises(UserError, match="format"):
         LoraToolConfig(action="export", format="onnx")
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import atomic_dir, build_lock, output_file, sha256_file
+from mlxlab.fsutil import atomic_dir, build_lock, fresh_output, output_file, sha256_file
 
 
 def test_output_file_resolves_names_and_directories(tmp_path, monkeypatch):
@@ -106,3 +106,31 @@ def test_a_build_lock_holds_off_another_process(tmp_path):
         waited = time.perf_counter() - t0
     holder.wait()
     assert waited > 1.0
+
+
+def test_fresh_output_keeps_what_is_there_unless_forced(tmp_path, monkeypatch):
+    """A CLI probe's worst find: `lora fuse/export` and `models quantize` swept away a non-empty
+    out= directory (or the working directory with out=.), exit 0."""
+    monkeypatch.chdir(tmp_path)
+    assert fresh_output(tmp_path / "new") == tmp_path / "new"
+    (tmp_path / "empty").mkdir()
+    assert fresh_output("empty") == tmp_path / "empty"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty; force=true replaces it"):
+        fresh_output("full")
+    assert fresh_output("full", force=True) == tmp_path / "full"
+    (tmp_path / "a.gguf").write_text("x")
+    with pytest.raises(UserError, match="an existing file; force=true"):
+        fresh_output("a.gguf", kind="file")
+    with pytest.raises(UserError, match="is a directory; name a file"):
+        fresh_output("full", force=True, kind="file")
+    for here in (".", str(tmp_path.parent)):
+        with pytest.raises(UserError, match="working directory"):
+            fresh_output(here, force=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_output_file_tries_the_directory_it_will_write_in():
+    with pytest.raises(UserError, match="cannot write in /proc"):
+        output_file("/proc/x.jsonl", "x.jsonl")

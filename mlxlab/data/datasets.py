@@ -57,6 +57,9 @@ def _format_of(record) -> str | None:
     return None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _check_record(record, fmt: str) -> str | None:
     """Why `record` is malformed for `fmt`, or None."""
     if fmt == "chat":
@@ -66,8 +69,26 @@ def _check_record(record, fmt: str) -> str | None:
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or "role" not in m:
                 return f"messages[{i}] must be an object with a 'role'"
-            if m.get("content") is None and not m.get("tool_calls"):
+            if m["role"] not in ROLES:
+                return f"messages[{i}] has role {m['role']!r}; roles are {', '.join(ROLES)}"
+            content = m.get("content")
+            if content is None and not m.get("tool_calls"):
                 return f"messages[{i}] has no 'content'"
+            if content is not None and not (
+                isinstance(content, str)
+                or (isinstance(content, list) and all(isinstance(p, dict) for p in content))
+            ):
+                return f"messages[{i}].content must be a string or a list of content parts"
+        if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+            return (
+                "a chat needs a prompt and a response: two or more messages, the last the "
+                "assistant's response"
+            )
+        last = msgs[-1]
+        if not last.get("tool_calls") and not (
+            last.get("content") if isinstance(last.get("content"), str) else True
+        ):
+            return "the response (the last message) is empty"
         if (
             "tools" in record
             and record["tools"] is not None
@@ -77,6 +98,8 @@ def _check_record(record, fmt: str) -> str | None:
     elif fmt == "completions":
         if not isinstance(record["prompt"], str) or not isinstance(record["completion"], str):
             return "'prompt' and 'completion' must be strings"
+        if not record["completion"]:
+            return "'completion' is empty"
     elif not isinstance(record["text"], str) or not record["text"]:
         return "'text' must be a non-empty string"
     if record.get("loss_weights") is None:
@@ -190,17 +213,27 @@ def checked_lines(path: str | Path, check, what: str, empty: str) -> list[tuple[
     return out
 
 
+def _lines(handle, path: Path):
+    """(line number, text) of a file open in binary; a line that is not UTF-8 is a UserError
+    naming it."""
+    for lineno, raw in enumerate(handle, 1):
+        try:
+            yield lineno, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
+
+
 def validate_jsonl(path: Path) -> str:
     """Check every line; return the file's format. Errors name `file:line` (up to 10 of them)."""
     errors: list[str] = []
     formats: set[str] = set()
     count = 0
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open("rb")
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from e
     with handle:
-        for lineno, line in enumerate(handle, 1):
+        for lineno, line in _lines(handle, path):
             if not line.strip():
                 continue
             count += 1
@@ -355,6 +388,13 @@ def resolve_paths(cfg: DataConfig) -> tuple[Path, Path | None]:
     if train.is_dir() and (train / "train.jsonl").is_file():
         valid = valid or (train / "valid.jsonl" if (train / "valid.jsonl").is_file() else None)
         train = train / "train.jsonl"
+    elif train.is_dir() and (train / "train.jsonl").exists():
+        raise UserError(f"data.train={cfg.train}: {train / 'train.jsonl'} is not a file")
+    elif train.is_dir() and any(train.glob("*.jsonl")):  # not a datasets directory either
+        found = ", ".join(sorted(p.name for p in train.glob("*.jsonl"))[:4])
+        raise UserError(
+            f"data.train={cfg.train}: no train.jsonl in that directory (it has {found})"
+        )
     elif valid is None and train.suffix == ".jsonl" and (train.parent / "valid.jsonl").is_file():
         valid = train.parent / "valid.jsonl"
     return train, valid

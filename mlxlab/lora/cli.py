@@ -18,6 +18,7 @@ from pathlib import Path
 from mlxlab.cli import run_hydra
 from mlxlab.config import LoraToolConfig
 from mlxlab.errors import UserError
+from mlxlab.fsutil import fresh_output
 
 
 def fuse_to_dir(cfg: LoraToolConfig) -> Path:
@@ -55,6 +56,8 @@ def run(cfg: LoraToolConfig) -> None:
                 else ("a .gguf file" if cfg.format == "gguf" else "the PEFT directory")
             )
             raise UserError(f"lora {cfg.action} needs out= ({what})")
+        kind = "file" if cfg.action == "export" and cfg.format == "gguf" else "directory"
+        fresh_output(cfg.out, cfg.force, kind)
         model, _ = load(cfg.model, decode_head="exact", decode_kernel=False)
         if cfg.action == "import":
             print(export.import_peft(cfg.adapter, model, cfg.out))
@@ -80,6 +83,7 @@ def run(cfg: LoraToolConfig) -> None:
     else:
         if not cfg.out:
             raise UserError("lora fuse needs out=DIR for the fused model")
+        fresh_output(cfg.out, cfg.force)
         print(fuse_to_dir(cfg))
 
 

@@ -126,15 +126,20 @@ def import_peft(peft_dir: str | Path, model, out: str | Path) -> Path:
     from safetensors.numpy import load_file
 
     src = Path(peft_dir).expanduser()
+    for name in (PEFT_CONFIG, PEFT_WEIGHTS):
+        if not (src / name).is_file():
+            mlx_lm_layout = (src / lora_io.CONFIG).is_file()
+            raise UserError(
+                f"{src} is not a PEFT adapter directory (no {name})"
+                + ("; it is in mlx-lm's layout already, use it as it is" if mlx_lm_layout else "")
+            )
     try:
         config = json.loads((src / PEFT_CONFIG).read_text())
         tensors = load_file(str(src / PEFT_WEIGHTS))
-    except FileNotFoundError as e:
-        raise UserError(
-            f"{src} is not a PEFT adapter directory (no {Path(e.filename).name})"
-        ) from None
-    except (OSError, ValueError) as e:
+    except Exception as e:  # OSError, JSON, safetensors' own SafetensorError on a bad header
         raise UserError(f"{src}: unreadable PEFT adapter ({e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{src}: {PEFT_CONFIG} must hold a JSON object")
     problems = []
     if config.get("peft_type") != "LORA":
         problems.append(f"peft_type {config.get('peft_type')!r} (only LORA)")
@@ -147,12 +152,16 @@ def import_peft(peft_dir: str | Path, model, out: str | Path) -> Path:
     ):
         if (config.get(key) or fine) != fine:
             problems.append(f"{key}={config.get(key)!r} (mlx-lm's LoRA has no form for it)")
-    r = int(config.get("r", 0))
+    r = config.get("r", 0)
+    r = r if isinstance(r, int) and not isinstance(r, bool) else 0
     if r < 1:
         problems.append(f"r={config.get('r')!r}")
+    alpha = config.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        problems.append(f"lora_alpha={alpha!r}")
     if problems:
         raise UserError(f"PEFT adapter {src}: " + "; ".join(problems))
-    alpha = float(config.get("lora_alpha", r))
+    alpha = float(alpha)
     scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
     kind = "dora" if config.get("use_dora") else "lora"
     leaves = {"lora_A.weight": "lora_a", "lora_B.weight": "lora_b", "lora_magnitude_vector": "m"}

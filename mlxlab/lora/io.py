@@ -152,7 +152,9 @@ def read_plan(path: str | Path, model) -> tuple[lora_apply.LoraPlan, dict[str, m
     problems: list[str] = []
     other_base = False  # a problem that says another base model: BaseMismatch
     config = _read_json(path / CONFIG, problems)
-    meta = _read_json(path / META, []) if (path / META).exists() else {}
+    meta = _read_json(path / META, problems) if (path / META).exists() else {}
+    if meta is None:  # not JSON, or not an object: said in `problems`
+        meta = {}
     weights: dict[str, mx.array] = {}
     if not (path / WEIGHTS).is_file():
         problems.append(f"missing {WEIGHTS}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxlab.errors import UserError
-from mlxlab.fsutil import atomic_dir, build_lock, sha256_file, writable_dir
+from mlxlab.fsutil import atomic_dir, build_lock, fresh_output, sha256_file, writable_dir
 from mlxlab.models.tokenizers import TOKENIZER_PATTERNS, shared_tokenizer
 from mlxlab.runtime import home
 
@@ -179,6 +179,8 @@ def convert_gguf(
         raise UserError(f"no such GGUF file: {path}")
     if out is None:
         out = _writable(models_dir()) / f"{path.stem}-{sha256_file(path)[:12]}"
+    elif not is_complete(Path(out).expanduser()):  # (a converted model there is kept as it is)
+        fresh_output(out, force)
     return gguf.convert(path, out, dtype=dtype, force=force)
 
 
@@ -217,6 +219,7 @@ def quantize(
     out = Path(out).expanduser()
     if is_complete(out) and not force:
         return out
+    fresh_output(out, force)  # the user's own files at out= are not swept away
 
     def write(tmp: Path) -> None:
         from mlx_lm.convert import convert
@@ -302,7 +305,7 @@ def hub_snapshot(repo_id: str) -> Path:
             f"model {repo_id!r}: no local directory of that name, {where}, and the Hub refused "
             f"it ({type(e).__name__}: not found, private or gated; `hf auth login` for access)"
         ) from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
+    except (HfHubHTTPError, OSError, ValueError, Exception) as e:  # a proxy's error, too
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(
             f"model {repo_id!r}: fetching it from the Hugging Face Hub failed: {first}"

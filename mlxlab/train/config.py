@@ -243,6 +243,11 @@ class TrainConfig:
         for key in ("iters", "batch_size", "grad_accum", "keep_last", "log_every"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("val_every", "val_batches", "save_every"):  # 0 has its own meaning
+            if getattr(self, key) < 0:
+                raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("wandb", self.wandb, ("offline", "online", "disabled"))
         if self.resume and not self.out_dir:

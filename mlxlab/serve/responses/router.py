@@ -137,7 +137,9 @@ async def list_input_items(
     ids = [i["id"] for i in items]
     for cursor, name in ((after, "after"), (before, "before")):
         if cursor is not None and cursor not in ids:
-            raise APIError(404, f"no input item {cursor!r} in {rid!r}", param=name)
+            raise APIError(
+                404, f"no input item {cursor!r} in {rid!r}", type="not_found_error", param=name
+            )
     if after is not None:
         items = items[ids.index(after) + 1 :]
     if before is not None:  # the page just before the cursor
