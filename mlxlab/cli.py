@@ -201,7 +201,8 @@ def one_line(error: Exception) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
     if len(lines) > 1 and text.endswith(":"):  # a heading over a list of problems: the first
-        more = len(lines) - 2
+        tail = re.fullmatch(r"\.\.\. and (\d+) more", lines[-1])  # raise_errors' last line
+        more = len(lines) - 2 - bool(tail) + (int(tail.group(1)) if tail else 0)
         text = f"{text} {lines[1]}" + (f" (and {more} more)" if more else "")
     return f"{key}: {text}" if key else text
 
@@ -283,8 +284,11 @@ def run_hydra(
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    started = []  # once the task runs, Hydra's and OmegaConf's errors are bugs: tracebacks
+
     @hydra.main(config_path=str(config_dir()), config_name=name, version_base=None)
     def _main(cfg):
+        started.append(True)
         try:
             typed = to_dataclass(cfg, schema)
         except (UserError, ValueError, TypeError) as e:  # a bad value; nothing has run yet
@@ -304,8 +308,13 @@ def run_hydra(
     try:
         _main()
     except (HydraException, OmegaConfBaseException) as e:
+        if started or before == "1":  # a bug, or a user who asked for the whole report
+            raise
         print(f"mlxlab {name}: error: {hydra_problem(e)}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # while Hydra composes the config
+        print(f"mlxlab {name}: interrupted", file=sys.stderr)
+        sys.exit(130)
     finally:
         if before is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -251,20 +251,20 @@ class OptimConfig:
     min_lr: float = 0.0
     """Floor of the cosine schedule."""
     grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this; null turns it off."""
+    """Clip the global gradient norm to this; 0 or null turns it off."""
 
     def __post_init__(self):
         if self.lr <= 0:
             raise UserError(f"optim.lr must be > 0, got {self.lr}")
         if self.warmup < 0:
             raise UserError(f"optim.warmup must be >= 0 steps, got {self.warmup}")
-        if not 0 <= self.min_lr <= self.lr:
+        if self.schedule == "cosine" and not 0 <= self.min_lr <= self.lr:
             raise UserError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.weight_decay < 0:
             raise UserError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
+        if self.grad_clip is not None and self.grad_clip < 0:
             raise UserError(
-                f"optim.grad_clip must be > 0 (null turns clipping off), got {self.grad_clip}"
+                f"optim.grad_clip must be >= 0 (0 or null turns clipping off), got {self.grad_clip}"
             )
         check_choice("optim.schedule", self.schedule, ("cosine", "constant"))
         names = optimizer_names()

@@ -4,8 +4,11 @@ processes building the same directory do not break; a file's SHA-256, read in bl
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -22,6 +25,7 @@ except ImportError:  # not POSIX: no lock between processes
 _locks: dict[str, threading.RLock] = {}
 _depth: dict[str, int] = {}
 _locks_guard = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def writable_dir(path: Path) -> Path:
@@ -99,11 +103,32 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
+def _lock_file(key: str):
+    """An open file to `flock` for `key`, in this user's own directory under the temp dir (not
+    beside the output: users' directories stay clean); None where there is none to trust (no
+    `fcntl`, a temp dir that cannot be written, a lock directory another user owns or a link):
+    then builders in one process still take turns, and other processes are not waited for."""
+    if fcntl is None:
+        return None
+    uid = os.getuid()
+    locks = Path(tempfile.gettempdir()) / f"mlxlab-locks-{uid}"
+    try:
+        locks.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(locks)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            raise OSError(f"{locks} is not this user's own directory")
+        return open(locks / hashlib.sha256(key.encode()).hexdigest()[:32], "a")
+    except OSError as e:
+        log.warning("mlxlab: no lock between processes for building %s (%s)", key, e)
+        return None
+
+
 @contextmanager
 def build_lock(out: Path) -> Iterator[None]:
-    """Hold the right to build `out`: one thread of one process at a time (an advisory lock
-    on a file named by the path's hash, released when the process dies). Re-entrant in a thread, so a
-    caller that checks `out` under the lock can build it with `atomic_dir`, which takes it too."""
+    """Hold the right to build `out`: one thread of one process at a time (an advisory lock on
+    a file named by the path's hash, released when the process dies; `_lock_file`). Re-entrant
+    in a thread, so a caller that checks `out` under the lock can build it with `atomic_dir`,
+    which takes it too."""
     out = Path(out).absolute()
     key = str(out)
     with _locks_guard:
@@ -116,22 +141,16 @@ def build_lock(out: Path) -> Iterator[None]:
             finally:
                 _depth[key] -= 1
             return
-        # The lock file lives in the temp dir, not beside `out` (users' directories stay clean).
-        locks = (
-            Path(tempfile.gettempdir())
-            / f"mlxlab-locks-{os.getuid() if hasattr(os, 'getuid') else 0}"
-        )
-        locks.mkdir(mode=0o700, exist_ok=True)
-        with open(locks / hashlib.sha256(key.encode()).hexdigest()[:32], "a") as f:
-            if fcntl is not None:
+        f = _lock_file(key)
+        try:
+            if f is not None:
                 fcntl.flock(f, fcntl.LOCK_EX)
             _depth[key] = 1
-            try:
-                yield
-            finally:
-                _depth[key] = 0
-                if fcntl is not None:
-                    fcntl.flock(f, fcntl.LOCK_UN)
+            yield
+        finally:
+            _depth[key] = 0
+            if f is not None:
+                f.close()  # (closing releases the lock)
 
 
 def atomic_dir(out: Path, write: Callable[[Path], object]) -> Path:
@@ -144,8 +163,12 @@ def atomic_dir(out: Path, write: Callable[[Path], object]) -> Path:
     out = Path(out).absolute()
     parent = writable_dir(out.parent)
     with build_lock(out):
+        # this name's own temps only (mkdtemp's 8 characters): `.tmp-gemma3-270m-*` would
+        # also match the temps of `gemma3-270m-q4g64`, another build in the same directory
+        own = re.compile(rf"\.tmp-{re.escape(out.name)}-(old-)?[a-z0-9_]{{8}}")
         for stale in parent.glob(f".tmp-{out.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            if own.fullmatch(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{out.name}-"))
         tmp.chmod(0o755)
         try:

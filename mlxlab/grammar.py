@@ -97,9 +97,40 @@ class RecursiveRef(GrammarError):
     """A schema whose local `$ref`s refer back to themselves: it cannot be inlined."""
 
 
-_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not schemas: never rewritten
+# Where a schema holds schemas (JSON Schema 2020-12 and draft 7): a walk that rewrites
+# references goes there only, so a property named `$ref`, `enum` or `definitions` is a name.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = (
+    "items",  # a schema, or (draft 7) a list of them
+    "additionalItems",
+    "additionalProperties",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+)
 _ANNOTATIONS = ("title", "description", "$comment", "default", "examples")
 MAX_INLINED_NODES = 20_000
+
+
+def _subschemas(node: dict, fn) -> dict:
+    """`node` with `fn` applied to each schema it holds (every other value as it is)."""
+    out = {}
+    for k, v in node.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: fn(sub) for name, sub in v.items()}
+        elif (k in _SCHEMA_LISTS or k == "items") and isinstance(v, list):
+            out[k] = [fn(sub) for sub in v]
+        elif k in _SCHEMA_ONE:
+            out[k] = fn(v)
+        else:
+            out[k] = v
+    return out
 
 
 def _pointer(root, ref: str, what: str):
@@ -116,15 +147,20 @@ def _pointer(root, ref: str, what: str):
     return node
 
 
+def _is_local(ref) -> bool:
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+
+
 def inline_refs(schema, what: str = "json schema"):
-    """`schema` with every local `$ref` replaced by what it points to (`$defs` and `definitions`
-    then dropped), so that a part of it stands alone (a tool's parameters embedded in a call's
-    grammar, where `#/...` would resolve against the call) and `closed` can close its objects.
-    A reference beside other keywords becomes `allOf` when they overlap. A schema without local
-    references is returned as it is; a recursive one raises `RecursiveRef`; one that grows past
-    MAX_INLINED_NODES once inlined raises GrammarError."""
+    """`schema` with every local `$ref` ("#", "#/...") replaced by what it points to (`$defs`
+    and `definitions` then dropped), so that a part of it stands alone (a tool's parameters
+    embedded in a call's grammar, where `#/...` would resolve against the call) and `closed`
+    can close its objects. A reference beside other keywords becomes `allOf` when they overlap.
+    A schema without local references is returned as it is; a recursive one raises
+    `RecursiveRef`; one that grows past MAX_INLINED_NODES once inlined, or whose references
+    point at nothing, raises GrammarError."""
     try:
-        if not _mentions(schema, ("$ref",)):
+        if not _has_local_ref(schema):
             return schema
     except RecursionError:
         raise GrammarError(f"{what}: the schema is nested too deeply") from None
@@ -135,20 +171,15 @@ def inline_refs(schema, what: str = "json schema"):
         count += 1
         if count > MAX_INLINED_NODES:
             raise GrammarError(f"{what}: the schema is too large once its $refs are inlined")
-        if isinstance(node, list):
-            return [walk(v, stack) for v in node]
         if not isinstance(node, dict):
             return node
-        out = {
-            k: (v if k in _NOT_SCHEMAS else walk(v, stack))
-            for k, v in node.items()
-            if k not in ("$ref", "$defs", "definitions")
-        }
-        ref = node.get("$ref")
-        if not (isinstance(ref, str) and ref.startswith("#")):
-            if "$ref" in node:
-                out["$ref"] = ref  # not local: left for llguidance to refuse by name
+        out = _subschemas(node, lambda sub: walk(sub, stack))
+        out.pop("$defs", None), out.pop("definitions", None)
+        ref = out.pop("$ref", None)
+        if ref is None:
             return out
+        if not _is_local(ref):
+            return {**out, "$ref": ref}  # not local: left for llguidance to resolve or refuse
         if ref in stack:
             raise RecursiveRef(f"{what}: $ref {ref!r} refers to itself (a recursive schema)")
         target = walk(_pointer(schema, ref, what), stack | {ref})
@@ -165,55 +196,70 @@ def inline_refs(schema, what: str = "json schema"):
         raise GrammarError(f"{what}: the schema is nested too deeply") from None
 
 
+def _has_local_ref(node) -> bool:
+    if not isinstance(node, dict):
+        return False
+    if _is_local(node.get("$ref")):
+        return True
+    found = []
+    _subschemas(node, lambda sub: found.append(_has_local_ref(sub)))
+    return any(found)
+
+
 def has_finite_value(schema) -> bool:
     """Whether some finite JSON value can satisfy `schema`'s structure: False when a chain of
     local `$ref`s must recurse forever (`{"properties": {"a": {"$ref": "#"}}, "required":
     ["a"]}`), which a grammar cannot end. A least fixpoint over the references (each assumed
-    unsatisfiable until shown otherwise); constraints other than structure are not judged."""
+    unsatisfiable until shown otherwise); constraints other than structure are not judged, and
+    a schema too malformed to judge counts as finite (llguidance judges it)."""
     refs: dict[str, bool] = {}
 
     def finite(node) -> bool:
         if not isinstance(node, dict):
             return node is not False
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#") and not refs.get(ref, False):
+        if _is_local(ref) and not refs.get(ref, False):
             return False
-        if any(not finite(s) for s in node.get("allOf") or []):
+        if any(not finite(s) for s in _list(node.get("allOf"))):
             return False
         for key in ("anyOf", "oneOf"):
-            if node.get(key) and not any(finite(s) for s in node[key]):
+            if _list(node.get(key)) and not any(finite(s) for s in _list(node[key])):
                 return False
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        if any(k in props and not finite(props[k]) for k in node.get("required") or []):
+        if any(k in props and not finite(props[k]) for k in _list(node.get("required"))):
             return False
-        if isinstance(node.get("items"), dict) and int(node.get("minItems") or 0) > 0:
-            return finite(node["items"])
+        items, least = node.get("items"), node.get("minItems")
+        if isinstance(items, dict) and isinstance(least, int) and least > 0:
+            return finite(items)
         return True
 
-    def local_refs(node):
+    def local_refs(node, into: set):
         if isinstance(node, dict):
-            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
-                yield node["$ref"]
-            for k, v in node.items():
-                if k not in _NOT_SCHEMAS:
-                    yield from local_refs(v)
-        elif isinstance(node, list):
-            for v in node:
-                yield from local_refs(v)
+            if _is_local(node.get("$ref")):
+                into.add(node["$ref"])
+            _subschemas(node, lambda sub: local_refs(sub, into))
+        return into
 
-    names = set(local_refs(schema))
-    changed = True
-    while changed:
-        changed = False
-        for ref in names:
-            if not refs.get(ref):
-                try:
-                    ok = finite(_pointer(schema, ref, "schema"))
-                except GrammarError:
-                    ok = False
-                if ok:
-                    refs[ref], changed = True, True
-    return finite(schema)
+    try:
+        names = local_refs(schema, set())
+        changed = True
+        while changed:
+            changed = False
+            for ref in names:
+                if not refs.get(ref):
+                    try:
+                        ok = finite(_pointer(schema, ref, "schema"))
+                    except GrammarError:
+                        ok = False
+                    if ok:
+                        refs[ref], changed = True, True
+        return finite(schema)
+    except (TypeError, ValueError, AttributeError, RecursionError):
+        return True
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def closed(schema):
@@ -254,13 +300,12 @@ def json_schema(schema: dict, what: str = "json schema") -> Grammar:
 
     if not isinstance(schema, dict):
         raise GrammarError(f"{what}: a JSON schema must be an object")
+    recursive = False
     try:
         flat = inline_refs(schema, what)
     except RecursiveRef:  # llguidance follows a recursive reference from the schema's root
-        if not has_finite_value(schema):
-            raise GrammarError(
-                f"{what}: its $refs recurse without end (no finite JSON value satisfies it)"
-            ) from None
+        flat, recursive = schema, True
+    except GrammarError:  # (llguidance resolves the references itself, or says what is wrong)
         flat = schema
     try:
         text = llguidance.LLMatcher.grammar_from_json_schema(closed(flat), defaults=JSON_STYLE)
@@ -268,7 +313,12 @@ def json_schema(schema: dict, what: str = "json schema") -> Grammar:
         raise GrammarError(f"{what}: {e}") from None
     except RecursionError:  # `closed` walks the schema: deeper than Python's stack
         raise GrammarError(f"{what}: the schema is nested too deeply") from None
-    return _checked(text, what)
+    grammar = _checked(text, what)
+    if recursive and not has_finite_value(schema):  # it compiles, and then cannot end
+        raise GrammarError(
+            f"{what}: its $refs recurse without end (no finite JSON value satisfies it)"
+        )
+    return grammar
 
 
 # What llguidance cannot enforce in a schema that is still a JSON schema: regex features it lacks

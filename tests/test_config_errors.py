@@ -303,6 +303,10 @@ def test_hydra_reports_and_problem_lists_are_said_on_one_line():
     listed = UserError("bad training data:\n  a.jsonl:2: invalid JSON\n  a.jsonl:3: no text\n")
     assert one_line(listed) == "bad training data: a.jsonl:2: invalid JSON (and 1 more)"
     assert one_line(UserError("one thing\nand a detail")) == "one thing"
+    many = UserError(
+        "bad training data:\n" + "\n".join(f"  a:{i}: x" for i in range(10)) + "\n  ... and 5 more"
+    )
+    assert one_line(many) == "bad training data: a:0: x (and 14 more)"
 
 
 @pytest.mark.parametrize(
@@ -315,7 +319,7 @@ def test_hydra_reports_and_problem_lists_are_said_on_one_line():
         ("optim.warmup", -5, "optim.warmup must be >= 0"),
         ("optim.min_lr", 1.0, "optim.min_lr must be in"),
         ("optim.weight_decay", -1.0, "optim.weight_decay must be >= 0"),
-        ("optim.grad_clip", 0.0, "optim.grad_clip must be > 0"),
+        ("optim.grad_clip", -1.0, "optim.grad_clip must be >= 0"),
     ],
 )
 def test_training_numbers_out_of_range_are_refused_before_anything_runs(field, value, fragment):

@@ -5,6 +5,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -134,3 +135,20 @@ def test_fresh_output_keeps_what_is_there_unless_forced(tmp_path, monkeypatch):
 def test_output_file_tries_the_directory_it_will_write_in():
     with pytest.raises(UserError, match="cannot write in /proc"):
         output_file("/proc/x.jsonl", "x.jsonl")
+
+
+def test_a_build_leaves_a_longer_named_siblings_temp_alone(tmp_path, monkeypatch):
+    """From review: `.tmp-model-*` also matched the temps of `model-q4g64` being built beside
+    it; and a lock directory that cannot be trusted leaves builds working (in-process turns)."""
+    sibling = tmp_path / ".tmp-model-q4g64-abcd1234"
+    sibling.mkdir()
+    stale = tmp_path / ".tmp-model-zz99yy88"
+    stale.mkdir()
+    atomic_dir(tmp_path / "model", lambda tmp: (tmp / "a").write_text("1"))
+    assert sibling.exists() and not stale.exists()
+    blocker = tmp_path / "tmpdir"
+    blocker.mkdir()
+    (blocker / f"mlxlab-locks-{os.getuid()}").write_text("not a directory")
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker))
+    atomic_dir(tmp_path / "other", lambda tmp: (tmp / "b").write_text("2"))
+    assert (tmp_path / "other" / "b").read_text() == "2"

@@ -200,3 +200,27 @@ def test_a_recursive_schema_with_a_way_out_compiles_and_one_without_is_refused()
     assert not G.has_finite_value(endless)
     with pytest.raises(G.GrammarError, match="recurse without end"):
         G.json_schema(endless)
+
+
+def test_names_that_look_like_keywords_stay_names():
+    """From review: properties named `definitions`, `$ref`, `enum` are names, not keywords (the
+    first walk dropped one and left another's reference dangling)."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "definitions": {"type": "string"},
+            "$ref": {"$ref": "#/$defs/P"},
+            "enum": {"$ref": "#/$defs/P"},
+        },
+        "required": ["definitions", "$ref", "enum"],
+        "$defs": {"P": place},
+    }
+    flat = G.inline_refs(schema)
+    assert flat["properties"] == {"definitions": {"type": "string"}, "$ref": place, "enum": place}
+    G.json_schema(schema)
+    # an anchor is left to llguidance; a malformed recursive schema is a GrammarError, not a crash
+    assert G.inline_refs({"$ref": "#foo"}) == {"$ref": "#foo"}
+    bad = {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": "x"}}}
+    with pytest.raises(G.GrammarError):
+        G.json_schema({**bad, "$ref": "#/$defs/n"})

@@ -57,9 +57,6 @@ def _format_of(record) -> str | None:
     return None
 
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 def _check_record(record, fmt: str) -> str | None:
     """Why `record` is malformed for `fmt`, or None."""
     if fmt == "chat":
@@ -69,8 +66,6 @@ def _check_record(record, fmt: str) -> str | None:
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or "role" not in m:
                 return f"messages[{i}] must be an object with a 'role'"
-            if m["role"] not in ROLES:
-                return f"messages[{i}] has role {m['role']!r}; roles are {', '.join(ROLES)}"
             content = m.get("content")
             if content is None and not m.get("tool_calls"):
                 return f"messages[{i}] has no 'content'"
@@ -79,16 +74,6 @@ def _check_record(record, fmt: str) -> str | None:
                 or (isinstance(content, list) and all(isinstance(p, dict) for p in content))
             ):
                 return f"messages[{i}].content must be a string or a list of content parts"
-        if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
-            return (
-                "a chat needs a prompt and a response: two or more messages, the last the "
-                "assistant's response"
-            )
-        last = msgs[-1]
-        if not last.get("tool_calls") and not (
-            last.get("content") if isinstance(last.get("content"), str) else True
-        ):
-            return "the response (the last message) is empty"
         if (
             "tools" in record
             and record["tools"] is not None
@@ -98,8 +83,6 @@ def _check_record(record, fmt: str) -> str | None:
     elif fmt == "completions":
         if not isinstance(record["prompt"], str) or not isinstance(record["completion"], str):
             return "'prompt' and 'completion' must be strings"
-        if not record["completion"]:
-            return "'completion' is empty"
     elif not isinstance(record["text"], str) or not record["text"]:
         return "'text' must be a non-empty string"
     if record.get("loss_weights") is None:
@@ -183,18 +166,30 @@ def raise_errors(errors: list[str], what: str) -> None:
         raise UserError(f"bad {what} data:\n  " + "\n  ".join(errors[:10]) + more)
 
 
+def text_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of every line of the UTF-8 file `path` (a BOM is dropped); a file
+    that cannot be read, or a line that is not UTF-8, is a UserError naming it."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+    out = []
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        try:
+            out.append((lineno, line.decode("utf-8-sig" if lineno == 1 else "utf-8")))
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
+    return out
+
+
 def checked_lines(path: str | Path, check, what: str, empty: str) -> list[tuple[int, dict, object]]:
     """(line, record, check(record)) of every non-blank line of the JSONL file `path`; `check`
     gives a record's parsed form, or a string that says why the record is bad. Lines that are no
     JSON and bad records are raised together (`raise_errors`, `what`), as is a file without one
     record (`<path>: no <empty>`)."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
     out, errors = [], []
-    for lineno, line in enumerate(lines, 1):
+    for lineno, line in text_lines(path):
         if not line.strip():
             continue
         try:
@@ -213,52 +208,37 @@ def checked_lines(path: str | Path, check, what: str, empty: str) -> list[tuple[
     return out
 
 
-def _lines(handle, path: Path):
-    """(line number, text) of a file open in binary; a line that is not UTF-8 is a UserError
-    naming it."""
-    for lineno, raw in enumerate(handle, 1):
-        try:
-            yield lineno, raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
-
-
 def validate_jsonl(path: Path) -> str:
     """Check every line; return the file's format. Errors name `file:line` (up to 10 of them)."""
     errors: list[str] = []
     formats: set[str] = set()
     count = 0
-    try:
-        handle = path.open("rb")
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
-    with handle:
-        for lineno, line in _lines(handle, path):
-            if not line.strip():
-                continue
-            count += 1
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
-                continue
-            if isinstance(record, dict) and "chosen" in record and "rejected" in record:
-                errors.append(
-                    f"{path}:{lineno}: a preference pair ('chosen'/'rejected'): train it with "
-                    "objective=dpo or objective=orpo"
-                )
-                continue
-            fmt = _format_of(record)
-            if fmt is None:
-                errors.append(
-                    f"{path}:{lineno}: expected an object with 'messages', "
-                    "'prompt'+'completion', or 'text'"
-                )
-                continue
-            formats.add(fmt)
-            problem = _check_record(record, fmt)
-            if problem:
-                errors.append(f"{path}:{lineno}: {problem}")
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        count += 1
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        if isinstance(record, dict) and "chosen" in record and "rejected" in record:
+            errors.append(
+                f"{path}:{lineno}: a preference pair ('chosen'/'rejected'): train it with "
+                "objective=dpo or objective=orpo"
+            )
+            continue
+        fmt = _format_of(record)
+        if fmt is None:
+            errors.append(
+                f"{path}:{lineno}: expected an object with 'messages', "
+                "'prompt'+'completion', or 'text'"
+            )
+            continue
+        formats.add(fmt)
+        problem = _check_record(record, fmt)
+        if problem:
+            errors.append(f"{path}:{lineno}: {problem}")
     if len(formats) > 1:
         errors.append(f"{path}: mixes formats {sorted(formats)}; use one per file")
     if not count and not errors:
@@ -325,10 +305,14 @@ def tokenize(record: dict, tokenizer, mask_prompt: bool) -> Example:
     if not (mask_prompt or spans):
         return Example(ids, 0)
     add_gen = messages[-1].get("role") == "assistant"
-    response = len(
-        tokenizer.apply_chat_template(
-            messages[:-1], tools=tools, add_generation_prompt=add_gen, return_dict=False
+    response = (  # a one-message chat has no prompt to mask (the template refuses an empty one)
+        len(
+            tokenizer.apply_chat_template(
+                messages[:-1], tools=tools, add_generation_prompt=add_gen, return_dict=False
+            )
         )
+        if len(messages) > 1
+        else 0
     )
     offset = response if mask_prompt else 0
     if not spans:

@@ -123,6 +123,7 @@ def import_peft(peft_dir: str | Path, model, out: str | Path) -> Path:
     """A PEFT LoRA (or DoRA) adapter directory -> an adapter in mlx-lm's layout at `out`,
     checked against `model` before anything is written."""
     import mlx.core as mx
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     src = Path(peft_dir).expanduser()
@@ -136,7 +137,7 @@ def import_peft(peft_dir: str | Path, model, out: str | Path) -> Path:
     try:
         config = json.loads((src / PEFT_CONFIG).read_text())
         tensors = load_file(str(src / PEFT_WEIGHTS))
-    except Exception as e:  # OSError, JSON, safetensors' own SafetensorError on a bad header
+    except (OSError, ValueError, SafetensorError) as e:  # JSON's is a ValueError
         raise UserError(f"{src}: unreadable PEFT adapter ({e})") from None
     if not isinstance(config, dict):
         raise UserError(f"{src}: {PEFT_CONFIG} must hold a JSON object")

@@ -213,13 +213,15 @@ def quantize(
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization") or config.get("quantization_config"):
         raise UserError(f"{spec} is quantized already ({src / 'config.json'})")
+    asked = out is not None
     if out is None:
         name = spec if spec in ZOO else spec.replace("/", "--") if is_repo_id(spec) else src.name
         out = _writable(models_dir()) / f"{name}-q{bits}g{group_size}"
     out = Path(out).expanduser()
     if is_complete(out) and not force:
         return out
-    fresh_output(out, force)  # the user's own files at out= are not swept away
+    if asked:  # the user's own files at out= are not swept away (the cache's leftovers are)
+        fresh_output(out, force)
 
     def write(tmp: Path) -> None:
         from mlx_lm.convert import convert
@@ -261,6 +263,13 @@ def hub_cache() -> Path:
 
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _network_error(e: BaseException) -> bool:
+    """An error of the HTTP stack under huggingface_hub (httpx, httpcore, requests, urllib3):
+    a proxy that answers with an error, a connection that breaks."""
+    root = type(e).__module__.split(".")[0]
+    return root.rstrip("0123456789") in ("httpx", "httpcore", "requests", "urllib3")
 
 
 def hub_snapshot(repo_id: str) -> Path:
@@ -305,7 +314,9 @@ def hub_snapshot(repo_id: str) -> Path:
             f"model {repo_id!r}: no local directory of that name, {where}, and the Hub refused "
             f"it ({type(e).__name__}: not found, private or gated; `hf auth login` for access)"
         ) from None
-    except (HfHubHTTPError, OSError, ValueError, Exception) as e:  # a proxy's error, too
+    except Exception as e:
+        if not isinstance(e, (HfHubHTTPError, OSError, ValueError)) and not _network_error(e):
+            raise  # a bug, not the network: its traceback
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(
             f"model {repo_id!r}: fetching it from the Hugging Face Hub failed: {first}"

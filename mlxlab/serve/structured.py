@@ -89,7 +89,7 @@ def _tool_specs(tools: list[dict]) -> list[tuple[str, dict]]:
         except G.RecursiveRef as e:
             raise APIError(
                 400,
-                f"{e}; a forced tool call cannot embed a recursive parameter schema",
+                f"{e}; a tool call's grammar cannot embed a recursive parameter schema",
                 param=f"tools[{i}]",
                 code="invalid_schema",
             ) from None
