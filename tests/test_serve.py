@@ -224,7 +224,7 @@ def test_seeded_sampling_is_reproducible(server):
             {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]},
             "stop",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, "logit_bias"),
         (
             {
@@ -407,6 +407,30 @@ def test_full_queue_answers_503_with_retry_after(tiny_dir):
         gateway.stop()
 
 
+def test_n_choices_that_do_not_fit_the_queue_give_their_leases_back(tiny_dir):
+    """Four choices and a queue of one (plus the engine's own): a 503, streamed or not, and no
+    choice's lease is left behind (each cancelled or refused job gives its own back)."""
+    client, gateway = make_client(max_queue=1)
+
+    def in_flight():
+        models = client.get("/stats").json()["models"]["models"]
+        return next(m for m in models if m["default"])["in_flight"]
+
+    try:
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json=chat(n=4, stream=stream))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+            import time
+
+            deadline = time.time() + 30
+            while (gateway.pending or in_flight()) and time.time() < deadline:
+                time.sleep(0.05)
+            assert in_flight() == 0
+        assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+    finally:
+        gateway.stop()
+
+
 def test_cancelled_job_stops_within_a_step(server):
     _, gateway = server
     got, finished = [], threading.Event()
@@ -474,3 +498,36 @@ def test_sampling_precedence(server):
     finally:
         loaded.generation_config.clear()
         loaded.generation_config.update(old)
+
+
+def test_n_choices_seeded_one_by_one_streamed_and_not(server):
+    """OpenAI's `n` (a client-SDK probe found it refused): choice i is the answer with seed
+    seed + i; usage counts the prompt once; the stream interleaves the choices by index, with
+    one usage chunk and one [DONE]; completions too."""
+    client, _ = server
+    body = chat(temperature=1.0, seed=7, max_tokens=12)
+    many = client.post("/v1/chat/completions", json={**body, "n": 3}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    alone = [
+        client.post("/v1/chat/completions", json={**body, "seed": 7 + i}).json() for i in range(3)
+    ]
+    for c, one in zip(many["choices"], alone, strict=True):
+        assert c["message"] == one["choices"][0]["message"]
+    u = many["usage"]
+    assert u["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert u["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    streamed = {"stream": True, "stream_options": {"include_usage": True}, "n": 3}
+    r = client.post("/v1/chat/completions", json={**body, **streamed})
+    events = sse_events(r.text)
+    assert [e for e in events if not e["choices"]] == [events[-1]]  # one usage chunk, last
+    streamed_usage = events[-1]["usage"]  # (its cached_tokens: the prompt cache is warm now)
+    assert all(streamed_usage[k] == u[k] for k in ("prompt_tokens", "completion_tokens"))
+    for i in range(3):
+        mine = [e for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        assert streamed_content(mine) == many["choices"][i]["message"]["content"]
+        assert mine[-1]["choices"][0]["finish_reason"] == many["choices"][i]["finish_reason"]
+    legacy = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    two = client.post("/v1/completions", json={**legacy, "n": 2}).json()
+    one = client.post("/v1/completions", json={**legacy, "seed": 4}).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][1]["text"] == one["choices"][0]["text"]

@@ -43,8 +43,8 @@ def tool_calls_of(done: Done) -> list[dict]:
 class _Stream(Encoder):
     """What both OpenAI streams share: the usage chunk, the error object, the [DONE] line."""
 
-    def __init__(self, head: dict, include_usage: bool):
-        self.head, self.include_usage = head, include_usage
+    def __init__(self, head: dict, include_usage: bool, index: int = 0):
+        self.head, self.include_usage, self.index = head, include_usage, index
 
     def _usage(self, ev: Done) -> list[str]:
         return (
@@ -59,15 +59,20 @@ class _Stream(Encoder):
 
 
 class ChatStream(_Stream):
-    def __init__(self, head: dict, include_usage: bool):
-        super().__init__({**head, "object": "chat.completion.chunk"}, include_usage)
+    def __init__(self, head: dict, include_usage: bool, index: int = 0):
+        super().__init__({**head, "object": "chat.completion.chunk"}, include_usage, index)
 
     def _chunk(self, delta: dict, logprobs=None, finish: str | None = None) -> str:
         return sse(
             {
                 **self.head,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    {
+                        "index": self.index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    }
                 ],
             }
         )
@@ -152,7 +157,7 @@ class CompletionStream(_Stream):
                     **self.head,
                     "choices": [
                         {
-                            "index": 0,
+                            "index": self.index,
                             "text": ev.text,
                             "logprobs": logprobs,
                             "finish_reason": None,
@@ -169,7 +174,7 @@ class CompletionStream(_Stream):
                     **self.head,
                     "choices": [
                         {
-                            "index": 0,
+                            "index": self.index,
                             "text": "",
                             "logprobs": None,
                             "finish_reason": ev.finish_reason,

@@ -38,6 +38,8 @@ def error_shape(err: APIError) -> tuple[int, dict]:
     }
 
 
+MAX_CHOICES = 8  # n: more is a batch of requests, not one
+
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
 
 # What the OpenAPI schema says of fields whose checks are code (`WithJsonSchema`: the checks and
@@ -205,7 +207,7 @@ class Sampled(_Base):
     stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: Int = Field(1, ge=1, le=1)
+    n: Int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own job (openai/choices.py)
     user: str | None = None
     adapter: str | None = None
 
@@ -422,7 +424,7 @@ class CompletionRequest(Sampled):
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("one prompt per request (n=1)")
+            raise ValueError("one prompt per request (n asks for several answers to it)")
         if isinstance(v, list) and not v:
             raise ValueError("prompt is empty")
         return v

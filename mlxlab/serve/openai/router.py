@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from mlxlab.serve import answer, pipeline
 from mlxlab.serve.http import STREAMED, protocol_route
-from mlxlab.serve.openai import audio, encode
+from mlxlab.serve.openai import audio, choices, encode
 from mlxlab.serve.openai.protocol import ChatRequest, CompletionRequest, OpenAIError, error_shape
 
 router = APIRouter(route_class=protocol_route(error_shape, OpenAIError))
@@ -28,6 +28,8 @@ COMPLETION_EXAMPLE = {"prompt": "Once upon a time", "max_tokens": 8}
 async def chat(body: ChatRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     heard = await audio.transcribe_parts(request, body)  # input_audio parts -> their transcripts
+    if body.n > 1:
+        return await _chat_choices(body, request, heard)
     job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
     job.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     head = {"id": job.id, "created": int(time.time()), "model": job.lease.asked}
@@ -41,6 +43,8 @@ async def chat(body: ChatRequest, request: Request):
 @router.post("/v1/completions", responses=STREAMED, openapi_extra=_example(COMPLETION_EXAMPLE))
 async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
+    if body.n > 1:
+        return await _completion_choices(body, request)
     job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
     job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
     head = {
@@ -55,3 +59,34 @@ async def completions(body: CompletionRequest, request: Request):
         )
     got = await answer.collect(gateway, job, request.receive)
     return encode.completion_body(head, got)
+
+
+async def _jobs(body, request, prefix: str):
+    gateway, cfg = request.app.state.gateway, request.app.state.cfg
+    jobs = await choices.prepare(gateway, cfg, body.to_ask, body.model, body.n)
+    rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    for job in jobs:
+        job.id = rid
+    return gateway, jobs, {"id": rid, "created": int(time.time()), "model": jobs[0].lease.asked}
+
+
+async def _chat_choices(body: ChatRequest, request: Request, heard):
+    gateway, jobs, head = await _jobs(body, request, "chatcmpl")
+    if body.stream:
+        encoders = [encode.ChatStream(head, False, i) for i in range(len(jobs))]
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+        return await choices.stream(gateway, jobs, encoders, chunk_head, body.include_usage())
+    gots = await choices.collect(gateway, jobs, request.receive)
+    bodies = [encode.chat_body(head, got, body.logprobs) for got in gots]
+    return audio.with_usage(choices.merged_body(bodies, [g.finished for g in gots]), heard)
+
+
+async def _completion_choices(body: CompletionRequest, request: Request):
+    gateway, jobs, head = await _jobs(body, request, "cmpl")
+    head = {**head, "object": "text_completion"}
+    if body.stream:
+        encoders = [encode.CompletionStream(head, False, i) for i in range(len(jobs))]
+        return await choices.stream(gateway, jobs, encoders, head, body.include_usage())
+    gots = await choices.collect(gateway, jobs, request.receive)
+    bodies = [encode.completion_body(head, got) for got in gots]
+    return choices.merged_body(bodies, [g.finished for g in gots])

@@ -1,0 +1,161 @@
+"""OpenAI's `n`: several choices for one request, each its own job on the engine (rows of one
+batch when the batched lane runs), answered as one body or one stream.
+
+- Choice `i` samples with `seed + i` when the request gives a seed (so each is reproducible and
+  they differ), with fresh randomness otherwise; at temperature 0 they are the same answer.
+- Usage counts the prompt once and every choice's completion tokens, as OpenAI does.
+- Not streamed: every choice is collected; one that fails fails the request (the others are
+  cancelled). Streamed: the choices' chunks interleave as they come, each with its `index`;
+  one usage chunk (`include_usage`) and one `[DONE]` end the stream; a client that leaves
+  cancels them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from mlxlab.serve import answer, pipeline
+from mlxlab.serve.ask import Ask
+from mlxlab.serve.engine.jobs import Done, Job
+from mlxlab.serve.http import SSE_HEADERS
+from mlxlab.serve.openai import encode
+
+
+async def prepare(gateway, cfg, build: Callable[[], Ask], model, n: int) -> list[Job]:
+    """`n` jobs for one request (`pipeline.prepare` each, choice i seeded `seed + i`); if one
+    cannot be made, the leases of those made are given back."""
+    jobs: list[Job] = []
+    try:
+        for i in range(n):
+
+            def build_i(i=i):
+                ask = build()
+                seed = ask.sampling.seed
+                if seed is not None:
+                    ask.sampling = dataclasses.replace(ask.sampling, seed=seed + i)
+                return ask
+
+            jobs.append(await pipeline.prepare(gateway, cfg, build_i, model))
+    except BaseException:
+        for job in jobs:
+            job.lease.release()
+        raise
+    return jobs
+
+
+def _disconnects(receive) -> tuple[Callable, asyncio.Future]:
+    """One reader of the request's ASGI `receive` for several watchers (`answer.run`): each gets
+    `http.disconnect` once the client has left."""
+    gone = asyncio.Event()
+
+    async def reader():
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a connection that cannot be read is a client gone
+            pass
+        gone.set()
+
+    async def each():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return each, asyncio.ensure_future(reader())
+
+
+async def collect(gateway, jobs: list[Job], receive) -> list[answer.Collector]:
+    """Every job run to the end (`answer.collect`); the first failure (a full queue, a failed
+    job, the client gone) cancels the rest, and each is let finish so that its lease goes back
+    (a job cancelled before it is submitted is ended by the engine at once)."""
+    each, reader = _disconnects(receive)
+    tasks = [asyncio.ensure_future(answer.collect(gateway, job, each)) for job in jobs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if any(t.done() and t.exception() is not None for t in tasks):
+            for job in jobs:
+                job.cancelled.set()
+            await asyncio.wait(tasks)
+            raise next(t.exception() for t in tasks if t.exception() is not None)
+        return [t.result() for t in tasks]
+    except asyncio.CancelledError:  # the server is stopping
+        for job, task in zip(jobs, tasks, strict=True):
+            job.cancelled.set()
+            task.cancel()
+        raise
+    finally:
+        reader.cancel()
+
+
+def usage(dones: list[Done]) -> dict:
+    """The prompt once, every choice's completion tokens."""
+    first = dones[0]
+    completion = sum(d.completion_tokens for d in dones)
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+    }
+
+
+def merged_body(bodies: list[dict], dones: list[Done]) -> dict:
+    """One response from each choice's own body (`encode.chat_body` / `completion_body`)."""
+    out = {**bodies[0], "choices": [], "usage": usage(dones)}
+    for i, body in enumerate(bodies):
+        out["choices"].append({**body["choices"][0], "index": i})
+    return out
+
+
+async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head: dict, usage_on):
+    """One server-sent-event stream of every job's chunks, each encoder writing its choice's
+    (`index`); refusals before the stream starts are raised here (`answer.start`)."""
+    started: list[AsyncIterator] = []
+    for k, job in enumerate(jobs):
+        try:
+            started.append(await answer.start(gateway, job))
+        except BaseException:  # (the refused job's lease is back: `answer.run`)
+            for submitted in jobs[:k]:
+                submitted.cancelled.set()  # the engine ends it and gives its lease back
+            for never in jobs[k + 1 :]:
+                never.lease.release()
+            raise
+
+    async def chunks():
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def drain(i, events):
+            try:
+                async for ev in events:
+                    await queue.put((i, ev))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(drain(i, ev)) for i, ev in enumerate(started)]
+        dones: list[Done] = []
+        try:
+            for enc in encoders:
+                for chunk in enc.start():
+                    yield chunk
+            left = len(tasks)
+            while left:
+                i, ev = await queue.get()
+                if ev is None:
+                    left -= 1
+                    continue
+                if isinstance(ev, Done):
+                    dones.append(ev)
+                for chunk in answer.feed(encoders[i], ev):
+                    yield chunk
+            if usage_on and dones:
+                yield encode.sse({**head, "choices": [], "usage": usage(dones)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for job, task in zip(jobs, tasks, strict=True):
+                job.cancelled.set()  # a no-op for a finished job
+                task.cancel()
+
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
