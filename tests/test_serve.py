@@ -431,6 +431,33 @@ def test_n_choices_that_do_not_fit_the_queue_give_their_leases_back(tiny_dir):
         gateway.stop()
 
 
+def test_a_streamed_n_starts_before_its_first_choices_end(server):
+    """A re-probe found the headers held until choices 0..n-2 had ended (each choice's first
+    token awaited in turn): now all are submitted and the stream starts at once, so after its
+    first line all three choices still hold their leases. The client leaving cancels them."""
+    client, gateway = server
+    eos = sorted(gateway.loaded.eos)
+    body = chat(n=3, stream=True, max_tokens=400, logit_bias={str(t): -100 for t in eos})
+
+    def in_flight():
+        models = client.get("/stats").json()["models"]["models"]
+        return next(m for m in models if m["default"])["in_flight"]
+
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert in_flight() == 3
+    import time
+
+    deadline = time.time() + 30
+    while in_flight() and time.time() < deadline:
+        time.sleep(0.05)
+    assert in_flight() == 0
+    # n and logprobs may be null, as OpenAI's schema allows
+    r = client.post("/v1/chat/completions", json=chat(n=None, logprobs=None, max_tokens=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
 def test_cancelled_job_stops_within_a_step(server):
     _, gateway = server
     got, finished = [], threading.Event()

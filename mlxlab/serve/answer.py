@@ -1,7 +1,7 @@
 """The output side of the request path (pipeline.py): a job's events to the client.
 
 - `run` submits the job and yields its events (a queue-full or not-ready refusal is a 503; the
-  client leaving cancels the job).
+  client leaving cancels the job): `submit`, then `read`, which a caller may also call apart.
 - `pump` is the one Delta/Done/Failed dispatch (`feed`), feeding a protocol's `Encoder` (its
   stream chunks), or the `Collector` for a response that is not streamed; `encode` does the same
   without a server, for tests.
@@ -44,34 +44,14 @@ async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
     `request.is_disconnected()` when no event had come for 0.25 s, which a generation sending
     a token every few milliseconds never gave it: an abandoned answer ran to max_tokens.
     """
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
+    events = submit(gateway, job)
+    async for ev in read(job, events, receive):
+        yield ev
 
-    def sink(ev):
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, ev)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            job.cancelled.set()
 
-    job.sink = sink
-    try:
-        gateway.submit(job)
-    except (QueueFull, NotReady) as e:
-        if job.lease is not None:  # never queued: the engine will not release it
-            job.lease.release()
-        if isinstance(e, QueueFull):
-            raise APIError(
-                503,
-                f"server busy: {e}",
-                type="service_unavailable",
-                code="queue_full",
-                headers={"Retry-After": "2"},
-            ) from None
-        if isinstance(e, ShuttingDown):
-            raise failed_error(shutting_down(str(e))) from None
-        raise APIError(
-            503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
-        ) from None
+async def read(job: Job, events: asyncio.Queue, receive=None) -> AsyncIterator[Event]:
+    """The events of a submitted job (`submit`), to its Done or Failed; the job is cancelled if
+    the consumer goes away, or (with `receive`) when the client leaves."""
 
     async def watch():
         try:
@@ -101,6 +81,41 @@ async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
         job.cancelled.set()  # a no-op when the job has finished
         if watcher is not None:
             watcher.cancel()
+
+
+def submit(gateway: Gateway, job: Job) -> asyncio.Queue:
+    """Submit `job`, its events to arrive in the queue returned (`read` reads them); a full
+    queue or a server not ready is raised here, as the APIError it answers."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def sink(ev):
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            job.cancelled.set()
+
+    job.sink = sink
+    try:
+        gateway.submit(job)
+    except (QueueFull, NotReady) as e:
+        if job.lease is not None:  # never queued: the engine will not release it
+            job.lease.release()
+        if isinstance(e, QueueFull):
+            raise APIError(
+                503,
+                f"server busy: {e}",
+                type="service_unavailable",
+                code="queue_full",
+                headers={"Retry-After": "2"},
+            ) from None
+        if isinstance(e, ShuttingDown):
+            raise failed_error(shutting_down(str(e))) from None
+        raise APIError(
+            503, str(e), type="service_unavailable", code="not_ready", headers={"Retry-After": "5"}
+        ) from None
+
+    return events
 
 
 class Encoder:

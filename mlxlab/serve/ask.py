@@ -239,7 +239,10 @@ def resolve_sampling(ask: SamplingAsk, cfg: ServeConfig, loaded: Loaded) -> Samp
             vocab = loaded.tokenizer.vocab_size
             if not (k.isascii() and k.isdigit()) or len(k) > 12 or int(k) >= vocab:
                 raise APIError(
-                    400, f"logit_bias key {k!r} is not a token id of this model", param="logit_bias"
+                    400,
+                    f"logit_bias key {k[:24]!r}{'...' if len(k) > 24 else ''} is not a token id "
+                    "of this model",
+                    param="logit_bias",
                 )
             bias[int(k)] = v
     return Sampling(

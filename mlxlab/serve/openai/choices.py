@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -79,7 +79,8 @@ async def collect(gateway, jobs: list[Job], receive) -> list[answer.Collector]:
             for job in jobs:
                 job.cancelled.set()
             await asyncio.wait(tasks)
-            raise next(t.exception() for t in tasks if t.exception() is not None)
+            errors = [t.exception() for t in tasks]  # (each read: none is "never retrieved")
+            raise next(e for e in errors if e is not None)
         return [t.result() for t in tasks]
     except asyncio.CancelledError:  # the server is stopping
         for job, task in zip(jobs, tasks, strict=True):
@@ -112,12 +113,14 @@ def merged_body(bodies: list[dict], dones: list[Done]) -> dict:
 
 async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head: dict, usage_on):
     """One server-sent-event stream of every job's chunks, each encoder writing its choice's
-    (`index`); refusals before the stream starts are raised here (`answer.start`)."""
-    started: list[AsyncIterator] = []
+    (`index`). Every job is submitted before the response starts (a full queue is a 503 then),
+    but no first token is awaited: on a serial lane choice 1 starts when choice 0 ends, and the
+    headers and choice 0's tokens must not wait for that."""
+    queues: list[asyncio.Queue] = []
     for k, job in enumerate(jobs):
         try:
-            started.append(await answer.start(gateway, job))
-        except BaseException:  # (the refused job's lease is back: `answer.run`)
+            queues.append(answer.submit(gateway, job))
+        except BaseException:  # (the refused job's lease is back: `answer.submit`)
             for submitted in jobs[:k]:
                 submitted.cancelled.set()  # the engine ends it and gives its lease back
             for never in jobs[k + 1 :]:
@@ -125,16 +128,16 @@ async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head:
             raise
 
     async def chunks():
-        queue: asyncio.Queue = asyncio.Queue()
+        merged: asyncio.Queue = asyncio.Queue()
 
-        async def drain(i, events):
+        async def drain(i):
             try:
-                async for ev in events:
-                    await queue.put((i, ev))
+                async for ev in answer.read(jobs[i], queues[i]):
+                    await merged.put((i, ev))
             finally:
-                queue.put_nowait((i, None))
+                merged.put_nowait((i, None))
 
-        tasks = [asyncio.ensure_future(drain(i, ev)) for i, ev in enumerate(started)]
+        tasks = [asyncio.ensure_future(drain(i)) for i in range(len(jobs))]
         dones: list[Done] = []
         try:
             for enc in encoders:
@@ -142,7 +145,7 @@ async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head:
                     yield chunk
             left = len(tasks)
             while left:
-                i, ev = await queue.get()
+                i, ev = await merged.get()
                 if ev is None:
                     left -= 1
                     continue

@@ -207,7 +207,7 @@ class Sampled(_Base):
     stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: Int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own job (openai/choices.py)
+    n: OptInt = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own job (openai/choices.py)
     user: str | None = None
     adapter: str | None = None
 
@@ -337,7 +337,7 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
 class ChatRequest(Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: OptInt = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: OptInt = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
@@ -389,7 +389,7 @@ class ChatRequest(Sampled):
             max_tokens=self.max_completion_tokens or self.max_tokens,
             stops=self.stop_list(),
             sampling=SamplingAsk.of(self),
-            logprobs=self.logprobs,
+            logprobs=bool(self.logprobs),
             top_logprobs=self.top_logprobs or 0,
             adapter=adapter_spec(self.adapter),
             shape=choice_shape(choice, self.parallel_tool_calls, shape),
@@ -424,7 +424,7 @@ class CompletionRequest(Sampled):
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("one prompt per request (n asks for several answers to it)")
+            raise ValueError("one prompt per request (for several answers to one prompt, use n)")
         if isinstance(v, list) and not v:
             raise ValueError("prompt is empty")
         return v

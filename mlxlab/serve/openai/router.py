@@ -28,7 +28,7 @@ COMPLETION_EXAMPLE = {"prompt": "Once upon a time", "max_tokens": 8}
 async def chat(body: ChatRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
     heard = await audio.transcribe_parts(request, body)  # input_audio parts -> their transcripts
-    if body.n > 1:
+    if (body.n or 1) > 1:
         return await _chat_choices(body, request, heard)
     job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
     job.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -37,13 +37,13 @@ async def chat(body: ChatRequest, request: Request):
         stream = audio.chat_stream(head, body.include_usage(), heard)
         return await answer.stream(gateway, job, stream)
     got = await answer.collect(gateway, job, request.receive)
-    return audio.with_usage(encode.chat_body(head, got, body.logprobs), heard)
+    return audio.with_usage(encode.chat_body(head, got, bool(body.logprobs)), heard)
 
 
 @router.post("/v1/completions", responses=STREAMED, openapi_extra=_example(COMPLETION_EXAMPLE))
 async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    if body.n > 1:
+    if (body.n or 1) > 1:
         return await _completion_choices(body, request)
     job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
     job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -63,7 +63,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def _jobs(body, request, prefix: str):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    jobs = await choices.prepare(gateway, cfg, body.to_ask, body.model, body.n)
+    jobs = await choices.prepare(gateway, cfg, body.to_ask, body.model, body.n or 1)
     rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
     for job in jobs:
         job.id = rid
@@ -77,7 +77,7 @@ async def _chat_choices(body: ChatRequest, request: Request, heard):
         chunk_head = {**head, "object": "chat.completion.chunk"}
         return await choices.stream(gateway, jobs, encoders, chunk_head, body.include_usage())
     gots = await choices.collect(gateway, jobs, request.receive)
-    bodies = [encode.chat_body(head, got, body.logprobs) for got in gots]
+    bodies = [encode.chat_body(head, got, bool(body.logprobs)) for got in gots]
     return audio.with_usage(choices.merged_body(bodies, [g.finished for g in gots]), heard)
 
 
