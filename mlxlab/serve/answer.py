@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable
 
 from fastapi.responses import StreamingResponse
@@ -45,8 +46,9 @@ async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
     a token every few milliseconds never gave it: an abandoned answer ran to max_tokens.
     """
     events = submit(gateway, job)
-    async for ev in read(job, events, receive):
-        yield ev
+    async with contextlib.aclosing(read(job, events, receive)) as evs:  # (its finally: now)
+        async for ev in evs:
+            yield ev
 
 
 async def read(job: Job, events: asyncio.Queue, receive=None) -> AsyncIterator[Event]:

@@ -69,26 +69,22 @@ def _disconnects(receive) -> tuple[Callable, asyncio.Future]:
 
 async def collect(gateway, jobs: list[Job], receive) -> list[answer.Collector]:
     """Every job run to the end (`answer.collect`); the first failure (a full queue, a failed
-    job, the client gone) cancels the rest, and each is let finish so that its lease goes back
-    (a job cancelled before it is submitted is ended by the engine at once)."""
+    job, the client gone) cancels the rest at once and is raised. (By the time one has failed,
+    every task has run its first step, which submits its job or gives its lease back; a
+    cancelled task's job is ended by the engine, which gives that lease back.)"""
     each, reader = _disconnects(receive)
     tasks = [asyncio.ensure_future(answer.collect(gateway, job, each)) for job in jobs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        if any(t.done() and t.exception() is not None for t in tasks):
-            for job in jobs:
-                job.cancelled.set()
-            await asyncio.wait(tasks)
-            errors = [t.exception() for t in tasks]  # (each read: none is "never retrieved")
-            raise next(e for e in errors if e is not None)
-        return [t.result() for t in tasks]
-    except asyncio.CancelledError:  # the server is stopping
-        for job, task in zip(jobs, tasks, strict=True):
-            job.cancelled.set()
-            task.cancel()
-        raise
+        if all(t.done() and not t.cancelled() and t.exception() is None for t in tasks):
+            return [t.result() for t in tasks]
+        raise next(t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception())
     finally:
         reader.cancel()
+        for job, task in zip(jobs, tasks, strict=True):
+            job.cancelled.set()  # a no-op for a finished job
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # every error read
 
 
 def usage(dones: list[Done]) -> dict:
@@ -138,7 +134,7 @@ async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head:
                 merged.put_nowait((i, None))
 
         tasks = [asyncio.ensure_future(drain(i)) for i in range(len(jobs))]
-        dones: list[Done] = []
+        dones: dict[int, Done] = {}
         try:
             for enc in encoders:
                 for chunk in enc.start():
@@ -150,15 +146,30 @@ async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head:
                     left -= 1
                     continue
                 if isinstance(ev, Done):
-                    dones.append(ev)
+                    dones[i] = ev
                 for chunk in answer.feed(encoders[i], ev):
                     yield chunk
             if usage_on and dones:
-                yield encode.sse({**head, "choices": [], "usage": usage(dones)})
+                done = [dones[i] for i in sorted(dones)]  # (choice 0's prompt and cache first)
+                yield encode.sse({**head, "choices": [], "usage": usage(done)})
             yield "data: [DONE]\n\n"
         finally:
             for job, task in zip(jobs, tasks, strict=True):
                 job.cancelled.set()  # a no-op for a finished job
                 task.cancel()
 
-    return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
+    # Started here, up to its first chunk: if the response is never sent (the client left
+    # before it began), the started generator is closed when collected and its `finally`
+    # cancels every choice; one never started would leave them all running.
+    gen = chunks()
+    first = await gen.__anext__()
+
+    async def body():
+        try:
+            yield first
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
