@@ -197,13 +197,16 @@ def inline_refs(schema, what: str = "json schema"):
 
 
 def _has_local_ref(node) -> bool:
-    if not isinstance(node, dict):
-        return False
-    if _is_local(node.get("$ref")):
-        return True
-    found = []
-    _subschemas(node, lambda sub: found.append(_has_local_ref(sub)))
-    return any(found)
+    return bool(_local_refs(node, set()))
+
+
+def _local_refs(node, into: set) -> set:
+    """The local references in `node` and the schemas it holds, added to `into`."""
+    if isinstance(node, dict):
+        if _is_local(node.get("$ref")):
+            into.add(node["$ref"])
+        _subschemas(node, lambda sub: _local_refs(sub, into))
+    return into
 
 
 def has_finite_value(schema) -> bool:
@@ -233,15 +236,8 @@ def has_finite_value(schema) -> bool:
             return finite(items)
         return True
 
-    def local_refs(node, into: set):
-        if isinstance(node, dict):
-            if _is_local(node.get("$ref")):
-                into.add(node["$ref"])
-            _subschemas(node, lambda sub: local_refs(sub, into))
-        return into
-
     try:
-        names = local_refs(schema, set())
+        names = _local_refs(schema, set())
         changed = True
         while changed:
             changed = False

@@ -51,16 +51,22 @@ async def run(gateway: Gateway, job: Job, receive=None) -> AsyncIterator[Event]:
             yield ev
 
 
+async def client_gone(receive) -> None:
+    """Return once the client has left: the request's ASGI `receive` (its body already read)
+    says `http.disconnect`, or cannot be read."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a connection that cannot be read is a client gone
+        pass
+
+
 async def read(job: Job, events: asyncio.Queue, receive=None) -> AsyncIterator[Event]:
     """The events of a submitted job (`submit`), to its Done or Failed; the job is cancelled if
     the consumer goes away, or (with `receive`) when the client leaves."""
 
     async def watch():
-        try:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-        except Exception:  # noqa: BLE001 - a connection that cannot be read is a client gone
-            pass
+        await client_gone(receive)
         job.cancelled.set()
         events.put_nowait(_GONE)
 

@@ -53,11 +53,7 @@ def _disconnects(receive) -> tuple[Callable, asyncio.Future]:
     gone = asyncio.Event()
 
     async def reader():
-        try:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-        except Exception:  # noqa: BLE001 - a connection that cannot be read is a client gone
-            pass
+        await answer.client_gone(receive)
         gone.set()
 
     async def each():
