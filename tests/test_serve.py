@@ -336,8 +336,13 @@ def test_unknown_routes_and_methods(server):
     assert r.status_code == 405 and "error" in r.json()
     bad = client.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 2})
     assert bad.status_code == 400
-    echo = client.post("/v1/completions", json={"prompt": "x", "echo": True})
-    assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
+    echo = client.post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1})
+    assert echo.status_code == 400 and "echo with logprobs" in echo.json()["error"]["message"]
+    suffix = client.post("/v1/completions", json={"prompt": "x", "suffix": "y"})
+    assert suffix.status_code == 400 and suffix.json()["error"]["param"] == "suffix"
+    for prompt, n in (([], 1), ([[1], []], 1), (["a"] * 9, 1), (["a", "b", "c"], 3)):
+        r = client.post("/v1/completions", json={"prompt": prompt, "n": n, "max_tokens": 2})
+        assert r.status_code == 400, (prompt, n)
 
 
 def test_memory_admission(server):
@@ -558,3 +563,33 @@ def test_n_choices_seeded_one_by_one_streamed_and_not(server):
     one = client.post("/v1/completions", json={**legacy, "seed": 4}).json()
     assert [c["index"] for c in two["choices"]] == [0, 1]
     assert two["choices"][1]["text"] == one["choices"][0]["text"]
+
+
+def test_completions_prompt_list_and_echo(server):
+    """The legacy endpoint's list of prompts (texts or token-id lists; a client-SDK probe found it
+    refused): prompt p's choice i has index p * n + i, and is the answer that prompt alone gets;
+    usage counts every prompt once. `echo` answers the prompt's text before the completion's,
+    streamed as the first chunk."""
+    client, gateway = server
+    greedy = {"max_tokens": 5, "temperature": 0}
+    prompts = ["Once upon a time", "The capital of France"]
+    alone = [client.post("/v1/completions", json={**greedy, "prompt": p}).json() for p in prompts]
+    both = client.post("/v1/completions", json={**greedy, "prompt": prompts, "n": 2}).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    texts = [c["text"] for c in both["choices"]]
+    assert texts == [alone[0]["choices"][0]["text"]] * 2 + [alone[1]["choices"][0]["text"]] * 2
+    u = both["usage"]
+    assert u["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert u["completion_tokens"] == 2 * sum(a["usage"]["completion_tokens"] for a in alone)
+    ids = [gateway.loaded.tokenizer.encode(p) for p in prompts]
+    by_ids = client.post("/v1/completions", json={**greedy, "prompt": ids}).json()
+    assert [c["text"] for c in by_ids["choices"]] == [a["choices"][0]["text"] for a in alone]
+    echoed = client.post("/v1/completions", json={**greedy, "prompt": prompts[0], "echo": True})
+    assert echoed.json()["choices"][0]["text"] == prompts[0] + alone[0]["choices"][0]["text"]
+    r = client.post(
+        "/v1/completions", json={**greedy, "prompt": prompts, "echo": True, "stream": True}
+    )
+    events = [e for e in sse_events(r.text) if e["choices"]]
+    for k, p in enumerate(prompts):
+        mine = [e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == k]
+        assert mine[0] == p and "".join(mine) == p + alone[k]["choices"][0]["text"]

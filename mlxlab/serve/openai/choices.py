@@ -1,9 +1,10 @@
-"""OpenAI's `n`: several choices for one request, each its own job on the engine (rows of one
-batch when the batched lane runs), answered as one body or one stream.
+"""OpenAI's `n`, and the legacy completions' list of prompts: several choices for one request,
+each its own job on the engine (rows of one batch when the batched lane runs), answered as one
+body or one stream. Prompt `p`'s choice `i` has index `p * n + i`, as OpenAI numbers them.
 
 - Choice `i` samples with `seed + i` when the request gives a seed (so each is reproducible and
   they differ), with fresh randomness otherwise; at temperature 0 they are the same answer.
-- Usage counts the prompt once and every choice's completion tokens, as OpenAI does.
+- Usage counts each prompt once and every choice's completion tokens, as OpenAI does.
 - Not streamed: every choice is collected; one that fails fails the request (the others are
   cancelled). Streamed: the choices' chunks interleave as they come, each with its `index`;
   one usage chunk (`include_usage`) and one `[DONE]` end the stream; a client that leaves
@@ -25,21 +26,23 @@ from mlxlab.serve.http import SSE_HEADERS
 from mlxlab.serve.openai import encode
 
 
-async def prepare(gateway, cfg, build: Callable[[], Ask], model, n: int) -> list[Job]:
-    """`n` jobs for one request (`pipeline.prepare` each, choice i seeded `seed + i`); if one
-    cannot be made, the leases of those made are given back."""
+async def prepare(gateway, cfg, builds: list[Callable[[], Ask]], model, n: int) -> list[Job]:
+    """`n` jobs for each of `builds` (one per prompt; `pipeline.prepare` each, choice i seeded
+    `seed + i`), in index order; if one cannot be made, the leases of those made are given
+    back."""
     jobs: list[Job] = []
     try:
-        for i in range(n):
+        for build in builds:
+            for i in range(n):
 
-            def build_i(i=i):
-                ask = build()
-                seed = ask.sampling.seed
-                if seed is not None:
-                    ask.sampling = dataclasses.replace(ask.sampling, seed=seed + i)
-                return ask
+                def build_i(i=i, build=build):
+                    ask = build()
+                    seed = ask.sampling.seed
+                    if seed is not None:
+                        ask.sampling = dataclasses.replace(ask.sampling, seed=seed + i)
+                    return ask
 
-            jobs.append(await pipeline.prepare(gateway, cfg, build_i, model))
+                jobs.append(await pipeline.prepare(gateway, cfg, build_i, model))
     except BaseException:
         for job in jobs:
             job.lease.release()
@@ -83,27 +86,33 @@ async def collect(gateway, jobs: list[Job], receive) -> list[answer.Collector]:
         await asyncio.gather(*tasks, return_exceptions=True)  # every error read
 
 
-def usage(dones: list[Done]) -> dict:
-    """The prompt once, every choice's completion tokens."""
-    first = dones[0]
-    completion = sum(d.completion_tokens for d in dones)
+def usage(dones: dict[int, Done], n: int) -> dict:
+    """Each prompt once (its first finished choice's count: choice `index // n`'s prompt),
+    every choice's completion tokens."""
+    prompts: dict[int, Done] = {}
+    for i in sorted(dones):
+        prompts.setdefault(i // n, dones[i])
+    prompt = sum(d.prompt_tokens for d in prompts.values())
+    completion = sum(d.completion_tokens for d in dones.values())
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in prompts.values())},
     }
 
 
-def merged_body(bodies: list[dict], dones: list[Done]) -> dict:
+def merged_body(bodies: list[dict], dones: list[Done], n: int) -> dict:
     """One response from each choice's own body (`encode.chat_body` / `completion_body`)."""
-    out = {**bodies[0], "choices": [], "usage": usage(dones)}
+    out = {**bodies[0], "choices": [], "usage": usage(dict(enumerate(dones)), n)}
     for i, body in enumerate(bodies):
         out["choices"].append({**body["choices"][0], "index": i})
     return out
 
 
-async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head: dict, usage_on):
+async def stream(
+    gateway, jobs: list[Job], encoders: list[answer.Encoder], head: dict, usage_on, n: int
+):
     """One server-sent-event stream of every job's chunks, each encoder writing its choice's
     (`index`). Every job is submitted before the response starts (a full queue is a 503 then),
     but no first token is awaited: on a serial lane choice 1 starts when choice 0 ends, and the
@@ -146,8 +155,7 @@ async def stream(gateway, jobs: list[Job], encoders: list[answer.Encoder], head:
                 for chunk in answer.feed(encoders[i], ev):
                     yield chunk
             if usage_on and dones:
-                done = [dones[i] for i in sorted(dones)]  # (choice 0's prompt and cache first)
-                yield encode.sse({**head, "choices": [], "usage": usage(done)})
+                yield encode.sse({**head, "choices": [], "usage": usage(dones, n)})
             yield "data: [DONE]\n\n"
         finally:
             for job, task in zip(jobs, tasks, strict=True):

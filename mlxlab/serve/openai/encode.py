@@ -144,54 +144,40 @@ def legacy_logprobs(entries: list[dict], start: int = 0) -> dict | None:
 
 
 class CompletionStream(_Stream):
+    """`echo`: the prompt's text, sent as the first chunk (the request's `echo`)."""
+
     offset = 0  # text_offset of the next token
+
+    def __init__(self, head: dict, include_usage: bool, index: int = 0, echo: str = ""):
+        super().__init__(head, include_usage, index)
+        self.echo = echo
+
+    def start(self) -> list[str]:
+        return [self._chunk(self.echo)] if self.echo else []
+
+    def _chunk(self, text: str, logprobs=None, finish: str | None = None) -> str:
+        choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**self.head, "choices": [choice]})
 
     def delta(self, ev: Delta) -> list[str]:
         if not ev.text and not ev.logprobs:
             return []
         logprobs = legacy_logprobs(ev.logprobs, self.offset)
         self.offset += sum(len(e["token"]) for e in ev.logprobs or [])
-        return [
-            sse(
-                {
-                    **self.head,
-                    "choices": [
-                        {
-                            "index": self.index,
-                            "text": ev.text,
-                            "logprobs": logprobs,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-        ]
+        return [self._chunk(ev.text, logprobs)]
 
     def done(self, ev: Done) -> list[str]:
-        return [
-            sse(
-                {
-                    **self.head,
-                    "choices": [
-                        {
-                            "index": self.index,
-                            "text": "",
-                            "logprobs": None,
-                            "finish_reason": ev.finish_reason,
-                        }
-                    ],
-                }
-            )
-        ] + self._usage(ev)
+        return [self._chunk("", finish=ev.finish_reason)] + self._usage(ev)
 
 
-def completion_body(head: dict, got: Collector) -> dict:
+def completion_body(head: dict, got: Collector, echo: str = "") -> dict:
+    """`echo`: the prompt's text, before the completion's (the request's `echo`)."""
     return {
         **head,
         "choices": [
             {
                 "index": 0,
-                "text": got.content,
+                "text": echo + got.content,
                 "logprobs": legacy_logprobs(got.logprobs),
                 "finish_reason": got.finished.finish_reason,
             }

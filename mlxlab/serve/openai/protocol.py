@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from mlxlab.audio.decode import FORMATS
 from mlxlab.serve.ask import Ask, SamplingAsk, adapter_spec, normalize_messages
@@ -396,25 +403,31 @@ class ChatRequest(Sampled):
         )
 
 
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPT_SCHEMA = {
     "anyOf": [
         {"type": "string"},  # "" too: the model reads its BOS
-        {
-            "type": "array",
-            "items": {"type": "string"},
-            "minItems": 1,
-            "maxItems": 1,
-        },
-        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_CHOICES},
+        TOKEN_IDS,
+        {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": MAX_CHOICES},
     ],
-    "description": "A text, a list of one text, or token ids (below the vocabulary size)",
+    "description": "A text, a list of texts, token ids (below the vocabulary size) or a list of "
+    f"token-id lists; at most {MAX_CHOICES} prompts, and prompts x n at most {MAX_CHOICES}",
 }
 
 
 class CompletionRequest(Sampled):
-    prompt: Annotated[str | list[str] | list[Int], WithJsonSchema(PROMPT_SCHEMA)]
+    model_config = ConfigDict(  # (merged with _Base's)
+        json_schema_extra={  # echo with logprobs: refused below
+            "not": {
+                "required": ["echo", "logprobs"],
+                "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+            }
+        }
+    )
+    prompt: Annotated[str | list[str] | list[Int] | list[list[Int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: OptInt = Field(None, ge=0, le=20)
-    echo: bool = Field(False, json_schema_extra={"const": False, "description": "Not supported"})
+    echo: bool = Field(False, description="Answer the prompt, then the completion, as one text")
     suffix: str | None = Field(
         None, json_schema_extra={"anyOf": [{"const": ""}, {"type": "null"}]}
     )  # not supported
@@ -422,25 +435,37 @@ class CompletionRequest(Sampled):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("one prompt per request (for several answers to one prompt, use n)")
+    def _prompts(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("prompt is empty")
+        if isinstance(v, list) and isinstance(v[0], list) and not all(v):
+            raise ValueError("a token-id prompt is empty")
         return v
 
-    def to_ask(self) -> Ask:
-        if self.echo or self.suffix:
-            raise APIError(
-                400,
-                f"{'echo' if self.echo else 'suffix'} is not supported by this server",
-                param="echo" if self.echo else "suffix",
+    @model_validator(mode="after")
+    def _jobs(self):
+        if len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
+            raise ValueError(
+                f"{len(self.prompts())} prompts x n={self.n} choices: at most {MAX_CHOICES} "
+                "answers in one request"
             )
-        prompt = (
-            self.prompt[0]
-            if isinstance(self.prompt, list) and isinstance(self.prompt[0], str)
-            else self.prompt
-        )
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs (the prompt tokens' log-probabilities) is not supported"
+            )
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: a text or token ids is one, a list of either several."""
+        v = self.prompt
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            return list(v)
+        return [v]
+
+    def to_ask(self, prompt: str | list[int]) -> Ask:
+        """The Ask for one of `prompts()`."""
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server", param="suffix")
         return Ask(
             prompt=prompt,
             max_tokens=self.max_tokens,

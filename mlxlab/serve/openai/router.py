@@ -43,9 +43,10 @@ async def chat(body: ChatRequest, request: Request):
 @router.post("/v1/completions", responses=STREAMED, openapi_extra=_example(COMPLETION_EXAMPLE))
 async def completions(body: CompletionRequest, request: Request):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    if (body.n or 1) > 1:
-        return await _completion_choices(body, request)
-    job = await pipeline.prepare(gateway, cfg, body.to_ask, body.model)
+    prompts = body.prompts()
+    if len(prompts) > 1 or (body.n or 1) > 1:
+        return await _completion_choices(body, request, prompts)
+    job = await pipeline.prepare(gateway, cfg, lambda: body.to_ask(prompts[0]), body.model)
     job.id = f"cmpl-{uuid.uuid4().hex[:24]}"
     head = {
         "id": job.id,
@@ -53,17 +54,25 @@ async def completions(body: CompletionRequest, request: Request):
         "created": int(time.time()),
         "model": job.lease.asked,
     }
+    echo = _echo(body, job, prompts[0])
     if body.stream:
         return await answer.stream(
-            gateway, job, encode.CompletionStream(head, body.include_usage())
+            gateway, job, encode.CompletionStream(head, body.include_usage(), echo=echo)
         )
     got = await answer.collect(gateway, job, request.receive)
-    return encode.completion_body(head, got)
+    return encode.completion_body(head, got, echo)
 
 
-async def _jobs(body, request, prefix: str):
+def _echo(body: CompletionRequest, job, prompt) -> str:
+    """The prompt as text when the request asks for `echo` (token ids decoded), else ""."""
+    if not body.echo:
+        return ""
+    return prompt if isinstance(prompt, str) else job.lease.loaded.tokenizer.decode(prompt)
+
+
+async def _jobs(body, request, prefix: str, builds):
     gateway, cfg = request.app.state.gateway, request.app.state.cfg
-    jobs = await choices.prepare(gateway, cfg, body.to_ask, body.model, body.n or 1)
+    jobs = await choices.prepare(gateway, cfg, builds, body.model, body.n or 1)
     rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
     for job in jobs:
         job.id = rid
@@ -71,22 +80,26 @@ async def _jobs(body, request, prefix: str):
 
 
 async def _chat_choices(body: ChatRequest, request: Request, heard):
-    gateway, jobs, head = await _jobs(body, request, "chatcmpl")
+    gateway, jobs, head = await _jobs(body, request, "chatcmpl", [body.to_ask])
+    n = body.n or 1
     if body.stream:
         encoders = [encode.ChatStream(head, False, i) for i in range(len(jobs))]
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return await choices.stream(gateway, jobs, encoders, chunk_head, body.include_usage())
+        return await choices.stream(gateway, jobs, encoders, chunk_head, body.include_usage(), n)
     gots = await choices.collect(gateway, jobs, request.receive)
     bodies = [encode.chat_body(head, got, bool(body.logprobs)) for got in gots]
-    return audio.with_usage(choices.merged_body(bodies, [g.finished for g in gots]), heard)
+    return audio.with_usage(choices.merged_body(bodies, [g.finished for g in gots], n), heard)
 
 
-async def _completion_choices(body: CompletionRequest, request: Request):
-    gateway, jobs, head = await _jobs(body, request, "cmpl")
+async def _completion_choices(body: CompletionRequest, request: Request, prompts):
+    builds = [lambda p=p: body.to_ask(p) for p in prompts]
+    gateway, jobs, head = await _jobs(body, request, "cmpl", builds)
     head = {**head, "object": "text_completion"}
+    n = body.n or 1
+    echoes = [_echo(body, job, prompts[k // n]) for k, job in enumerate(jobs)]
     if body.stream:
-        encoders = [encode.CompletionStream(head, False, i) for i in range(len(jobs))]
-        return await choices.stream(gateway, jobs, encoders, head, body.include_usage())
+        encoders = [encode.CompletionStream(head, False, k, echo=e) for k, e in enumerate(echoes)]
+        return await choices.stream(gateway, jobs, encoders, head, body.include_usage(), n)
     gots = await choices.collect(gateway, jobs, request.receive)
-    bodies = [encode.completion_body(head, got) for got in gots]
-    return choices.merged_body(bodies, [g.finished for g in gots])
+    bodies = [encode.completion_body(head, got, e) for got, e in zip(gots, echoes, strict=True)]
+    return choices.merged_body(bodies, [g.finished for g in gots], n)
