@@ -164,8 +164,9 @@ def test_input_audio_is_transcribed_into_the_prompt(served):
     assert usage["prompt_tokens"] > text_only.json()["usage"]["prompt_tokens"] + 5
 
 
-def test_input_audio_streamed_counts_audio_seconds_in_the_usage_chunk(served):
-    body = _audio_chat(stream=True, stream_options={"include_usage": True})
+@pytest.mark.parametrize("n", [1, 2])
+def test_input_audio_streamed_counts_audio_seconds_in_the_usage_chunk(served, n):
+    body = _audio_chat(stream=True, stream_options={"include_usage": True}, n=n)
     r = served.post("/v1/chat/completions", json=body)
     usage = [e["usage"] for e in sse_events(r.text) if e.get("usage")]
     assert usage and usage[-1]["audio_seconds"] == pytest.approx(SECONDS, abs=0.05)

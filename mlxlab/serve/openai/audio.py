@@ -97,9 +97,14 @@ async def transcribe_parts(request: Request, body: ChatRequest) -> Heard | None:
     return heard
 
 
+def usage_extra(heard: Heard | None) -> dict:
+    """What a response's usage adds for the audio it heard: {audio_seconds}, or nothing."""
+    return {} if heard is None else {"audio_seconds": round(heard.seconds, 3)}
+
+
 def with_usage(response: dict, heard: Heard | None) -> dict:
-    if heard is not None and "usage" in response:
-        response["usage"]["audio_seconds"] = round(heard.seconds, 3)
+    if "usage" in response:
+        response["usage"].update(usage_extra(heard))
     return response
 
 
@@ -113,7 +118,7 @@ class HeardChatStream(encode.ChatStream):
     def _usage(self, ev) -> list[str]:
         if not self.include_usage:
             return []
-        usage = {**encode.usage_of(ev), "audio_seconds": round(self.heard.seconds, 3)}
+        usage = {**encode.usage_of(ev), **usage_extra(self.heard)}
         return [encode.sse({**self.head, "choices": [], "usage": usage})]
 
 

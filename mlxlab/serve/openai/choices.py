@@ -111,10 +111,16 @@ def merged_body(bodies: list[dict], dones: list[Done], n: int) -> dict:
 
 
 async def stream(
-    gateway, jobs: list[Job], encoders: list[answer.Encoder], head: dict, usage_on, n: int
+    gateway,
+    jobs: list[Job],
+    encoders: list[answer.Encoder],
+    head: dict,
+    usage_on,
+    n: int,
+    usage_extra: dict | None = None,
 ):
     """One server-sent-event stream of every job's chunks, each encoder writing its choice's
-    (`index`). Every job is submitted before the response starts (a full queue is a 503 then),
+    (`index`); the usage chunk adds `usage_extra` (chat's audio_seconds). Every job is submitted before the response starts (a full queue is a 503 then),
     but no first token is awaited: on a serial lane choice 1 starts when choice 0 ends, and the
     headers and choice 0's tokens must not wait for that."""
     queues: list[asyncio.Queue] = []
@@ -155,7 +161,9 @@ async def stream(
                 for chunk in answer.feed(encoders[i], ev):
                     yield chunk
             if usage_on and dones:
-                yield encode.sse({**head, "choices": [], "usage": usage(dones, n)})
+                yield encode.sse(
+                    {**head, "choices": [], "usage": {**usage(dones, n), **(usage_extra or {})}}
+                )
             yield "data: [DONE]\n\n"
         finally:
             for job, task in zip(jobs, tasks, strict=True):

@@ -85,7 +85,9 @@ async def _chat_choices(body: ChatRequest, request: Request, heard):
     if body.stream:
         encoders = [encode.ChatStream(head, False, i) for i in range(len(jobs))]
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return await choices.stream(gateway, jobs, encoders, chunk_head, body.include_usage(), n)
+        return await choices.stream(
+            gateway, jobs, encoders, chunk_head, body.include_usage(), n, audio.usage_extra(heard)
+        )
     gots = await choices.collect(gateway, jobs, request.receive)
     bodies = [encode.chat_body(head, got, bool(body.logprobs)) for got in gots]
     return audio.with_usage(choices.merged_body(bodies, [g.finished for g in gots], n), heard)
