@@ -582,8 +582,10 @@ def test_completions_prompt_list_and_echo(server):
     assert u["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert u["completion_tokens"] == 2 * sum(a["usage"]["completion_tokens"] for a in alone)
     ids = [gateway.loaded.tokenizer.encode(p) for p in prompts]
-    by_ids = client.post("/v1/completions", json={**greedy, "prompt": ids}).json()
-    assert [c["text"] for c in by_ids["choices"]] == [a["choices"][0]["text"] for a in alone]
+    by_ids = client.post("/v1/completions", json={**greedy, "prompt": ids, "echo": True}).json()
+    assert [c["text"] for c in by_ids["choices"]] == [
+        p + a["choices"][0]["text"] for p, a in zip(prompts, alone, strict=True)
+    ]  # (echoed without the BOS the ids start with)
     echoed = client.post("/v1/completions", json={**greedy, "prompt": prompts[0], "echo": True})
     assert echoed.json()["choices"][0]["text"] == prompts[0] + alone[0]["choices"][0]["text"]
     r = client.post(

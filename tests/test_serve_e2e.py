@@ -108,6 +108,15 @@ def test_chat_stream_and_completions(served):
         model="x", prompt="Monday, Tuesday, Wednesday,", max_tokens=4, temperature=0
     )
     assert "Thursday" in c.choices[0].text
+    # the SDK's list of prompts and echo (each prompt's choice by index, the prompt echoed first)
+    days = "Monday, Tuesday, Wednesday,"
+    many = client.completions.create(
+        model="x", prompt=[days, "January, February,"], max_tokens=4, temperature=0, echo=True
+    )
+    assert [ch.index for ch in many.choices] == [0, 1]
+    assert many.choices[0].text == days + c.choices[0].text
+    assert many.choices[1].text.startswith("January, February,")
+    assert many.usage.prompt_tokens > c.usage.prompt_tokens
 
 
 def test_stop_spanning_tokens(served):

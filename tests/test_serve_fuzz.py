@@ -88,6 +88,7 @@ CANNOT_SAY = re.compile(
             r"needs response_format=verbose_json",
             r"a forced tool call needs|no offered tool is named",
             r"cannot start inside the model's reasoning",
+            r"answers in one request",  # prompts x n
             # the content of a string
             r"arguments are not JSON",
             r"is not valid base64",

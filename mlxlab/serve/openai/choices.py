@@ -87,8 +87,9 @@ async def collect(gateway, jobs: list[Job], receive) -> list[answer.Collector]:
 
 
 def usage(dones: dict[int, Done], n: int) -> dict:
-    """Each prompt once (its first finished choice's count: choice `index // n`'s prompt),
-    every choice's completion tokens."""
+    """Each prompt once (its first finished choice's count; choice `index` answers prompt
+    `index // n`), every choice's completion tokens. A prompt none of whose choices finished
+    (a stream whose choices all failed) is not counted."""
     prompts: dict[int, Done] = {}
     for i in sorted(dones):
         prompts.setdefault(i // n, dones[i])
@@ -120,9 +121,10 @@ async def stream(
     usage_extra: dict | None = None,
 ):
     """One server-sent-event stream of every job's chunks, each encoder writing its choice's
-    (`index`); the usage chunk adds `usage_extra` (chat's audio_seconds). Every job is submitted before the response starts (a full queue is a 503 then),
-    but no first token is awaited: on a serial lane choice 1 starts when choice 0 ends, and the
-    headers and choice 0's tokens must not wait for that."""
+    (`index`); the usage chunk adds `usage_extra` (chat's audio_seconds). Every job is
+    submitted before the response starts (a full queue is a 503 then), but no first token is
+    awaited: on a serial lane choice 1 starts when choice 0 ends, and the headers and choice 0's
+    tokens must not wait for that."""
     queues: list[asyncio.Queue] = []
     for k, job in enumerate(jobs):
         try:

@@ -54,7 +54,7 @@ async def completions(body: CompletionRequest, request: Request):
         "created": int(time.time()),
         "model": job.lease.asked,
     }
-    echo = _echo(body, job, prompts[0])
+    (echo,) = await _echoes(body, [job], prompts)
     if body.stream:
         return await answer.stream(
             gateway, job, encode.CompletionStream(head, body.include_usage(), echo=echo)
@@ -63,11 +63,28 @@ async def completions(body: CompletionRequest, request: Request):
     return encode.completion_body(head, got, echo)
 
 
-def _echo(body: CompletionRequest, job, prompt) -> str:
-    """The prompt as text when the request asks for `echo` (token ids decoded), else ""."""
+async def _echoes(body: CompletionRequest, jobs: list, prompts: list) -> list[str]:
+    """Each job's echo (job k answers prompt k // n): the prompt as text when the request asks
+    for `echo` (token ids decoded once per prompt on the render thread, special tokens such as
+    BOS left out), else "". If decoding fails, the jobs' leases are given back."""
     if not body.echo:
-        return ""
-    return prompt if isinstance(prompt, str) else job.lease.loaded.tokenizer.decode(prompt)
+        return [""] * len(jobs)
+    n = len(jobs) // len(prompts)
+
+    def texts():
+        tokenizer = jobs[0].lease.loaded.tokenizer
+        return [
+            p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True)
+            for p in prompts
+        ]
+
+    try:
+        decoded = await pipeline.off_loop(texts)
+    except BaseException:
+        for job in jobs:
+            job.lease.release()
+        raise
+    return [decoded[k // n] for k in range(len(jobs))]
 
 
 async def _jobs(body, request, prefix: str, builds):
@@ -98,7 +115,7 @@ async def _completion_choices(body: CompletionRequest, request: Request, prompts
     gateway, jobs, head = await _jobs(body, request, "cmpl", builds)
     head = {**head, "object": "text_completion"}
     n = body.n or 1
-    echoes = [_echo(body, job, prompts[k // n]) for k, job in enumerate(jobs)]
+    echoes = await _echoes(body, jobs, prompts)
     if body.stream:
         encoders = [encode.CompletionStream(head, False, k, echo=e) for k, e in enumerate(echoes)]
         return await choices.stream(gateway, jobs, encoders, head, body.include_usage(), n)
