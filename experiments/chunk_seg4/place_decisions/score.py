@@ -10,10 +10,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
-import mlxlab  # noqa
+# isort: off
+import mlxlab  # noqa: F401 (before mlx.core: mlxlab loads the fast CPU BLAS)
+import mlx.core as mx
+
+# isort: on
 from mlxlab.config import DEFAULT_MODEL
 from mlxlab.lora import io as lora_io
 from mlxlab.models.zoo import load
