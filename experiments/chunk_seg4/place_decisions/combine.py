@@ -8,34 +8,13 @@ P(new), fit on validation (its weights and threshold), applied to dev.
 
 import json
 import sys
-from collections import defaultdict
 
 import numpy as np
-
-import mlxlab  # noqa: F401 (before mlx)
-from mlxlab.tasks.chunk.prompt import shown
-from mlxlab.tasks.chunk.scoring import boundary_f1, case_gold_spans, spans_of
+from places import f1s  # (this folder: the script's own)
 
 D, SCORES = sys.argv[1], sys.argv[2]
 P = json.load(open(SCORES))
 CASES = {n: json.load(open(f"{D}/{n}_cases.json")) for n in ("val", "dev")}
-
-
-def f1s(cases, rows, decide):
-    """Mean boundary F1, on the multi-topic cases, and chunks per case."""
-    by = defaultdict(list)
-    for r in rows:
-        by[r["case"]].append(r)
-    every, multi, chunks = [], [], []
-    for c in cases:
-        gold = case_gold_spans(c)
-        starts = [0] + sorted(r["place"] for r in by[c["id"]] if decide(r))
-        f = boundary_f1(gold, spans_of(starts, len(shown(c["messages"]))))
-        every.append(f)
-        chunks.append(len(starts))
-        if len(gold) >= 2:
-            multi.append(f)
-    return tuple(round(float(np.mean(x)), 3) for x in (every, multi, chunks))
 
 
 def features(rows, with_p):
@@ -68,7 +47,7 @@ for with_p in (False, True):
             r["q"] = q
     grid = [round(t, 2) for t in np.arange(0.1, 0.9, 0.05)]
     on_val = {t: f1s(CASES["val"], P["val"], lambda r, t=t: r["q"] > t) for t in grid}
-    best = max(grid, key=lambda t: on_val[t][0])
+    best = max(grid, key=lambda t: on_val[t]["f1"])
     dev = f1s(CASES["dev"], P["dev"], lambda r, t=best: r["q"] > t)
     what = "similarity and P(new)" if with_p else "similarity only"
     print(what, "weights", np.round(w, 2), "t", best, "val", on_val[best], "dev", dev)

@@ -7,7 +7,6 @@ boundary F1 per case on val and dev; the detector's rule on the same places.
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +16,11 @@ import mlxlab  # noqa: F401 (before mlx.core: mlxlab loads the fast CPU BLAS)
 import mlx.core as mx
 
 # isort: on
+from places import detector, f1s  # (this folder: the script's own)
+
 from mlxlab.config import DEFAULT_MODEL
 from mlxlab.lora import io as lora_io
 from mlxlab.models.zoo import load
-from mlxlab.tasks.chunk.prompt import shown
-from mlxlab.tasks.chunk.scoring import boundary_f1, case_gold_spans, spans_of
 from mlxlab.train.losses import hidden_states, lm_head
 
 D = Path(sys.argv[1])
@@ -65,35 +64,6 @@ def p_new(rows):
         if k % 100 == 0:
             print(f"  {k}/{len(rows)} {time.time() - t0:.0f}s", flush=True)
     return res
-
-
-def detector(r, drop=0.15, cap=0.6, floor=0.3):
-    s = r["sim"]
-    return s < floor or s < min(cap, r["median"] - drop)
-
-
-def f1s(cases, rows, decide):
-    by = defaultdict(list)
-    for r in rows:
-        by[r["case"]].append(r)
-    all_, multi, nchunks, gchunks = [], [], [], []
-    for c in cases:
-        n = len(shown(c["messages"]))
-        gold = case_gold_spans(c)
-        starts = [0] + sorted(r["place"] for r in by[c["id"]] if decide(r))
-        f = boundary_f1(gold, spans_of(starts, n))
-        all_.append(f)
-        if len(gold) >= 2:
-            multi.append(f)
-        nchunks.append(len(starts))
-        gchunks.append(len(gold))
-    return {
-        "f1": round(float(np.mean(all_)), 3),
-        "multi": round(float(np.mean(multi)), 3),
-        "chunks": round(float(np.mean(nchunks)), 2),
-        "gold": round(float(np.mean(gchunks)), 2),
-        "cases": len(cases),
-    }
 
 
 def auc(scores, gold):
